@@ -1,0 +1,47 @@
+"""Checkpoint storage over fsspec URLs: payload first, manifest last; verified reads.
+
+Imports nothing from torch. Use :func:`open_store` to get a :class:`CheckpointStore`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from storage.errors import (
+    CheckpointCorruptError,
+    CheckpointNotFoundError,
+    StorageConfigError,
+    StorageError,
+    StorageUnavailableError,
+)
+from storage.layout import Manifest
+from storage.retry import RetryPolicy, is_transient
+from storage.store import Checkpoint, CheckpointExistsError, CheckpointStore, ListedCheckpoint
+from storage.urls import redact_options, redact_url
+
+
+def open_store(
+    url: str, *, storage_options: Mapping[str, Any] | None = None, retry: RetryPolicy | None = None
+) -> CheckpointStore:
+    """Open the checkpoint store rooted at ``url`` (local path or any fsspec URL)."""
+    return CheckpointStore(url, storage_options=storage_options, retry=retry)
+
+
+__all__ = [
+    "Checkpoint",
+    "CheckpointCorruptError",
+    "CheckpointExistsError",
+    "CheckpointNotFoundError",
+    "CheckpointStore",
+    "ListedCheckpoint",
+    "Manifest",
+    "RetryPolicy",
+    "StorageConfigError",
+    "StorageError",
+    "StorageUnavailableError",
+    "is_transient",
+    "open_store",
+    "redact_options",
+    "redact_url",
+]

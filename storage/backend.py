@@ -1,0 +1,40 @@
+"""The tiny protocol a storage backend implements, and the router from URL to backend."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+from storage.urls import is_local, open_url
+
+
+class Backend(Protocol):
+    """Byte-level operations on absolute paths of one filesystem.
+
+    ``write`` must be durable when it returns. ``write_atomic`` must make the object appear whole or
+    not at all: it is used for the commit marker.
+    """
+
+    root: str
+
+    def write(self, path: str, data: bytes | memoryview) -> None: ...
+    def write_atomic(self, path: str, data: bytes) -> None: ...
+    def read(self, path: str) -> bytes: ...
+    def size(self, path: str) -> int: ...
+    def exists(self, path: str) -> bool: ...
+    def list_names(self, path: str) -> list[str]: ...
+    def delete_file(self, path: str) -> None: ...
+    def delete_tree(self, path: str) -> None: ...
+    def join(self, *parts: str) -> str: ...
+
+
+def open_backend(url: str, options: Mapping[str, Any] | None = None) -> Backend:
+    """Route ``url`` to the backend that handles it."""
+    fs, root = open_url(url, options)
+    if is_local(url):
+        from storage.local import LocalBackend
+
+        return LocalBackend(root)
+    from storage.remote import FsspecBackend
+
+    return FsspecBackend(fs, root)

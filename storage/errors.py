@@ -1,0 +1,26 @@
+"""Exception hierarchy of the checkpoint store.
+
+Every error says what happened, to which object (a URL with no secrets), and what to do.
+"""
+
+from __future__ import annotations
+
+
+class StorageError(Exception):
+    """Base class of every error raised by ``storage``."""
+
+
+class StorageConfigError(StorageError, ValueError):
+    """A URL or storage option that can never work: unknown protocol, bad value."""
+
+
+class StorageUnavailableError(StorageError, OSError):
+    """The storage could not be reached or used (after retrying transient errors)."""
+
+
+class CheckpointNotFoundError(StorageError, FileNotFoundError):
+    """No committed checkpoint matches the request."""
+
+
+class CheckpointCorruptError(StorageError):
+    """A committed checkpoint failed verification: a size or checksum mismatch, or a bad manifest."""

@@ -1,0 +1,81 @@
+"""Where a checkpoint's files live under the root URL, and the manifest schema.
+
+    <root>/step-000000001200/state.pt        payload files, written first
+    <root>/step-000000001200/manifest.json   commit marker, written last
+
+A step directory without a parseable manifest is not a checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from storage.errors import CheckpointCorruptError
+
+MANIFEST_NAME = "manifest.json"
+FORMAT_VERSION = 1
+CHECKSUM_ALGORITHM = "sha256"
+
+_STEP_DIR = re.compile(r"^step-(\d{12})$")
+
+
+def step_dir_name(step: int) -> str:
+    if step < 0:
+        raise ValueError(f"Checkpoint step must be >= 0, got {step}.")
+    return f"step-{step:012d}"
+
+
+def parse_step_dir(name: str) -> int | None:
+    """The step of a step directory's base name, or None for anything else."""
+    m = _STEP_DIR.match(name.rstrip("/").rsplit("/", 1)[-1])
+    return int(m.group(1)) if m else None
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    size: int
+    sha256: str
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """What a committed checkpoint holds. ``metadata`` is the runner's (JSON only, never pickle)."""
+
+    step: int
+    files: dict[str, FileEntry]
+    metadata: dict[str, Any] = field(default_factory=dict)
+    created_at: float = field(default_factory=time.time)
+    format_version: int = FORMAT_VERSION
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.size for f in self.files.values())
+
+    def to_json(self) -> bytes:
+        doc = asdict(self)
+        doc["checksum_algorithm"] = CHECKSUM_ALGORITHM
+        return json.dumps(doc, indent=1, sort_keys=True).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes, where: str) -> Manifest:
+        try:
+            doc = json.loads(raw)
+            if doc.get("format_version") != FORMAT_VERSION:
+                raise ValueError(f"unsupported format_version {doc.get('format_version')!r}")
+            files = {
+                name: FileEntry(size=int(e["size"]), sha256=str(e["sha256"]))
+                for name, e in doc["files"].items()
+            }
+            return cls(
+                step=int(doc["step"]),
+                files=files,
+                metadata=dict(doc.get("metadata", {})),
+                created_at=float(doc["created_at"]),
+                format_version=FORMAT_VERSION,
+            )
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise CheckpointCorruptError(f"Manifest {where} is unreadable: {e}.") from e

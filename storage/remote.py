@@ -1,0 +1,56 @@
+"""Backend for any other fsspec filesystem (s3://, memory://, gcs://, ...).
+
+Object stores have no rename; a single PUT of the small manifest is atomic, which is the commit.
+"""
+
+from __future__ import annotations
+
+import fsspec
+
+
+class FsspecBackend:
+    def __init__(self, fs: fsspec.AbstractFileSystem, root: str) -> None:
+        self.fs = fs
+        self.root = root
+
+    def join(self, *parts: str) -> str:
+        return "/".join(p.rstrip("/") for p in parts)
+
+    def write(self, path: str, data: bytes | memoryview) -> None:
+        self.fs.pipe_file(path, bytes(data) if isinstance(data, memoryview) else data)
+
+    def write_atomic(self, path: str, data: bytes) -> None:
+        self.fs.pipe_file(path, data)
+
+    def read(self, path: str) -> bytes:
+        return self.fs.cat_file(path)
+
+    def size(self, path: str) -> int:
+        self.fs.invalidate_cache(path)
+        return int(self.fs.size(path))
+
+    def exists(self, path: str) -> bool:
+        self.fs.invalidate_cache(path)
+        return self.fs.exists(path)
+
+    def list_names(self, path: str) -> list[str]:
+        # Listings are cached by some backends (s3fs); a stale one would hide a new commit.
+        self.fs.invalidate_cache(path)
+        try:
+            entries = self.fs.ls(path, detail=False)
+        except FileNotFoundError:
+            return []
+        return sorted(e.rstrip("/").rsplit("/", 1)[-1] for e in entries)
+
+    def delete_file(self, path: str) -> None:
+        try:
+            self.fs.rm_file(path)
+        except FileNotFoundError:
+            pass
+
+    def delete_tree(self, path: str) -> None:
+        try:
+            self.fs.rm(path, recursive=True)
+        except FileNotFoundError:
+            pass
+        self.fs.invalidate_cache(path)

@@ -1,0 +1,26 @@
+"""Which checkpoints to delete: keep the newest ``keep_last`` committed ones."""
+
+from __future__ import annotations
+
+
+def steps_to_delete(committed_steps: list[int], keep_last: int, newest_good: int) -> list[int]:
+    """Committed steps beyond the newest ``keep_last``; never ``newest_good``.
+
+    ``keep_last`` counts committed checkpoints, so a deletion only ever follows a newer commit.
+    """
+    if keep_last < 1:
+        raise ValueError(f"keep_last must be >= 1, got {keep_last}.")
+    ordered = sorted(committed_steps, reverse=True)
+    return sorted(s for s in ordered[keep_last:] if s != newest_good)
+
+
+def partial_steps_to_delete(step_dirs: list[int], committed_steps: list[int]) -> list[int]:
+    """Uncommitted step dirs older than the newest commit: leftovers of writers that died.
+
+    Dirs newer than the newest commit are left alone: one may be a write in progress.
+    """
+    if not committed_steps:
+        return []
+    newest = max(committed_steps)
+    committed = set(committed_steps)
+    return sorted(s for s in step_dirs if s < newest and s not in committed)

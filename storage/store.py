@@ -1,0 +1,219 @@
+"""CheckpointStore: commit, list, read-and-verify, pick the latest good one, retention.
+
+Knows nothing of torch or ranks: payloads are named byte strings, metadata is JSON.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from storage.backend import Backend, open_backend
+from storage.errors import (
+    CheckpointCorruptError,
+    CheckpointNotFoundError,
+    StorageError,
+    StorageUnavailableError,
+)
+from storage.layout import MANIFEST_NAME, FileEntry, Manifest, parse_step_dir, step_dir_name
+from storage.retention import partial_steps_to_delete, steps_to_delete
+from storage.retry import RetryPolicy
+from storage.urls import redact_url
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class CheckpointExistsError(StorageError, FileExistsError):
+    """A committed checkpoint already holds this step; committed checkpoints are never overwritten."""
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A committed checkpoint whose files were read and verified against its manifest."""
+
+    manifest: Manifest
+    files: dict[str, bytes]
+
+
+@dataclass(frozen=True)
+class ListedCheckpoint:
+    """One committed checkpoint as listed; ``error`` is set when it failed verification."""
+
+    step: int
+    manifest: Manifest | None
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+def sha256_hex(data: bytes | memoryview) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+class CheckpointStore:
+    """Checkpoints under one root URL. Thread-compatible, not thread-safe."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        storage_options: Mapping[str, Any] | None = None,
+        retry: RetryPolicy | None = None,
+    ) -> None:
+        self.url = url
+        self.safe_url = redact_url(url)
+        self._backend: Backend = open_backend(url, storage_options)
+        self._retry = retry or RetryPolicy()
+
+    # -- helpers -----------------------------------------------------------------------------
+    def _step_dir(self, step: int) -> str:
+        return self._backend.join(self._backend.root, step_dir_name(step))
+
+    def _call(self, what: str, fn: Callable[[], T]) -> T:
+        """Run one storage operation with retries; a final non-storage failure is wrapped."""
+        try:
+            return self._retry.call(what, fn)
+        except (StorageError, FileNotFoundError):
+            raise
+        except Exception as e:
+            raise StorageUnavailableError(
+                f"Storage operation '{what}' on {self.safe_url!r} failed: {type(e).__name__}: {e}. "
+                "Check that the location exists, is writable, and that credentials/endpoint are right."
+            ) from e
+
+    # -- write -------------------------------------------------------------------------------
+    def commit(
+        self, step: int, files: Mapping[str, bytes | memoryview], metadata: Mapping[str, Any]
+    ) -> Manifest:
+        """Write ``files`` for ``step``, then the manifest that commits them. Returns the manifest."""
+        step_dir = self._step_dir(step)
+        manifest_path = self._backend.join(step_dir, MANIFEST_NAME)
+        if self._call(f"check step {step}", lambda: self._backend.exists(manifest_path)):
+            raise CheckpointExistsError(
+                f"Checkpoint step {step} is already committed under {self.safe_url!r}; "
+                "committed checkpoints are never overwritten."
+            )
+        entries: dict[str, FileEntry] = {}
+        for name, data in files.items():
+            if not name or "/" in name or name == MANIFEST_NAME or name.startswith("."):
+                raise ValueError(f"Invalid payload file name {name!r}: use a plain file name.")
+            path = self._backend.join(step_dir, name)
+            self._call(f"write {step_dir_name(step)}/{name}", lambda p=path, d=data: self._backend.write(p, d))
+            entries[name] = FileEntry(size=len(data), sha256=sha256_hex(data))
+        manifest = Manifest(step=step, files=entries, metadata=dict(metadata))
+        # The commit point: before this line the checkpoint does not exist.
+        self._call(
+            f"commit {step_dir_name(step)}",
+            lambda: self._backend.write_atomic(manifest_path, manifest.to_json()),
+        )
+        return manifest
+
+    # -- read --------------------------------------------------------------------------------
+    def _step_dirs(self) -> list[int]:
+        names = self._call("list checkpoints", lambda: self._backend.list_names(self._backend.root))
+        return sorted(s for s in (parse_step_dir(n) for n in names) if s is not None)
+
+    def read_manifest(self, step: int) -> Manifest | None:
+        """The manifest of ``step``, or None when the step is not committed."""
+        path = self._backend.join(self._step_dir(step), MANIFEST_NAME)
+        try:
+            raw = self._call(f"read manifest of step {step}", lambda: self._backend.read(path))
+        except FileNotFoundError:
+            return None
+        manifest = Manifest.from_json(raw, where=f"{self.safe_url}/{step_dir_name(step)}")
+        if manifest.step != step:
+            raise CheckpointCorruptError(
+                f"Manifest in {step_dir_name(step)} under {self.safe_url!r} says step {manifest.step}."
+            )
+        return manifest
+
+    def committed_steps(self) -> list[int]:
+        """Steps that have a manifest (not verified), oldest first."""
+        out = []
+        for step in self._step_dirs():
+            path = self._backend.join(self._step_dir(step), MANIFEST_NAME)
+            if self._call(f"check step {step}", lambda p=path: self._backend.exists(p)):
+                out.append(step)
+        return out
+
+    def read(self, step: int) -> Checkpoint:
+        """Read ``step`` and verify every file's size and checksum against its manifest."""
+        manifest = self.read_manifest(step)
+        if manifest is None:
+            raise CheckpointNotFoundError(
+                f"No committed checkpoint at step {step} under {self.safe_url!r} "
+                f"(committed steps: {self.committed_steps() or 'none'})."
+            )
+        files: dict[str, bytes] = {}
+        for name, entry in manifest.files.items():
+            path = self._backend.join(self._step_dir(step), name)
+            try:
+                data = self._call(f"read {step_dir_name(step)}/{name}", lambda p=path: self._backend.read(p))
+            except FileNotFoundError as e:
+                raise CheckpointCorruptError(
+                    f"Checkpoint step {step} under {self.safe_url!r}: file {name!r} is missing."
+                ) from e
+            if len(data) != entry.size:
+                raise CheckpointCorruptError(
+                    f"Checkpoint step {step} under {self.safe_url!r}: file {name!r} has "
+                    f"{len(data)} bytes, manifest says {entry.size} (truncated or overwritten)."
+                )
+            digest = sha256_hex(data)
+            if digest != entry.sha256:
+                raise CheckpointCorruptError(
+                    f"Checkpoint step {step} under {self.safe_url!r}: file {name!r} checksum "
+                    f"{digest[:16]}... does not match manifest {entry.sha256[:16]}... (corrupted)."
+                )
+            files[name] = data
+        return Checkpoint(manifest=manifest, files=files)
+
+    def latest(self) -> Checkpoint | None:
+        """The newest committed checkpoint that verifies; corrupt ones are logged and skipped."""
+        for step in reversed(self.committed_steps()):
+            try:
+                return self.read(step)
+            except CheckpointCorruptError as e:
+                logger.error(
+                    "CORRUPT CHECKPOINT skipped, falling back to an older one: %s", e
+                )
+        return None
+
+    def list(self, *, verify: bool = True) -> list[ListedCheckpoint]:
+        """Committed checkpoints, oldest first, each verified when ``verify``."""
+        out = []
+        for step in self.committed_steps():
+            try:
+                manifest = self.read(step).manifest if verify else self.read_manifest(step)
+                out.append(ListedCheckpoint(step=step, manifest=manifest))
+            except CheckpointCorruptError as e:
+                out.append(ListedCheckpoint(step=step, manifest=None, error=str(e)))
+        return out
+
+    # -- delete ------------------------------------------------------------------------------
+    def delete(self, step: int) -> None:
+        """Un-commit ``step`` (manifest first, so no half-deleted checkpoint looks committed)."""
+        step_dir = self._step_dir(step)
+        self._call(
+            f"delete manifest of step {step}",
+            lambda: self._backend.delete_file(self._backend.join(step_dir, MANIFEST_NAME)),
+        )
+        self._call(f"delete step {step}", lambda: self._backend.delete_tree(step_dir))
+
+    def apply_retention(self, keep_last: int, newest_good: int) -> list[int]:
+        """Delete committed checkpoints beyond the newest ``keep_last`` (never ``newest_good``),
+        and partial leftovers older than the newest commit. Returns the deleted steps."""
+        all_dirs = self._step_dirs()
+        committed = self.committed_steps()
+        doomed = steps_to_delete(committed, keep_last, newest_good)
+        doomed += partial_steps_to_delete(all_dirs, committed)
+        for step in sorted(set(doomed)):
+            self.delete(step)
+        if doomed:
+            logger.info("retention: deleted checkpoint steps %s under %s", sorted(set(doomed)), self.safe_url)
+        return sorted(set(doomed))

@@ -1,0 +1,118 @@
+"""The storage contract, run against local disk, memory:// and a real S3 endpoint."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from storage import (
+    CheckpointCorruptError,
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    open_store,
+)
+from storage.layout import MANIFEST_NAME, step_dir_name
+
+
+@pytest.fixture
+def store(store_location):
+    url, options = store_location
+    return open_store(url, storage_options=options)
+
+
+def _commit(store, step, payload=None):
+    payload = payload if payload is not None else f"payload-{step}".encode() * 10
+    return store.commit(step, {"state.pt": payload, "extra.bin": b"x" * step}, {"epoch": 0, "step": step})
+
+
+def _overwrite(store, step, name, data):
+    backend = store._backend
+    backend.write(backend.join(backend.root, step_dir_name(step), name), data)
+
+
+def test_empty_store_has_no_latest(store):
+    assert store.latest() is None
+    assert store.committed_steps() == []
+
+
+def test_commit_roundtrip(store):
+    manifest = _commit(store, 5)
+    assert manifest.step == 5
+    assert manifest.files["state.pt"].size == len(b"payload-5" * 10)
+    got = store.read(5)
+    assert got.files["state.pt"] == b"payload-5" * 10
+    assert got.files["extra.bin"] == b"x" * 5
+    assert got.manifest.metadata == {"epoch": 0, "step": 5}
+    assert got.manifest.total_bytes == 95
+
+
+def test_payload_without_manifest_does_not_exist(store):
+    _commit(store, 1)
+    _overwrite(store, 2, "state.pt", b"half-written")  # a writer that died before committing
+    assert store.committed_steps() == [1]
+    assert store.latest().manifest.step == 1
+    with pytest.raises(CheckpointNotFoundError):
+        store.read(2)
+
+
+def test_latest_is_newest(store):
+    for step in (3, 10, 7):
+        _commit(store, step)
+    assert store.latest().manifest.step == 10
+    assert [c.step for c in store.list()] == [3, 7, 10]
+
+
+def test_committed_checkpoint_is_never_overwritten(store):
+    _commit(store, 4)
+    with pytest.raises(CheckpointExistsError):
+        _commit(store, 4, payload=b"other")
+    assert store.read(4).files["state.pt"] == b"payload-4" * 10
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "missing_manifest_json"])
+def test_latest_falls_back_past_corruption(store, damage, caplog):
+    _commit(store, 1)
+    _commit(store, 2)
+    good = store.read(2).files["state.pt"]
+    if damage == "flip":
+        _overwrite(store, 2, "state.pt", bytes([good[0] ^ 0xFF]) + good[1:])
+    elif damage == "truncate":
+        _overwrite(store, 2, "state.pt", good[: len(good) // 2])
+    else:
+        _overwrite(store, 2, MANIFEST_NAME, b"{not json")
+    with caplog.at_level(logging.ERROR, logger="storage.store"):
+        latest = store.latest()
+    assert latest.manifest.step == 1
+    assert "CORRUPT CHECKPOINT" in caplog.text
+    with pytest.raises(CheckpointCorruptError):
+        store.read(2)
+    listed = {c.step: c for c in store.list()}
+    assert listed[1].ok and not listed[2].ok
+
+
+def test_retention_keeps_last_k_and_cleans_partials(store):
+    for step in (1, 2, 3):
+        _commit(store, step)
+    _overwrite(store, 0, "state.pt", b"dead writer leftovers")  # partial older than newest
+    _overwrite(store, 9, "state.pt", b"in-flight write")  # partial newer: must survive
+    deleted = store.apply_retention(keep_last=2, newest_good=3)
+    assert deleted == [0, 1]
+    assert store.committed_steps() == [2, 3]
+    assert 9 in store._step_dirs()
+
+
+def test_retention_never_deletes_newest_good(store):
+    for step in (1, 2):
+        _commit(store, step)
+    # Even if the newest-by-number is not the one known good, the good one survives.
+    assert store.apply_retention(keep_last=1, newest_good=1) == []
+    assert store.committed_steps() == [1, 2]
+
+
+def test_delete_uncommits(store):
+    _commit(store, 1)
+    _commit(store, 2)
+    store.delete(2)
+    assert store.committed_steps() == [1]
+    assert store.latest().manifest.step == 1

@@ -1,0 +1,42 @@
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from storage import StorageConfigError, open_store, redact_options, redact_url
+from storage.retention import partial_steps_to_delete, steps_to_delete
+from storage.urls import open_url
+
+
+def test_relative_path_becomes_absolute(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    _, root = open_url("./checkpoints")
+    assert root == os.path.join(str(tmp_path), "checkpoints")
+
+
+def test_unknown_protocol_is_clear():
+    with pytest.raises(StorageConfigError, match="nosuchproto"):
+        open_store("nosuchproto://bucket/x")
+
+
+def test_error_does_not_leak_credentials_in_url():
+    with pytest.raises(StorageConfigError) as info:
+        open_store("nosuchproto://admin:hunter2@bucket/x")
+    assert "hunter2" not in str(info.value)
+    assert "***@bucket" in str(info.value)
+
+
+def test_redaction():
+    assert redact_url("s3://AKIA:verysecret@bucket/x") == "s3://***@bucket/x"
+    safe = redact_options({"key": "AKIA", "secret": "s", "endpoint_url": "http://h"})
+    assert safe == {"key": "***", "secret": "***", "endpoint_url": "http://h"}
+
+
+def test_retention_policy():
+    assert steps_to_delete([1, 2, 3, 4], keep_last=2, newest_good=4) == [1, 2]
+    assert steps_to_delete([1, 2, 3, 4], keep_last=1, newest_good=3) == [1, 2]
+    with pytest.raises(ValueError, match="keep_last"):
+        steps_to_delete([1], keep_last=0, newest_good=1)
+    assert partial_steps_to_delete([0, 1, 5, 9], committed_steps=[1, 5]) == [0]
+    assert partial_steps_to_delete([0, 9], committed_steps=[]) == []
