@@ -5,6 +5,8 @@ Object stores have no rename; a single PUT of the small manifest is atomic, whic
 
 from __future__ import annotations
 
+import contextlib
+
 import fsspec
 
 
@@ -43,14 +45,10 @@ class FsspecBackend:
         return sorted(e.rstrip("/").rsplit("/", 1)[-1] for e in entries)
 
     def delete_file(self, path: str) -> None:
-        try:
+        with contextlib.suppress(FileNotFoundError):
             self.fs.rm_file(path)
-        except FileNotFoundError:
-            pass
 
     def delete_tree(self, path: str) -> None:
-        try:
+        with contextlib.suppress(FileNotFoundError):
             self.fs.rm(path, recursive=True)
-        except FileNotFoundError:
-            pass
         self.fs.invalidate_cache(path)

@@ -5,8 +5,10 @@ Knows nothing of torch or ranks: payloads are named byte strings, metadata is JS
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
+import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -75,10 +77,10 @@ class CheckpointStore:
     def _step_dir(self, step: int) -> str:
         return self._backend.join(self._backend.root, step_dir_name(step))
 
-    def _call(self, what: str, fn: Callable[[], T]) -> T:
+    def _call(self, what: str, fn: Callable[[], T], retry: RetryPolicy | None = None) -> T:
         """Run one storage operation with retries; a final non-storage failure is wrapped."""
         try:
-            return self._retry.call(what, fn)
+            return (retry or self._retry).call(what, fn)
         except (StorageError, FileNotFoundError):
             raise
         except Exception as e:
@@ -94,7 +96,7 @@ class CheckpointStore:
         """Write ``files`` for ``step``, then the manifest that commits them. Returns the manifest."""
         step_dir = self._step_dir(step)
         manifest_path = self._backend.join(step_dir, MANIFEST_NAME)
-        if self._call(f"check step {step}", lambda: self._backend.exists(manifest_path)):
+        if self.is_committed(step):
             raise CheckpointExistsError(
                 f"Checkpoint step {step} is already committed under {self.safe_url!r}; "
                 "committed checkpoints are never overwritten."
@@ -104,7 +106,10 @@ class CheckpointStore:
             if not name or "/" in name or name == MANIFEST_NAME or name.startswith("."):
                 raise ValueError(f"Invalid payload file name {name!r}: use a plain file name.")
             path = self._backend.join(step_dir, name)
-            self._call(f"write {step_dir_name(step)}/{name}", lambda p=path, d=data: self._backend.write(p, d))
+            self._call(
+                f"write {step_dir_name(step)}/{name}",
+                lambda p=path, d=data: self._backend.write(p, d),
+            )
             entries[name] = FileEntry(size=len(data), sha256=sha256_hex(data))
         manifest = Manifest(step=step, files=entries, metadata=dict(metadata))
         # The commit point: before this line the checkpoint does not exist.
@@ -113,6 +118,32 @@ class CheckpointStore:
             lambda: self._backend.write_atomic(manifest_path, manifest.to_json()),
         )
         return manifest
+
+    def probe(self, deadline_s: float = 30.0) -> None:
+        """Write, read back and delete a small object under the root: fail fast on a bad location.
+
+        Uses a deadline of its own (at most the store's), so a misconfigured URL fails in seconds.
+        """
+        retry = dataclasses.replace(self._retry, deadline_s=min(deadline_s, self._retry.deadline_s))
+        path = self._backend.join(self._backend.root, f".probe-{uuid.uuid4().hex}")
+        payload = b"elastictrain storage probe"
+        try:
+            self._call("probe write", lambda: self._backend.write(path, payload), retry)
+            if self._call("probe read", lambda: self._backend.read(path), retry) != payload:
+                raise StorageUnavailableError(
+                    f"Probe object under {self.safe_url!r} read back different bytes."
+                )
+        except (FileNotFoundError, PermissionError, StorageUnavailableError) as e:
+            raise StorageUnavailableError(
+                f"Checkpoint location {self.safe_url!r} is not usable: {type(e).__name__}: {e}. "
+                "Check that it exists (bucket created), is writable, and that credentials and "
+                "--storage-option endpoint_url are right."
+            ) from e
+        finally:
+            try:
+                self._backend.delete_file(path)
+            except Exception:  # noqa: BLE001 - a leftover probe object is harmless
+                pass
 
     # -- read --------------------------------------------------------------------------------
     def _step_dirs(self) -> list[int]:
@@ -133,14 +164,14 @@ class CheckpointStore:
             )
         return manifest
 
+    def is_committed(self, step: int) -> bool:
+        """True when ``step`` has a manifest (not verified)."""
+        path = self._backend.join(self._step_dir(step), MANIFEST_NAME)
+        return self._call(f"check step {step}", lambda: self._backend.exists(path))
+
     def committed_steps(self) -> list[int]:
         """Steps that have a manifest (not verified), oldest first."""
-        out = []
-        for step in self._step_dirs():
-            path = self._backend.join(self._step_dir(step), MANIFEST_NAME)
-            if self._call(f"check step {step}", lambda p=path: self._backend.exists(p)):
-                out.append(step)
-        return out
+        return [step for step in self._step_dirs() if self.is_committed(step)]
 
     def read(self, step: int) -> Checkpoint:
         """Read ``step`` and verify every file's size and checksum against its manifest."""
@@ -154,7 +185,9 @@ class CheckpointStore:
         for name, entry in manifest.files.items():
             path = self._backend.join(self._step_dir(step), name)
             try:
-                data = self._call(f"read {step_dir_name(step)}/{name}", lambda p=path: self._backend.read(p))
+                data = self._call(
+                    f"read {step_dir_name(step)}/{name}", lambda p=path: self._backend.read(p)
+                )
             except FileNotFoundError as e:
                 raise CheckpointCorruptError(
                     f"Checkpoint step {step} under {self.safe_url!r}: file {name!r} is missing."
@@ -179,9 +212,7 @@ class CheckpointStore:
             try:
                 return self.read(step)
             except CheckpointCorruptError as e:
-                logger.error(
-                    "CORRUPT CHECKPOINT skipped, falling back to an older one: %s", e
-                )
+                logger.error("CORRUPT CHECKPOINT skipped, falling back to an older one: %s", e)
         return None
 
     def list(self, *, verify: bool = True) -> list[ListedCheckpoint]:
@@ -215,5 +246,9 @@ class CheckpointStore:
         for step in sorted(set(doomed)):
             self.delete(step)
         if doomed:
-            logger.info("retention: deleted checkpoint steps %s under %s", sorted(set(doomed)), self.safe_url)
+            logger.info(
+                "retention: deleted checkpoint steps %s under %s",
+                sorted(set(doomed)),
+                self.safe_url,
+            )
         return sorted(set(doomed))

@@ -35,7 +35,9 @@ def is_local(url: str) -> bool:
     return protocol in (None, "file", "local")
 
 
-def open_url(url: str, options: Mapping[str, Any] | None = None) -> tuple[fsspec.AbstractFileSystem, str]:
+def open_url(
+    url: str, options: Mapping[str, Any] | None = None
+) -> tuple[fsspec.AbstractFileSystem, str]:
     """Open ``url`` into ``(filesystem, root path)``.
 
     A plain path is a local path (made absolute, so a later ``chdir`` cannot move the checkpoints).

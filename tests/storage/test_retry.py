@@ -52,7 +52,9 @@ def test_not_transient(exc):
 
 def test_retries_transient_then_succeeds(caplog):
     t = FakeTime()
-    policy = RetryPolicy(deadline_s=60, initial_wait_s=1, max_wait_s=8, sleep=t.sleep, clock=t.clock)
+    policy = RetryPolicy(
+        deadline_s=60, initial_wait_s=1, max_wait_s=8, sleep=t.sleep, clock=t.clock
+    )
     calls = []
 
     def flaky():
@@ -71,7 +73,9 @@ def test_retries_transient_then_succeeds(caplog):
 
 def test_stops_at_deadline_and_reraises_original():
     t = FakeTime()
-    policy = RetryPolicy(deadline_s=10, initial_wait_s=1, max_wait_s=4, sleep=t.sleep, clock=t.clock)
+    policy = RetryPolicy(
+        deadline_s=10, initial_wait_s=1, max_wait_s=4, sleep=t.sleep, clock=t.clock
+    )
     err = ConnectionResetError("down for good")
 
     def always():

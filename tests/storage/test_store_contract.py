@@ -23,7 +23,9 @@ def store(store_location):
 
 def _commit(store, step, payload=None):
     payload = payload if payload is not None else f"payload-{step}".encode() * 10
-    return store.commit(step, {"state.pt": payload, "extra.bin": b"x" * step}, {"epoch": 0, "step": step})
+    return store.commit(
+        step, {"state.pt": payload, "extra.bin": b"x" * step}, {"epoch": 0, "step": step}
+    )
 
 
 def _overwrite(store, step, name, data):

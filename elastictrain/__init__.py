@@ -1,0 +1,7 @@
+"""elastictrain: a fault-tolerant, elastic PyTorch training runner with persistent checkpoints."""
+
+from elastictrain.inspection import load_checkpoint
+from elastictrain.task import Task
+from elastictrain.version import __version__
+
+__all__ = ["Task", "__version__", "load_checkpoint"]

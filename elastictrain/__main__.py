@@ -1,0 +1,39 @@
+"""``torchrun ... -m elastictrain [flags]`` trains; ``python -m elastictrain ls URL`` inspects."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import storage
+from elastictrain.errors import ElasticTrainError
+
+logger = logging.getLogger("elastictrain")
+
+EXIT_USER_ERROR = 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "ls":
+        from elastictrain.inspection import ls_main
+
+        try:
+            return ls_main(argv[1:])
+        except storage.StorageError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return EXIT_USER_ERROR
+    from elastictrain.config import parse_args
+    from elastictrain.runner import run
+
+    try:
+        cfg = parse_args(argv)
+        return run(cfg)
+    except (ElasticTrainError, storage.StorageError) as e:
+        # Expected failures: one clear line, no traceback to dig through.
+        logging.getLogger("elastictrain").error("%s: %s", type(e).__name__, e)
+        return EXIT_USER_ERROR
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,138 @@
+"""Run configuration: one kw_only dataclass, validated up front, and its command line."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+
+from elastictrain.errors import ConfigError
+
+DEFAULT_TASK = "elastictrain.toy:make_task"
+
+
+@dataclass(kw_only=True)
+class RunConfig:
+    task: str = DEFAULT_TASK
+    """``MODULE:CALLABLE`` returning a Task; called with the ``--task-option`` dict."""
+    task_options: dict[str, str] = field(default_factory=dict)
+    """Free-form ``KEY=VALUE`` options handed to the task factory."""
+    checkpoint_dir: str = "./checkpoints"
+    """Root URL of the checkpoints: a local path or any fsspec URL (s3://, memory://, ...)."""
+    storage_options: dict[str, str] = field(default_factory=dict)
+    """Passed to the fsspec filesystem, e.g. ``endpoint_url`` for S3. Never logged unredacted."""
+    max_steps: int = 1000
+    """Train until this many optimizer steps have completed; a final checkpoint is always taken."""
+    checkpoint_every_steps: int | None = 100
+    """Commit a checkpoint every N steps (0 or None: off)."""
+    checkpoint_every_seconds: float | None = None
+    """Also commit when this many seconds passed since the last one; rank 0's clock decides for all."""
+    keep_last: int = 3
+    """Committed checkpoints to keep; older ones are deleted only after a newer one commits."""
+    seed: int = 0
+    """Seeds model init, the data order of every epoch, and per-step randomness."""
+    init_timeout: float = 900.0
+    """Seconds for process-group creation and the startup handshake. Generous: nodes start
+    minutes apart (image pulls, slow schedulers)."""
+    collective_timeout: float = 600.0
+    """Seconds a training collective may wait for the slowest rank. Must exceed worst skew."""
+    checkpoint_timeout: float = 1800.0
+    """Seconds for the barriers around resume and checkpoint saves, where rank 0 may be slow
+    because of storage."""
+    storage_retry_deadline: float = 120.0
+    """Seconds to keep retrying transient storage errors before an operation fails."""
+    event_log: str | None = None
+    """Rank 0 appends JSON lines (start, resume, checkpoint, progress, end) to this local file."""
+    log_every_seconds: float = 10.0
+    """Seconds between rank 0's progress lines and progress events."""
+
+    def __post_init__(self) -> None:
+        def positive(name: str, allow_none: bool = False) -> None:
+            value = getattr(self, name)
+            if value is None and allow_none:
+                return
+            if value is None or value <= 0:
+                raise ConfigError(f"--{name.replace('_', '-')} must be > 0, got {value!r}.")
+
+        if ":" not in self.task:
+            raise ConfigError(
+                f"--task must be MODULE:CALLABLE, e.g. {DEFAULT_TASK}; got {self.task!r}."
+            )
+        if self.checkpoint_every_steps == 0:
+            self.checkpoint_every_steps = None
+        for name in (
+            "max_steps",
+            "keep_last",
+            "init_timeout",
+            "collective_timeout",
+            "checkpoint_timeout",
+            "storage_retry_deadline",
+            "log_every_seconds",
+        ):
+            positive(name)
+        positive("checkpoint_every_steps", allow_none=True)
+        positive("checkpoint_every_seconds", allow_none=True)
+        if not self.checkpoint_dir:
+            raise ConfigError(
+                "--checkpoint-dir must not be empty; e.g. ./checkpoints or s3://bucket/run."
+            )
+
+
+def _key_value(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    return key.strip(), value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    defaults = RunConfig()
+    p = argparse.ArgumentParser(
+        prog="torchrun ... -m elastictrain",
+        description="Fault-tolerant elastic training. Subcommands: 'ls URL' lists checkpoints.",
+    )
+
+    def add(name: str, **kw) -> None:
+        kw.setdefault("default", getattr(defaults, name))
+        kw.setdefault("help", f"(default: {kw['default']})")
+        p.add_argument(f"--{name.replace('_', '-')}", dest=name, **kw)
+
+    add("task", help=f"MODULE:CALLABLE returning a Task (default: {DEFAULT_TASK})")
+    p.add_argument(
+        "--task-option",
+        dest="task_options",
+        action="append",
+        type=_key_value,
+        default=[],
+        metavar="KEY=VALUE",
+        help="option for the task factory (repeatable)",
+    )
+    add("checkpoint_dir", metavar="URL")
+    p.add_argument(
+        "--storage-option",
+        dest="storage_options",
+        action="append",
+        type=_key_value,
+        default=[],
+        metavar="KEY=VALUE",
+        help="fsspec option, e.g. endpoint_url=... (repeatable)",
+    )
+    add("max_steps", type=int)
+    add("checkpoint_every_steps", type=int, help="(default: 100; 0 disables)")
+    add("checkpoint_every_seconds", type=float, help="(default: off)")
+    add("keep_last", type=int)
+    add("seed", type=int)
+    add("init_timeout", type=float, metavar="SECONDS")
+    add("collective_timeout", type=float, metavar="SECONDS")
+    add("checkpoint_timeout", type=float, metavar="SECONDS")
+    add("storage_retry_deadline", type=float, metavar="SECONDS")
+    add("event_log", metavar="PATH", help="JSONL event log appended by rank 0 (default: none)")
+    add("log_every_seconds", type=float, metavar="SECONDS")
+    return p
+
+
+def parse_args(argv: list[str]) -> RunConfig:
+    ns = build_parser().parse_args(argv)
+    values = vars(ns)
+    values["task_options"] = dict(values["task_options"])
+    values["storage_options"] = dict(values["storage_options"])
+    return RunConfig(**values)

@@ -1,0 +1,197 @@
+"""Process-group setup that survives torchrun restarts, and the few collectives the runner uses.
+
+Why a handshake: torchrun shares its rendezvous TCPStore with the workers and keeps it alive across
+restarts, but ``init_process_group(init_method="env://")`` then uses that store *without* a
+per-attempt prefix (torch/distributed/rendezvous.py: "We create a new TCPStore for every retry so
+no need to add prefix", which is false for the shared store). A restarted worker can read the dead
+workers' gloo addresses and fail with "connectFullMesh ... Connection refused" or hang in init.
+
+Fix: rank 0 of each attempt publishes a fresh nonce; every other rank proves it joined *this*
+attempt (rank 0 must welcome the rank's own fresh nonce), and the process group is then built on
+``PrefixStore("elastictrain/<nonce>/", store)``, where no key of an earlier attempt can exist.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from elastictrain.env import DistEnv
+from elastictrain.errors import InitTimeoutError
+
+logger = logging.getLogger(__name__)
+
+ATTEMPT_KEY = "elastictrain/attempt"
+_POLL_S = 0.25  # how long a rank trusts an advertisement before re-reading it
+EXIT_INIT_TIMEOUT = 3
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """One start of the worker group, agreed by every rank."""
+
+    nonce: str
+    generation: int
+    """Rank 0's start time in ns: increases across attempts; stored in every checkpoint."""
+
+
+def pick_device(env: DistEnv) -> torch.device:
+    if torch.cuda.is_available():
+        torch.cuda.set_device(env.local_rank)
+        return torch.device("cuda", env.local_rank)
+    return torch.device("cpu")
+
+
+def _base_store(env: DistEnv, timeout: float) -> dist.Store:
+    if env.use_agent_store:
+        return dist.TCPStore(
+            env.master_addr, env.master_port, None, False, timedelta(seconds=timeout)
+        )
+    # Not under a sharing torchrun agent: rank 0 hosts the store, like init_method="env://".
+    port = env.master_port
+    if env.world_size == 1 and port == 0:
+        return dist.HashStore()
+    return dist.TCPStore(
+        env.master_addr,
+        port,
+        env.world_size,
+        env.rank == 0,
+        timedelta(seconds=timeout),
+        multi_tenant=True,
+    )
+
+
+def handshake(store: dist.Store, env: DistEnv, timeout: float) -> Attempt:
+    """Agree on a fresh attempt nonce; never trusts a value left by an earlier attempt."""
+    deadline = time.monotonic() + timeout
+    if env.rank == 0:
+        generation = time.time_ns()
+        nonce = f"{generation}-{uuid.uuid4().hex[:12]}-{env.world_size}"
+        store.set(ATTEMPT_KEY, nonce)
+        joins = [f"{nonce}/join/{r}" for r in range(1, env.world_size)]
+        if joins:
+            store.wait(joins, timedelta(seconds=timeout))
+            for key in joins:
+                store.set(f"{nonce}/welcome/{store.get(key).decode()}", b"1")
+        return Attempt(nonce=nonce, generation=generation)
+
+    mine = uuid.uuid4().hex
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise InitTimeoutError(
+                f"rank {env.rank}: rank 0 of this attempt did not answer within --init-timeout "
+                f"({timeout:.0f}s). Raise --init-timeout if nodes start far apart."
+            )
+        store.set_timeout(timedelta(seconds=remaining))
+        nonce = store.get(ATTEMPT_KEY).decode()
+        store.set(f"{nonce}/join/{env.rank}", mine)
+        try:
+            store.wait([f"{nonce}/welcome/{mine}"], timedelta(seconds=min(_POLL_S, remaining)))
+        except Exception:  # noqa: BLE001 - a wait timeout: the advertisement may be stale; re-read it
+            continue
+        if not nonce.endswith(f"-{env.world_size}"):
+            raise InitTimeoutError(f"rank {env.rank}: attempt {nonce!r} has another world size.")
+        return Attempt(nonce=nonce, generation=int(nonce.split("-", 1)[0]))
+
+
+class _InitWatchdog:
+    """Hard bound on init: whatever gloo/nccl do internally, exit non-zero after the timeout."""
+
+    def __init__(self, timeout: float, rank: int) -> None:
+        self._timer = threading.Timer(timeout, self._fire, args=(timeout, rank))
+        self._timer.daemon = True
+
+    @staticmethod
+    def _fire(timeout: float, rank: int) -> None:
+        logger.error(
+            "process-group init did not finish within --init-timeout=%.0fs on rank %d; exiting so "
+            "torchrun can restart the group",
+            timeout,
+            rank,
+        )
+        logging.shutdown()
+        os._exit(EXIT_INIT_TIMEOUT)
+
+    def __enter__(self) -> _InitWatchdog:
+        self._timer.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._timer.cancel()
+
+
+@dataclass
+class ProcessGroups:
+    attempt: Attempt
+    control: dist.ProcessGroup
+    """gloo group with --checkpoint-timeout for resume/save gates (CPU tensors even on GPU jobs)."""
+
+
+def init_process_groups(
+    env: DistEnv,
+    device: torch.device,
+    *,
+    init_timeout: float,
+    collective_timeout: float,
+    checkpoint_timeout: float,
+) -> ProcessGroups:
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    with _InitWatchdog(init_timeout, env.rank):
+        base = _base_store(env, init_timeout)
+        attempt = handshake(base, env, init_timeout)
+        store = dist.PrefixStore(f"elastictrain/{attempt.nonce}/", base)
+        kwargs = {"device_id": device} if device.type == "cuda" else {}
+        dist.init_process_group(
+            backend,
+            store=store,
+            rank=env.rank,
+            world_size=env.world_size,
+            timeout=timedelta(seconds=collective_timeout),
+            **kwargs,
+        )
+        control = dist.new_group(backend="gloo", timeout=timedelta(seconds=checkpoint_timeout))
+        dist.barrier(group=control)
+    return ProcessGroups(attempt=attempt, control=control)
+
+
+def broadcast_bytes(data: bytes | None, group: dist.ProcessGroup) -> bytes:
+    """Rank 0's ``data`` on every rank (empty bytes for None): storage is read once per job."""
+    length = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64)
+    dist.broadcast(length, src=0, group=group)
+    n = int(length.item())
+    if n == 0:
+        return b""
+    if dist.get_rank() == 0:
+        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    else:
+        buf = torch.empty(n, dtype=torch.uint8)
+    dist.broadcast(buf, src=0, group=group)
+    return data if dist.get_rank() == 0 else buf.numpy().tobytes()
+
+
+def broadcast_object(obj, group: dist.ProcessGroup):
+    """A small JSON-able object from rank 0 (uses pickle over our own process group only)."""
+    box = [obj]
+    dist.broadcast_object_list(box, src=0, group=group)
+    return box[0]
+
+
+def any_rank_flags(flags: list[bool], device: torch.device) -> list[bool]:
+    """Element-wise OR of per-rank flags over the default group: a decision every rank shares."""
+    t = torch.tensor([1 if f else 0 for f in flags], dtype=torch.int32, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return [bool(v) for v in t.tolist()]
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

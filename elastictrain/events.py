@@ -1,0 +1,86 @@
+"""Logging with a ``[rank r | step s]`` prefix, and rank 0's JSONL event log."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+class _Context:
+    rank: int | str = "-"
+    step: int | str = "-"
+
+
+CONTEXT = _Context()
+
+
+class _PrefixFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.rank = CONTEXT.rank
+        record.step = CONTEXT.step
+        return True
+
+
+def setup_logging(rank: int, level: str | None = None) -> None:
+    """Idempotent; ELASTICTRAIN_LOG_LEVEL overrides the level."""
+    CONTEXT.rank = rank
+    root = logging.getLogger()
+    for h in list(root.handlers):
+        if getattr(h, "_elastictrain", False):
+            root.removeHandler(h)
+    handler = logging.StreamHandler(sys.stderr)
+    handler._elastictrain = True  # type: ignore[attr-defined]
+    handler.addFilter(_PrefixFilter())
+    handler.setFormatter(
+        logging.Formatter(
+            "%(asctime)s %(levelname)s [rank %(rank)s | step %(step)s] %(message)s", "%H:%M:%S"
+        )
+    )
+    root.addHandler(handler)
+    root.setLevel(level or os.environ.get("ELASTICTRAIN_LOG_LEVEL", "INFO"))
+
+
+class EventLog:
+    """Appends one JSON object per line; opened in append mode so restarts extend the same story.
+
+    Each write is a single ``write`` of one line on an O_APPEND file, flushed at once, so a kill
+    can lose at most the line being written and never interleaves two lines.
+    """
+
+    def __init__(self, path: str | None, *, enabled: bool) -> None:
+        self.path = path if enabled else None
+        if self.path:
+            os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+
+    def emit(self, event: str, **fields: Any) -> None:
+        if not self.path:
+            return
+        record = {"event": event, "time": time.time(), **fields}
+        line = json.dumps(record, sort_keys=True, default=str) + "\n"
+        try:
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                os.write(fd, line.encode())
+            finally:
+                os.close(fd)
+        except OSError as e:
+            # An unwritable event log must not kill training; say so once per failure.
+            logger.warning("could not append to event log %s: %s", self.path, e)
+
+
+def read_events(path: str) -> list[dict[str, Any]]:
+    """Parse an event log, skipping a torn last line left by a kill."""
+    out = []
+    with open(path) as f:
+        for line in f:
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return out

@@ -1,0 +1,63 @@
+"""One optimizer step at a time: sampling, per-step seeding, forward/backward/step. No I/O."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from elastictrain.data import GlobalBatchSampler, step_seed
+from elastictrain.task import Task
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(to_device(b, device) for b in batch)
+    if isinstance(batch, dict):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    return batch
+
+
+class Trainer:
+    def __init__(
+        self,
+        *,
+        task: Task,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: Any,
+        sampler: GlobalBatchSampler,
+        device: torch.device,
+        rank: int,
+        world_size: int,
+        seed: int,
+    ) -> None:
+        self.task = task
+        self.model = model
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.sampler = sampler
+        self.device = device
+        self.rank = rank
+        self.world_size = world_size
+        self.seed = seed
+
+    def step(self, step: int) -> torch.Tensor:
+        """Train global step ``step`` (0-based); returns this rank's weighted loss (not synced)."""
+        share = self.sampler.share(step, self.rank, self.world_size)
+        # Randomness inside a step depends only on (seed, step, rank): nothing to checkpoint.
+        torch.manual_seed(step_seed(self.seed, step, self.rank))
+        batch = self.task.collate_fn([self.task.dataset[i] for i in share.indices.tolist()])
+        batch = to_device(batch, self.device)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = self.task.loss_fn(self.model, batch)
+        # DDP averages gradients over ranks; the weight turns that into the global-batch mean.
+        weighted = loss * share.weight if share.weight != 1.0 else loss
+        weighted.backward()
+        self.optimizer.step()
+        if self.scheduler is not None:
+            self.scheduler.step()
+        return loss.detach()

@@ -1,0 +1,106 @@
+"""Capture and restore training state: model, optimizer, LR scheduler, data position.
+
+Serialized with ``torch.save`` and loaded with ``weights_only=True``: loading never runs pickled
+code. ``map_location`` remaps whatever device the tensors were saved from to this rank's device.
+"""
+
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from elastictrain.errors import CheckpointMismatchError
+
+STATE_FILE = "state.pt"
+STATE_VERSION = 1
+
+
+@dataclass(frozen=True)
+class DataFingerprint:
+    """What must match for a saved data position to mean the same thing."""
+
+    batch_size: int
+    dataset_size: int
+    seed: int
+
+    def as_dict(self) -> dict[str, int]:
+        return {"batch_size": self.batch_size, "dataset_size": self.dataset_size, "seed": self.seed}
+
+
+def capture(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    *,
+    step: int,
+    fingerprint: DataFingerprint,
+) -> dict[str, Any]:
+    """References to the live state (serialize before the next optimizer step)."""
+    return {
+        "version": STATE_VERSION,
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "scheduler": scheduler.state_dict() if scheduler is not None else None,
+        "progress": {"step": step},
+        "data": fingerprint.as_dict(),
+    }
+
+
+def to_bytes(state: dict[str, Any]) -> bytes:
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    return buf.getvalue()
+
+
+def from_bytes(data: bytes, map_location: Any = "cpu") -> dict[str, Any]:
+    return torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
+
+
+def check_compatible(
+    model: nn.Module, state: dict[str, Any], fingerprint: DataFingerprint, where: str
+) -> None:
+    """Raise CheckpointMismatchError naming the first offending keys before anything is loaded."""
+    saved = state.get("model")
+    if not isinstance(saved, dict):
+        raise CheckpointMismatchError(
+            f"Checkpoint {where} has no model state; it was not written by elastictrain."
+        )
+    current = model.state_dict()
+    missing = sorted(set(current) - set(saved))
+    unexpected = sorted(set(saved) - set(current))
+    shapes = [
+        f"{k}: checkpoint {tuple(saved[k].shape)} vs model {tuple(current[k].shape)}"
+        for k in sorted(set(saved) & set(current))
+        if tuple(saved[k].shape) != tuple(current[k].shape)
+    ]
+    problems = []
+    if missing:
+        problems.append(f"missing keys {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    if unexpected:
+        problems.append(f"unexpected keys {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}")
+    if shapes:
+        problems.append(f"shape mismatch {shapes[:5]}{' ...' if len(shapes) > 5 else ''}")
+    saved_data = state.get("data", {})
+    for name, value in fingerprint.as_dict().items():
+        if name in saved_data and saved_data[name] != value:
+            problems.append(f"{name} was {saved_data[name]} when saved, is {value} now")
+    if problems:
+        raise CheckpointMismatchError(
+            f"Checkpoint {where} does not fit this run: {'; '.join(problems)}. Nothing was loaded or "
+            "deleted. Use the same model and task options, or point --checkpoint-dir at a new location."
+        )
+
+
+def restore(
+    model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, state: dict[str, Any]
+) -> int:
+    """Load ``state`` in place; returns the number of completed steps it holds."""
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    if scheduler is not None and state.get("scheduler") is not None:
+        scheduler.load_state_dict(state["scheduler"])
+    return int(state["progress"]["step"])

@@ -1,0 +1,78 @@
+"""The built-in toy task: the DDP tutorial's ToyModel on a deterministic synthetic dataset.
+
+Options (``--task-option KEY=VALUE``): hidden (10), layers (1 hidden layer), dataset_size (4096),
+batch_size (64, global), lr (0.01), momentum (0.9), step_time (0 s of simulated compute per step).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from elastictrain.errors import ConfigError
+from elastictrain.task import Task, option
+
+KNOWN_OPTIONS = {"hidden", "layers", "dataset_size", "batch_size", "lr", "momentum", "step_time"}
+
+
+class ToyModel(nn.Module):
+    """Linear(10, hidden) -> ReLU -> [Linear(hidden, hidden) -> ReLU]* -> Linear(hidden, 5)."""
+
+    def __init__(self, hidden: int = 10, layers: int = 1) -> None:
+        super().__init__()
+        self.net1 = nn.Linear(10, hidden)
+        self.relu = nn.ReLU()
+        self.extra = nn.ModuleList(nn.Linear(hidden, hidden) for _ in range(layers - 1))
+        self.net2 = nn.Linear(hidden, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.relu(self.net1(x))
+        for layer in self.extra:
+            x = self.relu(layer(x))
+        return self.net2(x)
+
+
+def synthetic_dataset(size: int, seed: int = 1234) -> TensorDataset:
+    """Inputs and targets of a fixed random linear map plus noise: learnable, identical everywhere."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(size, 10, generator=g)
+    w = torch.randn(10, 5, generator=g)
+    y = x @ w + 0.1 * torch.randn(size, 5, generator=g)
+    return TensorDataset(x, y)
+
+
+def make_task(options: Mapping[str, str]) -> Task:
+    unknown = set(options) - KNOWN_OPTIONS
+    if unknown:
+        raise ConfigError(
+            f"Unknown toy --task-option {sorted(unknown)}; known: {sorted(KNOWN_OPTIONS)}."
+        )
+    hidden = option(options, "hidden", 10)
+    layers = option(options, "layers", 1)
+    if hidden < 1 or layers < 1:
+        raise ConfigError(
+            f"Toy task needs hidden >= 1 and layers >= 1, got hidden={hidden}, layers={layers}."
+        )
+    step_time = option(options, "step_time", 0.0, float)
+    lr = option(options, "lr", 0.01, float)
+    momentum = option(options, "momentum", 0.9, float)
+    mse = nn.MSELoss()
+
+    def loss_fn(model: nn.Module, batch) -> torch.Tensor:
+        x, y = batch
+        if step_time > 0:
+            time.sleep(step_time)  # simulated compute, so tests can kill mid-run
+        return mse(model(x), y)
+
+    return Task(
+        model=ToyModel(hidden, layers),
+        dataset=synthetic_dataset(option(options, "dataset_size", 4096)),
+        batch_size=option(options, "batch_size", 64),
+        make_optimizer=lambda params: torch.optim.SGD(params, lr=lr, momentum=momentum),
+        make_scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=200, gamma=0.5),
+        loss_fn=loss_fn,
+    )
