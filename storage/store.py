@@ -5,6 +5,7 @@ Knows nothing of torch or ranks: payloads are named byte strings, metadata is JS
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import logging
@@ -140,10 +141,9 @@ class CheckpointStore:
                 "--storage-option endpoint_url are right."
             ) from e
         finally:
-            try:
+            # A leftover probe object is harmless; a failed cleanup must not mask the real error.
+            with contextlib.suppress(Exception):
                 self._backend.delete_file(path)
-            except Exception:  # noqa: BLE001 - a leftover probe object is harmless
-                pass
 
     # -- read --------------------------------------------------------------------------------
     def _step_dirs(self) -> list[int]:
