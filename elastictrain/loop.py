@@ -45,13 +45,34 @@ class Trainer:
         self.world_size = world_size
         self.seed = seed
 
+    def prime_buckets(self, step: int) -> None:
+        """Run one discarded forward/backward so DDP rebuilds its gradient buckets now.
+
+        DDP reorders its buckets after the first backward of each process lifetime. With more than
+        two ranks the position of a gradient in the bucket decides the order gloo sums it in, so a
+        resumed attempt would reduce its first step in another order than an uninterrupted run and
+        lose bitwise equality. Priming at every start makes every real step use the rebuilt layout.
+        Eval mode keeps BatchNorm statistics untouched; the gradients are thrown away.
+        """
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            batch, _ = self._batch(step)
+            self.task.loss_fn(self.model, batch).backward()
+        finally:
+            self.optimizer.zero_grad(set_to_none=True)
+            self.model.train(was_training)
+
+    def _batch(self, step: int):
+        share = self.sampler.share(step, self.rank, self.world_size)
+        batch = self.task.collate_fn([self.task.dataset[i] for i in share.indices.tolist()])
+        return to_device(batch, self.device), share
+
     def step(self, step: int) -> torch.Tensor:
         """Train global step ``step`` (0-based); returns this rank's weighted loss (not synced)."""
-        share = self.sampler.share(step, self.rank, self.world_size)
         # Randomness inside a step depends only on (seed, step, rank): nothing to checkpoint.
         torch.manual_seed(step_seed(self.seed, step, self.rank))
-        batch = self.task.collate_fn([self.task.dataset[i] for i in share.indices.tolist()])
-        batch = to_device(batch, self.device)
+        batch, share = self._batch(step)
         self.optimizer.zero_grad(set_to_none=True)
         loss = self.task.loss_fn(self.model, batch)
         # DDP averages gradients over ranks; the weight turns that into the global-batch mean.

@@ -137,6 +137,8 @@ def _train(cfg, env, task, sampler, fingerprint, device, groups, events) -> int:
         world_size=env.world_size,
         seed=cfg.seed,
     )
+    if resumed.step < cfg.max_steps:
+        trainer.prime_buckets(resumed.step)
     schedule = CheckpointSchedule(cfg.checkpoint_every_steps, cfg.checkpoint_every_seconds)
     progress = Progress(
         start_step=resumed.step,

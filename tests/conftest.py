@@ -80,3 +80,36 @@ def store_location(request, tmp_path):
 
 def python() -> str:
     return sys.executable
+
+
+@pytest.fixture
+def launch(tmp_path):
+    """Start torchrun jobs that are always killed (agent + descendants) at teardown."""
+    from tests.integration.launcher import Job
+
+    jobs: list[Job] = []
+
+    def start(
+        app_args: list[str],
+        *,
+        nproc: int = 2,
+        max_restarts: int = 3,
+        torchrun_args=None,
+        env=None,
+        name: str = "job",
+    ) -> Job:
+        targs = torchrun_args or [
+            "--standalone",
+            f"--nproc_per_node={nproc}",
+            f"--max-restarts={max_restarts}",
+        ]
+        job = Job(
+            targs, app_args, str(tmp_path / f"{name}-{len(jobs)}.log"), cwd=str(tmp_path), env=env
+        )
+        jobs.append(job)
+        return job
+
+    yield start
+    for job in jobs:
+        if job.proc.poll() is None:
+            job.kill()

@@ -1,0 +1,199 @@
+"""Launch real torchrun jobs and break them the way a cluster would.
+
+Only processes we started are ever signalled: the agent's pid and its descendants, found by
+walking /proc (torchrun starts workers in their own sessions, so a process group is not enough).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from elastictrain.events import read_events
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _children_map() -> dict[int, list[int]]:
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(ppid, []).append(int(entry))
+    return children
+
+
+def descendants(pid: int) -> list[int]:
+    children = _children_map()
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def _environ(pid: int) -> dict[str, str]:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            raw = f.read()
+    except OSError:
+        return {}
+    pairs = (item.split(b"=", 1) for item in raw.split(b"\0") if b"=" in item)
+    return {k.decode(errors="replace"): v.decode(errors="replace") for k, v in pairs}
+
+
+def test_env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        OMP_NUM_THREADS="1",
+        PYTHONUNBUFFERED="1",
+        PYTHONPATH=os.pathsep.join(filter(None, [REPO_ROOT, env.get("PYTHONPATH")])),
+    )
+    env.update(extra)
+    return env
+
+
+class Job:
+    """One ``torchrun`` agent (a simulated node) and everything it spawns."""
+
+    def __init__(
+        self,
+        torchrun_args: list[str],
+        app_args: list[str],
+        log_path: str,
+        cwd: str,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        self.log_path = log_path
+        self._log = open(log_path, "ab")  # noqa: SIM115 - closed in kill()/wait()
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            *torchrun_args,
+            "-m",
+            "elastictrain",
+            *app_args,
+        ]
+        self.proc = subprocess.Popen(
+            cmd,
+            cwd=cwd,
+            env=env or test_env(),
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+    def workers(self) -> dict[int, int]:
+        """Live worker pids by global rank."""
+        out = {}
+        for pid in descendants(self.proc.pid):
+            env = _environ(pid)
+            if "RANK" in env and "TORCHELASTIC_RUN_ID" in env:
+                out[int(env["RANK"])] = pid
+        return out
+
+    def kill_worker(self, rank: int, sig: int = signal.SIGKILL, timeout: float = 30) -> int:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            pid = self.workers().get(rank)
+            if pid is not None:
+                os.kill(pid, sig)
+                return pid
+            time.sleep(0.05)
+        raise AssertionError(
+            f"no worker with rank {rank} appeared within {timeout}s; log:\n{self.log()}"
+        )
+
+    def wait(self, timeout: float) -> int:
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError(
+                f"torchrun did not finish within {timeout}s; log tail:\n{self.log()[-4000:]}"
+            ) from None
+        finally:
+            self._log.close()
+
+    def kill(self) -> None:
+        """SIGKILL the agent and all of its descendants (a node failure)."""
+        for _ in range(3):  # a dying agent may be spawning; sweep until nothing is left
+            pids = [self.proc.pid, *descendants(self.proc.pid)] if self.proc.poll() is None else []
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            if not pids:
+                break
+            time.sleep(0.1)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+        self._log.close()
+
+    def log(self) -> str:
+        with open(self.log_path, errors="replace") as f:
+            return f.read()
+
+
+def wait_for_event(
+    path: str, predicate: Callable[[dict[str, Any]], bool], timeout: float, job: Job | None = None
+) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if os.path.exists(path):
+            for event in read_events(path):
+                if predicate(event):
+                    return event
+        if job is not None and job.proc.poll() is not None:
+            raise AssertionError(
+                f"job exited with {job.proc.returncode} before the event; log:\n{job.log()[-4000:]}"
+            )
+        time.sleep(0.05)
+    raise AssertionError(f"event not seen within {timeout}s in {path}")
+
+
+def final_state(url: str, **kw: Any) -> dict[str, Any]:
+    from elastictrain import load_checkpoint
+
+    return load_checkpoint(url, **kw)
+
+
+def assert_bitwise_equal(a: dict[str, Any], b: dict[str, Any]) -> None:
+    """Model, optimizer and scheduler state identical bit for bit."""
+    assert a["progress"] == b["progress"]
+    assert a["model"].keys() == b["model"].keys()
+    for k in a["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), f"model[{k}] differs"
+    _assert_tree_equal(a["optimizer"], b["optimizer"], "optimizer")
+    assert a["scheduler"] == b["scheduler"]
+
+
+def _assert_tree_equal(a: Any, b: Any, where: str) -> None:
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and torch.equal(a, b), f"{where} differs"
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), f"{where} keys differ"
+        for k in a:
+            _assert_tree_equal(a[k], b[k], f"{where}[{k}]")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), f"{where} lengths differ"
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            _assert_tree_equal(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"

@@ -1,0 +1,66 @@
+"""SIGKILL workers of a real torchrun job; the resumed run must end bit-for-bit equal."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+
+from elastictrain.events import read_events
+from tests.integration.launcher import assert_bitwise_equal, final_state, wait_for_event
+
+
+def toy_args(
+    ckpt: str,
+    events: str,
+    *,
+    max_steps: int = 300,
+    every: int = 40,
+    step_time: float = 0.01,
+    extra: tuple[str, ...] = (),
+) -> list[str]:
+    return [
+        "--checkpoint-dir",
+        ckpt,
+        "--event-log",
+        events,
+        "--max-steps",
+        str(max_steps),
+        "--checkpoint-every-steps",
+        str(every),
+        "--log-every-seconds",
+        "1",
+        "--task-option",
+        f"step_time={step_time}",
+        *extra,
+    ]
+
+
+@pytest.mark.parametrize("nproc", [2, 3])
+def test_sigkill_workers_resume_bitwise(launch, tmp_path, nproc):
+    ref_dir, ref_ev = str(tmp_path / "ref"), str(tmp_path / "ref.jsonl")
+    ref = launch(toy_args(ref_dir, ref_ev), nproc=nproc, name="ref")
+    assert ref.wait(180) == 0, ref.log()[-3000:]
+
+    run_dir, ev = str(tmp_path / "run"), str(tmp_path / "run.jsonl")
+    job = launch(toy_args(run_dir, ev), nproc=nproc, max_restarts=3, name="killed")
+    rng = random.Random(1000 + nproc)
+    # Kill 1: right after the first checkpoint commits.
+    wait_for_event(ev, lambda e: e["event"] == "checkpoint", 90, job)
+    job.kill_worker(rng.randrange(nproc))
+    # Kill 2: at a random moment after the restarted group resumed from a checkpoint.
+    wait_for_event(ev, lambda e: e["event"] == "resume" and not e["fresh"], 90, job)
+    time.sleep(rng.uniform(0.1, 1.0))
+    job.kill_worker(rng.randrange(nproc))
+    assert job.wait(180) == 0, job.log()[-3000:]
+
+    events = read_events(ev)
+    starts = [e for e in events if e["event"] == "start"]
+    resumes = [e for e in events if e["event"] == "resume"]
+    assert [e["restart_count"] for e in starts] == [0, 1, 2]
+    assert resumes[0]["fresh"] and not resumes[1]["fresh"] and not resumes[2]["fresh"]
+    assert 40 <= resumes[1]["step"] <= resumes[2]["step"] < 300
+    assert resumes[1]["step"] % 40 == 0 and resumes[2]["step"] % 40 == 0
+    assert events[-1]["event"] == "end" and events[-1]["step"] == 300
+    assert_bitwise_equal(final_state(run_dir), final_state(ref_dir))
