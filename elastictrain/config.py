@@ -106,7 +106,11 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="KEY=VALUE",
         help="option for the task factory (repeatable)",
     )
-    add("checkpoint_dir", metavar="URL")
+    add(
+        "checkpoint_dir",
+        metavar="URL",
+        help="local path or fsspec URL (s3://, memory://, ...) (default: ./checkpoints)",
+    )
     p.add_argument(
         "--storage-option",
         dest="storage_options",
@@ -116,17 +120,56 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="KEY=VALUE",
         help="fsspec option, e.g. endpoint_url=... (repeatable)",
     )
-    add("max_steps", type=int)
-    add("checkpoint_every_steps", type=int, help="(default: 100; 0 disables)")
-    add("checkpoint_every_seconds", type=float, help="(default: off)")
-    add("keep_last", type=int)
-    add("seed", type=int)
-    add("init_timeout", type=float, metavar="SECONDS")
-    add("collective_timeout", type=float, metavar="SECONDS")
-    add("checkpoint_timeout", type=float, metavar="SECONDS")
-    add("storage_retry_deadline", type=float, metavar="SECONDS")
+    add(
+        "max_steps",
+        type=int,
+        help="optimizer steps to train; a final checkpoint is always taken (default: 1000)",
+    )
+    add(
+        "checkpoint_every_steps",
+        type=int,
+        metavar="N",
+        help="checkpoint every N steps; 0 disables (default: 100)",
+    )
+    add(
+        "checkpoint_every_seconds",
+        type=float,
+        metavar="T",
+        help="also checkpoint T seconds after the last one; rank 0's clock decides (default: off)",
+    )
+    add("keep_last", type=int, metavar="K", help="committed checkpoints to keep (default: 3)")
+    add("seed", type=int, help="seeds init, data order and per-step randomness (default: 0)")
+    add(
+        "init_timeout",
+        type=float,
+        metavar="SECONDS",
+        help="process-group creation and startup handshake; ranks may start minutes apart (default: 900)",
+    )
+    add(
+        "collective_timeout",
+        type=float,
+        metavar="SECONDS",
+        help="a training collective's wait for the slowest rank (default: 600)",
+    )
+    add(
+        "checkpoint_timeout",
+        type=float,
+        metavar="SECONDS",
+        help="barriers around resume and saves, where rank 0 waits on storage (default: 1800)",
+    )
+    add(
+        "storage_retry_deadline",
+        type=float,
+        metavar="SECONDS",
+        help="keep retrying transient storage errors this long (default: 120)",
+    )
     add("event_log", metavar="PATH", help="JSONL event log appended by rank 0 (default: none)")
-    add("log_every_seconds", type=float, metavar="SECONDS")
+    add(
+        "log_every_seconds",
+        type=float,
+        metavar="SECONDS",
+        help="progress line interval (default: 10)",
+    )
     return p
 
 

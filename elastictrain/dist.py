@@ -30,7 +30,7 @@ from elastictrain.errors import InitTimeoutError
 logger = logging.getLogger(__name__)
 
 ATTEMPT_KEY = "elastictrain/attempt"
-_POLL_S = 0.25  # how long a rank trusts an advertisement before re-reading it
+_POLL_S = 0.02  # handshake poll interval: cheap TCPStore round trips
 EXIT_INIT_TIMEOUT = 3
 
 
@@ -78,29 +78,39 @@ def handshake(store: dist.Store, env: DistEnv, timeout: float) -> Attempt:
         store.set(ATTEMPT_KEY, nonce)
         joins = [f"{nonce}/join/{r}" for r in range(1, env.world_size)]
         if joins:
-            store.wait(joins, timedelta(seconds=timeout))
+            try:
+                store.wait(joins, timedelta(seconds=timeout))
+            except dist.DistStoreError as e:
+                missing = [k.rsplit("/", 1)[1] for k in joins if not store.check([k])]
+                raise InitTimeoutError(
+                    f"rank 0: ranks {missing} did not join within --init-timeout ({timeout:.0f}s). "
+                    "Raise --init-timeout if nodes start far apart."
+                ) from e
             for key in joins:
                 store.set(f"{nonce}/welcome/{store.get(key).decode()}", b"1")
         return Attempt(nonce=nonce, generation=generation)
 
     mine = uuid.uuid4().hex
+    joined = None
     while True:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
+        if time.monotonic() >= deadline:
             raise InitTimeoutError(
                 f"rank {env.rank}: rank 0 of this attempt did not answer within --init-timeout "
                 f"({timeout:.0f}s). Raise --init-timeout if nodes start far apart."
             )
-        store.set_timeout(timedelta(seconds=remaining))
-        nonce = store.get(ATTEMPT_KEY).decode()
-        store.set(f"{nonce}/join/{env.rank}", mine)
-        try:
-            store.wait([f"{nonce}/welcome/{mine}"], timedelta(seconds=min(_POLL_S, remaining)))
-        except Exception:  # noqa: BLE001 - a wait timeout: the advertisement may be stale; re-read it
-            continue
-        if not nonce.endswith(f"-{env.world_size}"):
-            raise InitTimeoutError(f"rank {env.rank}: attempt {nonce!r} has another world size.")
-        return Attempt(nonce=nonce, generation=int(nonce.split("-", 1)[0]))
+        # check() never blocks, so a stale advertisement costs one poll, not a store timeout.
+        if store.check([ATTEMPT_KEY]):
+            nonce = store.get(ATTEMPT_KEY).decode()
+            if nonce != joined:
+                store.set(f"{nonce}/join/{env.rank}", mine)
+                joined = nonce
+            if store.check([f"{nonce}/welcome/{mine}"]):
+                if not nonce.endswith(f"-{env.world_size}"):
+                    raise InitTimeoutError(
+                        f"rank {env.rank}: attempt {nonce!r} has another world size."
+                    )
+                return Attempt(nonce=nonce, generation=int(nonce.split("-", 1)[0]))
+        time.sleep(_POLL_S)
 
 
 class _InitWatchdog:
@@ -145,11 +155,28 @@ def init_process_groups(
     checkpoint_timeout: float,
 ) -> ProcessGroups:
     backend = "nccl" if device.type == "cuda" else "gloo"
+    kwargs = {"device_id": device} if device.type == "cuda" else {}
+    if os.environ.get("ELASTICTRAIN_DIAGNOSTIC_ENV_INIT") == "1":
+        # Diagnostic only: torch's plain env:// init, to measure the restart hazard it has.
+        logger.warning(
+            "ELASTICTRAIN_DIAGNOSTIC_ENV_INIT=1: using plain env:// init (restart-unsafe)"
+        )
+        dist.init_process_group(
+            backend,
+            init_method="env://",
+            rank=env.rank,
+            world_size=env.world_size,
+            timeout=timedelta(seconds=init_timeout),
+            **kwargs,
+        )
+        control = dist.new_group(backend="gloo", timeout=timedelta(seconds=checkpoint_timeout))
+        return ProcessGroups(
+            attempt=Attempt(nonce="env", generation=time.time_ns()), control=control
+        )
     with _InitWatchdog(init_timeout, env.rank):
         base = _base_store(env, init_timeout)
         attempt = handshake(base, env, init_timeout)
         store = dist.PrefixStore(f"elastictrain/{attempt.nonce}/", base)
-        kwargs = {"device_id": device} if device.type == "cuda" else {}
         dist.init_process_group(
             backend,
             store=store,

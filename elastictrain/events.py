@@ -57,6 +57,19 @@ class EventLog:
         self.path = path if enabled else None
         if self.path:
             os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+            self._terminate_torn_line()
+
+    def _terminate_torn_line(self) -> None:
+        """A kill mid-write leaves a line without its newline; end it so the next one survives."""
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(-1, os.SEEK_END)
+                torn = f.read(1) != b"\n"
+        except OSError:  # missing or empty file
+            return
+        if torn:
+            with open(self.path, "ab") as f:
+                f.write(b"\n")
 
     def emit(self, event: str, **fields: Any) -> None:
         if not self.path:

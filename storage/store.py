@@ -120,7 +120,7 @@ class CheckpointStore:
         )
         return manifest
 
-    def probe(self, deadline_s: float = 30.0) -> None:
+    def probe(self, deadline_s: float = 10.0) -> None:
         """Write, read back and delete a small object under the root: fail fast on a bad location.
 
         Uses a deadline of its own (at most the store's), so a misconfigured URL fails in seconds.

@@ -57,7 +57,7 @@ def _environ(pid: int) -> dict[str, str]:
     return {k.decode(errors="replace"): v.decode(errors="replace") for k, v in pairs}
 
 
-def test_env(**extra: str) -> dict[str, str]:
+def job_env(**extra: str) -> dict[str, str]:
     env = dict(os.environ)
     env.update(
         OMP_NUM_THREADS="1",
@@ -93,7 +93,7 @@ class Job:
         self.proc = subprocess.Popen(
             cmd,
             cwd=cwd,
-            env=env or test_env(),
+            env=env or job_env(),
             stdout=self._log,
             stderr=subprocess.STDOUT,
             start_new_session=True,

@@ -64,3 +64,43 @@ def test_sigkill_workers_resume_bitwise(launch, tmp_path, nproc):
     assert resumes[1]["step"] % 40 == 0 and resumes[2]["step"] % 40 == 0
     assert events[-1]["event"] == "end" and events[-1]["step"] == 300
     assert_bitwise_equal(final_state(run_dir), final_state(ref_dir))
+
+
+def test_time_based_checkpoints_agree_across_ranks(launch, tmp_path):
+    """Rank 0's clock decides for everyone: a disagreement would deadlock the save barrier."""
+    ev = str(tmp_path / "ev.jsonl")
+    job = launch(
+        toy_args(
+            str(tmp_path / "c"),
+            ev,
+            max_steps=250,
+            every=0,
+            step_time=0.01,
+            extra=("--checkpoint-every-seconds", "0.5"),
+        )
+    )
+    assert job.wait(120) == 0, job.log()[-3000:]
+    reasons = [e["reason"] for e in read_events(ev) if e["event"] == "checkpoint"]
+    assert reasons.count("time") >= 2 and reasons[-1] == "final"
+
+
+def test_user_task_example_trains_and_resumes(launch, tmp_path):
+    args = [
+        "--task",
+        "examples.regression_task:make_task",
+        "--checkpoint-dir",
+        str(tmp_path / "c"),
+        "--event-log",
+        str(tmp_path / "ev.jsonl"),
+        "--max-steps",
+        "60",
+        "--checkpoint-every-steps",
+        "20",
+    ]
+    assert launch([*args, "--max-steps", "40"], name="first").wait(120) == 0
+    job = launch(args, name="second")
+    assert job.wait(120) == 0, job.log()[-3000:]
+    resumes = [e for e in read_events(str(tmp_path / "ev.jsonl")) if e["event"] == "resume"]
+    assert [e["step"] for e in resumes] == [0, 40]
+    progress = [e for e in read_events(str(tmp_path / "ev.jsonl")) if e["event"] == "progress"]
+    assert progress[-1]["step"] == 60 and progress[-1]["loss"] < progress[0]["loss"]

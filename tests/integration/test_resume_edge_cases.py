@@ -1,0 +1,200 @@
+"""Resume from foreign-device checkpoints, fall back past corruption, and fail clearly on bad input."""
+
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import storage
+from elastictrain.events import read_events
+from tests.integration.launcher import REPO_ROOT, assert_bitwise_equal, final_state, job_env
+from tests.integration.test_kill_resume import toy_args
+
+
+def run_single(args: list[str], cwd: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """``python -m elastictrain`` without torchrun: one process, world size 1."""
+    return subprocess.run(
+        [sys.executable, "-m", "elastictrain", *args],
+        cwd=cwd,
+        env=job_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def _save_with_location(state: dict, location: str) -> bytes:
+    """torch.save whose storages claim to live on ``location`` (e.g. cuda:1), as a GPU job writes."""
+    original = torch.serialization.location_tag
+    torch.serialization.location_tag = lambda storage: location
+    try:
+        buf = io.BytesIO()
+        torch.save(state, buf)
+        return buf.getvalue()
+    finally:
+        torch.serialization.location_tag = original
+
+
+def test_resume_cuda_saved_checkpoint_on_cpu_only_node(launch, tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("exercises the CPU-only direction")
+    ref_dir, half_dir, gpu_dir = (str(tmp_path / n) for n in ("ref", "half", "gpu"))
+    ref = launch(
+        toy_args(ref_dir, str(tmp_path / "ref.jsonl"), max_steps=120, every=60, step_time=0),
+        name="ref",
+    )
+    assert ref.wait(120) == 0
+    half = launch(
+        toy_args(half_dir, str(tmp_path / "half.jsonl"), max_steps=60, every=60, step_time=0),
+        name="half",
+    )
+    assert half.wait(120) == 0
+
+    # Rewrite the step-60 checkpoint as if rank 0 had saved it from cuda:1.
+    ckpt = storage.open_store(half_dir).read(60)
+    state = torch.load(io.BytesIO(ckpt.files["state.pt"]), weights_only=True)
+    blob = _save_with_location(state, "cuda:1")
+    with pytest.raises(RuntimeError, match="CUDA"):  # proof the tags are real: no remap, no load
+        torch.load(io.BytesIO(blob), weights_only=True)
+    storage.open_store(gpu_dir).commit(60, {"state.pt": blob}, ckpt.manifest.metadata)
+
+    ev = str(tmp_path / "gpu.jsonl")
+    job = launch(toy_args(gpu_dir, ev, max_steps=120, every=60, step_time=0), name="gpu")
+    assert job.wait(120) == 0, job.log()[-3000:]
+    assert [e["step"] for e in read_events(ev) if e["event"] == "resume"] == [60]
+    assert_bitwise_equal(final_state(gpu_dir), final_state(ref_dir))
+
+
+def test_corrupted_latest_falls_back_to_previous(launch, tmp_path):
+    ref_dir, run_dir = str(tmp_path / "ref"), str(tmp_path / "run")
+    ref = launch(
+        toy_args(ref_dir, str(tmp_path / "ref.jsonl"), max_steps=150, every=50, step_time=0),
+        name="ref",
+    )
+    assert ref.wait(120) == 0
+    first = launch(
+        toy_args(run_dir, str(tmp_path / "a.jsonl"), max_steps=100, every=50, step_time=0), name="a"
+    )
+    assert first.wait(120) == 0
+    path = os.path.join(run_dir, "step-000000000100", "state.pt")
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x01]))  # one flipped bit
+
+    ev = str(tmp_path / "b.jsonl")
+    job = launch(toy_args(run_dir, ev, max_steps=150, every=50, step_time=0), name="b")
+    assert job.wait(120) == 0, job.log()[-3000:]
+    assert "CORRUPT CHECKPOINT" in job.log() and "checkpoint step 100" in job.log()
+    assert [e["step"] for e in read_events(ev) if e["event"] == "resume"] == [50]
+    # Step 100 was re-trained and re-committed over the corrupt one; everything now verifies.
+    listed = storage.open_store(run_dir).list()
+    assert [c.step for c in listed] == [50, 100, 150] and all(c.ok for c in listed)
+    assert_bitwise_equal(final_state(run_dir), final_state(ref_dir))
+
+
+def test_bad_task_fails_fast_and_clearly(tmp_path):
+    result = run_single(
+        ["--task", "no_such_pkg.tasks:build", "--checkpoint-dir", str(tmp_path / "c")],
+        str(tmp_path),
+    )
+    assert result.returncode == 2
+    assert "cannot import module 'no_such_pkg.tasks'" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_unreachable_checkpoint_url_fails_fast_and_clearly(tmp_path, s3_endpoint):
+    from tests.conftest import free_port
+
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens here
+    args = [
+        "--checkpoint-dir",
+        "s3://no-such-bucket/run",
+        "--storage-option",
+        f"endpoint_url={dead}",
+        "--storage-option",
+        "key=AKIAEXAMPLE",
+        "--storage-option",
+        "secret=hunter2",
+        "--max-steps",
+        "5",
+    ]
+    result = run_single(args, str(tmp_path), timeout=120)
+    assert result.returncode == 2
+    assert "Checkpoint location 's3://no-such-bucket/run' is not usable" in result.stderr
+    assert "hunter2" not in result.stderr
+    # A reachable endpoint with a missing bucket is a different, equally clear error.
+    args[3] = f"endpoint_url={s3_endpoint}"
+    result = run_single(args, str(tmp_path), timeout=120)
+    assert (
+        result.returncode == 2
+        and "is not usable" in result.stderr
+        and "hunter2" not in result.stderr
+    )
+
+
+def test_unknown_protocol_fails_clearly(tmp_path):
+    result = run_single(["--checkpoint-dir", "nosuch://x/y"], str(tmp_path))
+    assert result.returncode == 2 and "protocol 'nosuch' is not available" in result.stderr
+
+
+def test_mismatched_checkpoint_fails_clearly_and_deletes_nothing(tmp_path):
+    ckpt = str(tmp_path / "c")
+    ok = run_single(
+        ["--checkpoint-dir", ckpt, "--max-steps", "20", "--checkpoint-every-steps", "10"],
+        str(tmp_path),
+    )
+    assert ok.returncode == 0, ok.stderr[-3000:]
+    before = {p: open(os.path.join(ckpt, p, "state.pt"), "rb").read() for p in os.listdir(ckpt)}
+    bad = run_single(
+        ["--checkpoint-dir", ckpt, "--max-steps", "40", "--task-option", "hidden=12"], str(tmp_path)
+    )
+    assert bad.returncode == 2
+    assert "CheckpointMismatchError" in bad.stderr
+    assert "net1.weight: checkpoint (10, 10) vs model (12, 10)" in bad.stderr
+    after = {p: open(os.path.join(ckpt, p, "state.pt"), "rb").read() for p in os.listdir(ckpt)}
+    assert after == before and sorted(before) == ["step-000000000010", "step-000000000020"]
+
+
+def test_full_run_on_s3_and_ls(tmp_path, s3_bucket):
+    bucket_url, options = s3_bucket
+    url = f"{bucket_url}/run"
+    opts = [a for k, v in options.items() for a in ("--storage-option", f"{k}={v}")]
+    result = run_single(
+        [
+            "--checkpoint-dir",
+            url,
+            *opts,
+            "--max-steps",
+            "30",
+            "--checkpoint-every-steps",
+            "10",
+            "--keep-last",
+            "2",
+        ],
+        str(tmp_path),
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    ls = subprocess.run(
+        [sys.executable, "-m", "elastictrain", "ls", url, "--json", *opts],
+        cwd=REPO_ROOT,
+        env=job_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    import json
+
+    doc = json.loads(ls.stdout)
+    assert [c["step"] for c in doc["checkpoints"]] == [20, 30]
+    assert all(
+        c["verified"] and c["world_size"] == 1 and c["bytes"] > 0 for c in doc["checkpoints"]
+    )
+    state = final_state(url, storage_options=options)
+    assert state["progress"]["step"] == 30 and "net1.weight" in state["model"]

@@ -1,0 +1,124 @@
+from __future__ import annotations
+
+import pytest
+
+from elastictrain.config import parse_args
+from elastictrain.env import read_env
+from elastictrain.errors import ConfigError, TaskLoadError
+from elastictrain.task import build_task
+
+
+def test_defaults():
+    cfg = parse_args([])
+    assert cfg.checkpoint_dir == "./checkpoints"
+    assert cfg.task == "elastictrain.toy:make_task"
+    assert cfg.checkpoint_every_steps == 100 and cfg.keep_last == 3
+
+
+def test_flags_parse():
+    cfg = parse_args(
+        [
+            "--checkpoint-dir",
+            "s3://b/run",
+            "--storage-option",
+            "endpoint_url=http://x:1",
+            "--task-option",
+            "hidden=32",
+            "--task-option",
+            "step_time=0.1",
+            "--max-steps",
+            "7",
+            "--checkpoint-every-steps",
+            "0",
+            "--checkpoint-every-seconds",
+            "30",
+            "--keep-last",
+            "2",
+            "--seed",
+            "5",
+            "--init-timeout",
+            "60",
+            "--collective-timeout",
+            "45",
+            "--event-log",
+            "e.jsonl",
+        ]
+    )
+    assert cfg.storage_options == {"endpoint_url": "http://x:1"}
+    assert cfg.task_options == {"hidden": "32", "step_time": "0.1"}
+    assert cfg.checkpoint_every_steps is None and cfg.checkpoint_every_seconds == 30
+    assert (cfg.max_steps, cfg.keep_last, cfg.seed, cfg.init_timeout, cfg.collective_timeout) == (
+        7,
+        2,
+        5,
+        60,
+        45,
+    )
+
+
+@pytest.mark.parametrize(
+    "argv,match",
+    [
+        (["--max-steps", "0"], "--max-steps must be > 0, got 0"),
+        (["--keep-last", "0"], "--keep-last must be > 0"),
+        (["--init-timeout", "-1"], "--init-timeout"),
+        (["--task", "nocolon"], "MODULE:CALLABLE"),
+    ],
+)
+def test_bad_values_name_the_flag(argv, match):
+    with pytest.raises(ConfigError, match=match):
+        parse_args(argv)
+
+
+def test_bad_key_value_is_rejected(capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--storage-option", "no_equals_sign"])
+    assert "KEY=VALUE" in capsys.readouterr().err
+
+
+def test_env_outside_torchrun_is_single_process():
+    env = read_env({})
+    assert (env.rank, env.world_size, env.launched_by_torchrun) == (0, 1, False)
+
+
+def test_env_under_torchrun():
+    env = read_env(
+        {
+            "RANK": "3",
+            "WORLD_SIZE": "4",
+            "LOCAL_RANK": "1",
+            "MASTER_ADDR": "h",
+            "MASTER_PORT": "29500",
+            "TORCHELASTIC_RESTART_COUNT": "2",
+            "TORCHELASTIC_USE_AGENT_STORE": "True",
+        }
+    )
+    assert (env.rank, env.local_rank, env.restart_count, env.use_agent_store) == (3, 1, 2, True)
+    with pytest.raises(ConfigError, match="RANK=4 is outside WORLD_SIZE=4"):
+        read_env({"RANK": "4", "WORLD_SIZE": "4"})
+    with pytest.raises(ConfigError, match="MASTER_PORT='x'"):
+        read_env({"RANK": "0", "WORLD_SIZE": "1", "MASTER_PORT": "x"})
+
+
+def test_task_loading_errors():
+    with pytest.raises(TaskLoadError, match="cannot import module 'no_such_module_xyz'"):
+        build_task("no_such_module_xyz:make", {})
+    with pytest.raises(TaskLoadError, match="has no callable 'nope'"):
+        build_task("elastictrain.toy:nope", {})
+    with pytest.raises(TaskLoadError, match="expected elastictrain.Task"):
+        build_task("builtins:dict", {})
+
+
+def test_toy_options():
+    task = build_task(
+        "elastictrain.toy:make_task",
+        {"hidden": "16", "layers": "3", "dataset_size": "100", "batch_size": "10"},
+    )
+    assert task.model.net1.out_features == 16 and len(task.model.extra) == 2
+    assert len(task.dataset) == 100 and task.batch_size == 10
+    with pytest.raises(ConfigError, match="hidden='abc' is not a valid int"):
+        build_task("elastictrain.toy:make_task", {"hidden": "abc"})
+    with pytest.raises(ConfigError, match="Unknown toy --task-option"):
+        build_task("elastictrain.toy:make_task", {"hiden": "3"})
+    with pytest.raises(ConfigError, match="fewer than one global batch"):
+        build_task("elastictrain.toy:make_task", {"dataset_size": "5", "batch_size": "10"})
