@@ -18,6 +18,7 @@ import os
 import threading
 import time
 import uuid
+import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -190,26 +191,25 @@ def init_process_groups(
     return ProcessGroups(attempt=attempt, control=control)
 
 
-def broadcast_bytes(data: bytes | None, group: dist.ProcessGroup) -> bytes:
-    """Rank 0's ``data`` on every rank (empty bytes for None): storage is read once per job."""
+def broadcast_bytes(data: bytes | None, group: dist.ProcessGroup) -> bytes | bytearray:
+    """Rank 0's ``data`` on every rank (empty for None): storage is read once per job, not per rank.
+
+    No copies beyond the receive buffer, and no numpy (torch does not depend on it).
+    """
     length = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64)
     dist.broadcast(length, src=0, group=group)
     n = int(length.item())
     if n == 0:
         return b""
     if dist.get_rank() == 0:
-        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    else:
-        buf = torch.empty(n, dtype=torch.uint8)
-    dist.broadcast(buf, src=0, group=group)
-    return data if dist.get_rank() == 0 else buf.numpy().tobytes()
-
-
-def broadcast_object(obj, group: dist.ProcessGroup):
-    """A small JSON-able object from rank 0 (uses pickle over our own process group only)."""
-    box = [obj]
-    dist.broadcast_object_list(box, src=0, group=group)
-    return box[0]
+        with warnings.catch_warnings():
+            # The source buffer is only read by broadcast; torch warns because bytes are immutable.
+            warnings.filterwarnings("ignore", message="The given buffer is not writable")
+            dist.broadcast(torch.frombuffer(data, dtype=torch.uint8), src=0, group=group)
+        return data
+    out = bytearray(n)
+    dist.broadcast(torch.frombuffer(out, dtype=torch.uint8), src=0, group=group)
+    return out
 
 
 def any_rank_flags(flags: list[bool], device: torch.device) -> list[bool]:

@@ -176,20 +176,24 @@ def _train(cfg, env, task, sampler, fingerprint, device, groups, events) -> int:
         if done < cfg.max_steps and (schedule.due_by_steps(done) or by_time):
             save(done, "time" if by_time else "steps")
         progress.maybe_report(done, loss)
-    save(cfg.max_steps, "final")
+    if resumed.step > cfg.max_steps:
+        # Never label step-k state as an earlier step: there is nothing to train or save.
+        logger.warning(
+            "checkpoint is at step %d, past --max-steps %d; nothing to do",
+            resumed.step,
+            cfg.max_steps,
+        )
+    else:
+        save(cfg.max_steps, "final")
     if resumed.step < cfg.max_steps:
         progress.maybe_report(cfg.max_steps, loss, force=True)
     elapsed = time.monotonic() - t_loop
-    logger.info(
-        "finished %d steps (%d this attempt in %.1fs)",
-        cfg.max_steps,
-        cfg.max_steps - resumed.step,
-        elapsed,
-    )
+    trained = max(cfg.max_steps - resumed.step, 0)
+    logger.info("finished %d steps (%d this attempt in %.1fs)", cfg.max_steps, trained, elapsed)
     events.emit(
         "end",
-        step=cfg.max_steps,
-        steps_this_attempt=cfg.max_steps - resumed.step,
+        step=max(cfg.max_steps, resumed.step),
+        steps_this_attempt=trained,
         seconds=round(elapsed, 3),
     )
     return 0

@@ -207,3 +207,17 @@ def test_full_run_on_s3_and_ls(tmp_path, s3_bucket):
     )
     state = final_state(url, storage_options=options)
     assert state["progress"]["step"] == 30 and "net1.weight" in state["model"]
+
+
+def test_lowering_max_steps_below_checkpoint_saves_nothing(tmp_path):
+    ckpt = str(tmp_path / "c")
+    assert (
+        run_single(
+            ["--checkpoint-dir", ckpt, "--max-steps", "20", "--checkpoint-every-steps", "0"],
+            str(tmp_path),
+        ).returncode
+        == 0
+    )
+    again = run_single(["--checkpoint-dir", ckpt, "--max-steps", "10"], str(tmp_path))
+    assert again.returncode == 0 and "past --max-steps 10; nothing to do" in again.stderr
+    assert storage.open_store(ckpt).committed_steps() == [20]
