@@ -9,6 +9,8 @@ import sys
 import time
 from typing import Any
 
+import torch
+
 logger = logging.getLogger(__name__)
 
 
@@ -97,3 +99,45 @@ def read_events(path: str) -> list[dict[str, Any]]:
             except json.JSONDecodeError:
                 continue
     return out
+
+
+class Progress:
+    """Rank 0's periodic progress line and event."""
+
+    def __init__(
+        self, *, start_step: int, max_steps: int, every_s: float, events: EventLog, enabled: bool
+    ):
+        self.max_steps = max_steps
+        self.every_s = every_s
+        self.events = events
+        self.enabled = enabled
+        self._t0 = self._last_t = time.monotonic()
+        self._last_step = start_step
+        self.last_checkpoint: int | None = None
+
+    def maybe_report(self, step: int, loss: torch.Tensor, force: bool = False) -> None:
+        now = time.monotonic()
+        if not self.enabled or (not force and now - self._last_t < self.every_s):
+            return
+        rate = (step - self._last_step) / max(now - self._last_t, 1e-9)
+        eta = (self.max_steps - step) / rate if rate > 0 else float("inf")
+        value = float(loss.item())
+        logger.info(
+            "progress %d/%d loss %.5f %.1f steps/s eta %s last checkpoint %s",
+            step,
+            self.max_steps,
+            value,
+            rate,
+            _fmt_eta(eta),
+            self.last_checkpoint,
+        )
+        self.events.emit("progress", step=step, loss=value, steps_per_s=round(rate, 3))
+        self._last_t, self._last_step = now, step
+
+
+def _fmt_eta(seconds: float) -> str:
+    if seconds == float("inf"):
+        return "?"
+    m, s = divmod(int(seconds), 60)
+    h, m = divmod(m, 60)
+    return f"{h}:{m:02d}:{s:02d}"

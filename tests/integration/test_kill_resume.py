@@ -64,7 +64,9 @@ def test_sigkill_workers_resume_bitwise(launch, tmp_path, nproc):
     assert resumes[1]["step"] % 40 == 0 and resumes[2]["step"] % 40 == 0
     assert events[-1]["event"] == "end" and events[-1]["step"] == 300
     assert_bitwise_equal(final_state(run_dir), final_state(ref_dir))
-    print(f"\nnproc={nproc}: 2 SIGKILLs, resumed from steps {[e['step'] for e in resumes]}, bitwise equal")
+    print(
+        f"\nnproc={nproc}: 2 SIGKILLs, resumed from steps {[e['step'] for e in resumes]}, bitwise equal"
+    )
 
 
 def test_time_based_checkpoints_agree_across_ranks(launch, tmp_path):

@@ -100,3 +100,30 @@ def test_event_log_appends_and_tolerates_torn_line(tmp_path):
     EventLog(path, enabled=True).emit("end", step=3)
     EventLog(path, enabled=False).emit("ignored")
     assert [e["event"] for e in read_events(path)] == ["start", "end"]
+
+
+def test_progress_reports_rate_eta_and_last_checkpoint(tmp_path, caplog):
+    import logging
+
+    from elastictrain.events import Progress
+
+    path = str(tmp_path / "e.jsonl")
+    progress = Progress(
+        start_step=0, max_steps=100, every_s=3600, events=EventLog(path, enabled=True), enabled=True
+    )
+    progress.last_checkpoint = 40
+    with caplog.at_level(logging.INFO, logger="elastictrain.events"):
+        progress.maybe_report(10, torch.tensor(0.5))  # inside the interval: silent
+        progress.maybe_report(50, torch.tensor(0.25), force=True)
+    (event,) = read_events(path)
+    assert (
+        event["event"] == "progress"
+        and event["step"] == 50
+        and event["loss"] == 0.25
+        and event["steps_per_s"] > 0
+    )
+    assert (
+        "progress 50/100 loss 0.25000" in caplog.text
+        and "eta" in caplog.text
+        and "last checkpoint 40" in caplog.text
+    )
