@@ -76,6 +76,7 @@ class Checkpointer:
         device: torch.device,
         events: EventLog,
         keep_last: int,
+        read_mode: str = "rank0",
     ) -> None:
         self.is_writer = rank == 0
         self.world_size = world_size
@@ -84,9 +85,10 @@ class Checkpointer:
         self.device = device
         self.events = events
         self.keep_last = keep_last
+        self.read_mode = read_mode
         self.store: storage.CheckpointStore | None = None
         self.last_committed: int | None = None
-        if self.is_writer:
+        if self.is_writer or read_mode == "all":
             self.store = storage.open_store(
                 url,
                 storage_options=storage_options,
@@ -106,35 +108,64 @@ class Checkpointer:
         scheduler: Any,
         fingerprint: tstate.DataFingerprint,
     ) -> Resumed:
-        """Rank 0 reads the latest good checkpoint once and broadcasts its bytes; all ranks load it."""
+        """Rank 0 picks the latest good checkpoint; its bytes reach every rank (``read_mode``)."""
         t0 = time.monotonic()
-        payload: bytes | None = None
-        where = "none"
-        if self.is_writer:
-            ckpt = self.store.latest()
-            if ckpt is not None:
-                payload = ckpt.files[tstate.STATE_FILE]
-                where = f"step {ckpt.manifest.step} under {self.store.safe_url}"
-        # The broadcast is the barrier: no rank proceeds until rank 0 has chosen.
-        data = edist.broadcast_bytes(payload, self.control)
+        data, manifest, where = self._fetch_latest()
         if not data:
             dist.barrier(group=self.control)
             logger.info("no committed checkpoint found: starting fresh")
-            self.events.emit("resume", fresh=True, step=0)
+            self.events.emit("resume", fresh=True, step=0, world_size=self.world_size)
             return Resumed(step=0, checkpoint_step=None)
         state = tstate.from_bytes(data, map_location=self.device)
-        tstate.check_compatible(
-            model, state, fingerprint, where=where if self.is_writer else "chosen by rank 0"
-        )
+        tstate.check_compatible(model, state, fingerprint, where=where)
         step = tstate.restore(model, optimizer, scheduler, state)
         self.last_committed = step
         seconds = time.monotonic() - t0
         dist.barrier(group=self.control)
         logger.info("resumed from checkpoint step %d (%d bytes, %.2fs)", step, len(data), seconds)
+        saved_world = manifest.metadata.get("world_size") if manifest else None
         self.events.emit(
-            "resume", fresh=False, step=step, bytes=len(data), seconds=round(seconds, 4)
+            "resume",
+            fresh=False,
+            step=step,
+            bytes=len(data),
+            seconds=round(seconds, 4),
+            world_size=self.world_size,
+            saved_world_size=saved_world,
         )
+        if self.is_writer and saved_world is not None and saved_world != self.world_size:
+            logger.warning(
+                "membership change: world size %s -> %d, resuming from step %d; the global batch "
+                "stays the same, per-rank shares change",
+                saved_world,
+                self.world_size,
+                step,
+            )
+            self.events.emit(
+                "membership", old_world_size=saved_world, new_world_size=self.world_size, step=step
+            )
         return Resumed(step=step, checkpoint_step=step)
+
+    def _fetch_latest(self) -> tuple[bytes | bytearray, storage.Manifest | None, str]:
+        """The chosen checkpoint's state bytes on every rank (empty when there is none).
+
+        ``rank0`` reads storage once per job and broadcasts; ``all`` broadcasts only the step and
+        lets every rank read and verify it (for states too large to hold twice or to broadcast).
+        """
+        ckpt = self.store.latest() if self.is_writer else None
+        where = (
+            f"step {ckpt.manifest.step} under {self.store.safe_url}" if ckpt else "chosen by rank 0"
+        )
+        if self.read_mode == "all":
+            step = edist.broadcast_int(ckpt.manifest.step if ckpt else -1, self.control)
+            if step < 0:
+                return b"", None, where
+            if not self.is_writer:
+                ckpt = self.store.read(step)
+            return ckpt.files[tstate.STATE_FILE], ckpt.manifest, where
+        # The broadcast is the gate: no rank proceeds until rank 0 has chosen.
+        payload = ckpt.files[tstate.STATE_FILE] if ckpt else None
+        return edist.broadcast_bytes(payload, self.control), ckpt.manifest if ckpt else None, where
 
     # -- save ----------------------------------------------------------------------------------
     def save(

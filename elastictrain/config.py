@@ -40,6 +40,11 @@ class RunConfig:
     because of storage."""
     storage_retry_deadline: float = 120.0
     """Seconds to keep retrying transient storage errors before an operation fails."""
+    resume_read: str = "rank0"
+    """``rank0``: rank 0 reads the checkpoint once and broadcasts it. ``all``: every rank reads it
+    (for very large states, where one broadcast of the whole state is the bottleneck)."""
+    sample_log: str | None = None
+    """Directory where every rank appends the dataset indices it trains on (the exactly-once ledger)."""
     event_log: str | None = None
     """Rank 0 appends JSON lines (start, resume, checkpoint, progress, end) to this local file."""
     log_every_seconds: float = 10.0
@@ -71,6 +76,8 @@ class RunConfig:
             positive(name)
         positive("checkpoint_every_steps", allow_none=True)
         positive("checkpoint_every_seconds", allow_none=True)
+        if self.resume_read not in ("rank0", "all"):
+            raise ConfigError(f"--resume-read must be 'rank0' or 'all', got {self.resume_read!r}.")
         if not self.checkpoint_dir:
             raise ConfigError(
                 "--checkpoint-dir must not be empty; e.g. ./checkpoints or s3://bucket/run."
@@ -162,6 +169,16 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         metavar="SECONDS",
         help="keep retrying transient storage errors this long (default: 120)",
+    )
+    add(
+        "resume_read",
+        choices=["rank0", "all"],
+        help="rank0: read the checkpoint once and broadcast; all: every rank reads (default: rank0)",
+    )
+    add(
+        "sample_log",
+        metavar="DIR",
+        help="every rank appends the indices it trains on (default: none)",
     )
     add("event_log", metavar="PATH", help="JSONL event log appended by rank 0 (default: none)")
     add(

@@ -212,6 +212,12 @@ def broadcast_bytes(data: bytes | None, group: dist.ProcessGroup) -> bytes | byt
     return out
 
 
+def broadcast_int(value: int, group: dist.ProcessGroup) -> int:
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.broadcast(t, src=0, group=group)
+    return int(t.item())
+
+
 def any_rank_flags(flags: list[bool], device: torch.device) -> list[bool]:
     """Element-wise OR of per-rank flags over the default group: a decision every rank shares."""
     t = torch.tensor([1 if f else 0 for f in flags], dtype=torch.int32, device=device)

@@ -76,17 +76,60 @@ class EventLog:
     def emit(self, event: str, **fields: Any) -> None:
         if not self.path:
             return
-        record = {"event": event, "time": time.time(), **fields}
-        line = json.dumps(record, sort_keys=True, default=str) + "\n"
         try:
-            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-            try:
-                os.write(fd, line.encode())
-            finally:
-                os.close(fd)
+            _append_line(self.path, {"event": event, "time": time.time(), **fields})
         except OSError as e:
             # An unwritable event log must not kill training; say so once per failure.
             logger.warning("could not append to event log %s: %s", self.path, e)
+
+
+def _append_line(path: str, record: dict[str, Any]) -> None:
+    """One ``write`` of one line on an O_APPEND file: a kill loses at most that line."""
+    line = json.dumps(record, sort_keys=True, default=str) + "\n"
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, line.encode())
+    finally:
+        os.close(fd)
+
+
+class SampleLog:
+    """Every rank's ledger of the dataset indices it trained on, one file per (generation, rank).
+
+    Lines: ``step, epoch, rank, world_size, generation, indices``. For each step the entries of the
+    highest generation are the ones in the committed history.
+    """
+
+    def __init__(
+        self, directory: str | None, *, rank: int, world_size: int, generation: int
+    ) -> None:
+        self.path = None
+        if directory:
+            os.makedirs(directory, exist_ok=True)
+            self.path = os.path.join(directory, f"samples-g{generation}-r{rank}.jsonl")
+        self.rank, self.world_size, self.generation = rank, world_size, generation
+
+    def record(self, step: int, share: Any) -> None:
+        if self.path:
+            _append_line(
+                self.path,
+                {
+                    "step": step,
+                    "epoch": share.epoch,
+                    "rank": self.rank,
+                    "world_size": self.world_size,
+                    "generation": self.generation,
+                    "indices": share.indices.tolist(),
+                },
+            )
+
+
+def read_sample_log(directory: str) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    for name in sorted(os.listdir(directory)):
+        if name.startswith("samples-") and name.endswith(".jsonl"):
+            out += read_events(os.path.join(directory, name))
+    return out
 
 
 def read_events(path: str) -> list[dict[str, Any]]:
@@ -105,13 +148,21 @@ class Progress:
     """Rank 0's periodic progress line and event."""
 
     def __init__(
-        self, *, start_step: int, max_steps: int, every_s: float, events: EventLog, enabled: bool
+        self,
+        *,
+        world_size: int,
+        start_step: int,
+        max_steps: int,
+        every_s: float,
+        events: EventLog,
+        enabled: bool,
     ):
+        self.world_size = world_size
         self.max_steps = max_steps
         self.every_s = every_s
         self.events = events
         self.enabled = enabled
-        self._t0 = self._last_t = time.monotonic()
+        self._last_t = time.monotonic()
         self._last_step = start_step
         self.last_checkpoint: int | None = None
 
@@ -123,15 +174,22 @@ class Progress:
         eta = (self.max_steps - step) / rate if rate > 0 else float("inf")
         value = float(loss.item())
         logger.info(
-            "progress %d/%d loss %.5f %.1f steps/s eta %s last checkpoint %s",
+            "progress %d/%d loss %.5f %.1f steps/s eta %s last checkpoint %s world size %d",
             step,
             self.max_steps,
             value,
             rate,
             _fmt_eta(eta),
             self.last_checkpoint,
+            self.world_size,
         )
-        self.events.emit("progress", step=step, loss=value, steps_per_s=round(rate, 3))
+        self.events.emit(
+            "progress",
+            step=step,
+            loss=value,
+            steps_per_s=round(rate, 3),
+            world_size=self.world_size,
+        )
         self._last_t, self._last_step = now, step
 
 

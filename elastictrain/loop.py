@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
-from elastictrain.data import GlobalBatchSampler, step_seed
+from elastictrain.data import GlobalBatchSampler, Share, step_seed
 from elastictrain.task import Task
 
 
@@ -34,6 +35,7 @@ class Trainer:
         rank: int,
         world_size: int,
         seed: int,
+        on_share: Callable[[int, Share], None] | None = None,
     ) -> None:
         self.task = task
         self.model = model
@@ -44,6 +46,8 @@ class Trainer:
         self.rank = rank
         self.world_size = world_size
         self.seed = seed
+        self.on_share = on_share
+        """Called with each step's share before any collective: a hook for the sample ledger."""
 
     def prime_buckets(self, step: int) -> None:
         """Run one discarded forward/backward so DDP rebuilds its gradient buckets now.
@@ -73,6 +77,9 @@ class Trainer:
         # Randomness inside a step depends only on (seed, step, rank): nothing to checkpoint.
         torch.manual_seed(step_seed(self.seed, step, self.rank))
         batch, share = self._batch(step)
+        if self.on_share is not None:
+            # Before the collective: if any rank finished this step, every rank recorded it.
+            self.on_share(step, share)
         self.optimizer.zero_grad(set_to_none=True)
         loss = self.task.loss_fn(self.model, batch)
         # DDP averages gradients over ranks; the weight turns that into the global-batch mean.

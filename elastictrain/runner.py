@@ -14,7 +14,7 @@ from elastictrain.checkpointing import Checkpointer, CheckpointSchedule
 from elastictrain.config import RunConfig
 from elastictrain.data import GlobalBatchSampler
 from elastictrain.env import DistEnv, read_env
-from elastictrain.events import CONTEXT, EventLog, Progress, setup_logging
+from elastictrain.events import CONTEXT, EventLog, Progress, SampleLog, setup_logging
 from elastictrain.loop import Trainer
 from elastictrain.state import DataFingerprint
 from elastictrain.task import Task, build_task
@@ -86,6 +86,7 @@ def _train(
         device=device,
         events=events,
         keep_last=cfg.keep_last,
+        read_mode=cfg.resume_read,
     )
     ckpt.preflight()
     model = task.model.to(device)
@@ -103,11 +104,18 @@ def _train(
         rank=env.rank,
         world_size=env.world_size,
         seed=cfg.seed,
+        on_share=SampleLog(
+            cfg.sample_log,
+            rank=env.rank,
+            world_size=env.world_size,
+            generation=groups.attempt.generation,
+        ).record,
     )
     if resumed.step < cfg.max_steps:
         trainer.prime_buckets(resumed.step)
     schedule = CheckpointSchedule(cfg.checkpoint_every_steps, cfg.checkpoint_every_seconds)
     progress = Progress(
+        world_size=env.world_size,
         start_step=resumed.step,
         max_steps=cfg.max_steps,
         every_s=cfg.log_every_seconds,

@@ -109,7 +109,12 @@ def test_progress_reports_rate_eta_and_last_checkpoint(tmp_path, caplog):
 
     path = str(tmp_path / "e.jsonl")
     progress = Progress(
-        start_step=0, max_steps=100, every_s=3600, events=EventLog(path, enabled=True), enabled=True
+        world_size=2,
+        start_step=0,
+        max_steps=100,
+        every_s=3600,
+        events=EventLog(path, enabled=True),
+        enabled=True,
     )
     progress.last_checkpoint = 40
     with caplog.at_level(logging.INFO, logger="elastictrain.events"):
@@ -125,5 +130,5 @@ def test_progress_reports_rate_eta_and_last_checkpoint(tmp_path, caplog):
     assert (
         "progress 50/100 loss 0.25000" in caplog.text
         and "eta" in caplog.text
-        and "last checkpoint 40" in caplog.text
+        and "last checkpoint 40 world size 2" in caplog.text
     )

@@ -1,0 +1,64 @@
+"""Simulated nodes: one torchrun agent each, sharing a c10d rendezvous on loopback."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+# Fast failure detection for tests: 1 s heartbeats, 3 missed = dead; 1 s last call for stragglers.
+# Production values are in the README (torchrun's defaults: 5 s heartbeats, 30 s last call).
+TEST_RDZV_CONF = "last_call_timeout=1,join_timeout=60,keep_alive_interval=1,keep_alive_max_attempt=3,close_timeout=5"
+
+
+def node_args(
+    port: int, run_id: str, *, is_host: bool, max_restarts: int = 6, nnodes: str = "1:3"
+) -> list[str]:
+    """torchrun flags for one simulated node.
+
+    ``is_host`` must be explicit when several agents share one machine: each agent otherwise infers
+    "the endpoint is my hostname, so I host the store", and a second TCPStore server can bind the
+    same loopback port, splitting the rendezvous in two (both sides then time out after 60 s).
+    """
+    return [
+        f"--nnodes={nnodes}",
+        "--nproc_per_node=1",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{port}",
+        f"--rdzv-id={run_id}",
+        f"--max-restarts={max_restarts}",
+        f"--rdzv-conf={TEST_RDZV_CONF},is_host={int(is_host)}",
+        "--monitor-interval=0.5",
+    ]
+
+
+def committed_history(entries: list[dict[str, Any]]) -> dict[int, list[dict[str, Any]]]:
+    """For each step, the ledger entries of the highest generation that trained it."""
+    by_step: dict[int, dict[int, list[dict[str, Any]]]] = defaultdict(lambda: defaultdict(list))
+    for e in entries:
+        by_step[e["step"]][e["generation"]].append(e)
+    return {step: gens[max(gens)] for step, gens in by_step.items()}
+
+
+def assert_exactly_once(
+    entries: list[dict[str, Any]], *, dataset_size: int, batch_size: int, max_steps: int
+) -> dict:
+    """Every step's global batch trained once; every full epoch covers its samples exactly once."""
+    history = committed_history(entries)
+    assert sorted(history) == list(range(max_steps)), "some steps are missing from the ledger"
+    steps_per_epoch = dataset_size // batch_size
+    per_epoch: dict[int, list[int]] = defaultdict(list)
+    for step, rows in history.items():
+        world = rows[0]["world_size"]
+        assert sorted(r["rank"] for r in rows) == list(range(world)), f"step {step}: ranks {rows}"
+        indices = [i for r in sorted(rows, key=lambda r: r["rank"]) for i in r["indices"]]
+        assert len(indices) == batch_size, f"step {step} trained {len(indices)} samples"
+        per_epoch[step // steps_per_epoch].extend(indices)
+    full_epochs = max_steps // steps_per_epoch
+    for epoch in range(full_epochs):
+        samples = per_epoch[epoch]
+        assert len(samples) == len(set(samples)), f"epoch {epoch}: duplicates"
+        assert len(samples) == steps_per_epoch * batch_size
+        if dataset_size % batch_size == 0:
+            assert sorted(samples) == list(range(dataset_size)), f"epoch {epoch}: samples missing"
+    worlds = sorted({rows[0]["world_size"] for rows in history.values()})
+    return {"steps": len(history), "full_epochs": full_epochs, "world_sizes": worlds}

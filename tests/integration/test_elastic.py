@@ -1,0 +1,121 @@
+"""Real torchrun agents as nodes: lose one, add one, and check the ledger and the weights."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+import torch
+
+from elastictrain.events import read_events, read_sample_log
+from tests.conftest import free_port
+from tests.integration.elastic_helpers import assert_exactly_once, node_args
+from tests.integration.launcher import final_state, job_env, wait_for_event
+
+DATASET, BATCH, STEPS = 2048, 64, 640  # 32 steps per epoch, 20 epochs
+
+
+def app_args(tmp_path, name: str, step_time: float = 0.02) -> list[str]:
+    return [
+        "--checkpoint-dir",
+        str(tmp_path / f"{name}-ckpt"),
+        "--event-log",
+        str(tmp_path / f"{name}.jsonl"),
+        "--sample-log",
+        str(tmp_path / f"{name}-samples"),
+        "--max-steps",
+        str(STEPS),
+        "--checkpoint-every-steps",
+        "40",
+        "--log-every-seconds",
+        "1",
+        "--task-option",
+        f"dataset_size={DATASET}",
+        "--task-option",
+        f"batch_size={BATCH}",
+        "--task-option",
+        f"step_time={step_time}",
+    ]
+
+
+def _relative_error(a: dict, b: dict) -> float:
+    num = sum(float((a[k] - b[k]).norm() ** 2) for k in a)
+    den = sum(float(b[k].norm() ** 2) for k in b)
+    return (num / den) ** 0.5
+
+
+def test_node_loss_then_rejoin_trains_every_sample_once(launch, tmp_path):
+    # Reference: a fixed world size of 2, same global batch.
+    ref = launch([*app_args(tmp_path, "ref", step_time=0)], nproc=2, name="ref")
+    assert ref.wait(180) == 0, ref.log()[-3000:]
+
+    port, run_id = free_port(), f"run-{uuid.uuid4().hex[:8]}"
+    # Needed for nodes to *join* a running job on torch 2.13; see README "Elastic membership".
+    env = job_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    ev = str(tmp_path / "elastic.jsonl")
+    args = app_args(tmp_path, "elastic")
+    host = launch(
+        args, torchrun_args=node_args(port, run_id, is_host=True), env=env, name="node-a"
+    )  # hosts the rendezvous store
+    time.sleep(1.0)
+    node_b = launch(
+        args, torchrun_args=node_args(port, run_id, is_host=False), env=env, name="node-b"
+    )
+    wait_for_event(
+        ev,
+        lambda e: e["event"] == "progress" and e["world_size"] == 2 and e["step"] >= 80,
+        120,
+        host,
+    )
+
+    t_loss = time.time()
+    node_b.kill()  # SIGKILL the agent and every descendant: a lost node
+    shrunk = wait_for_event(
+        ev, lambda e: e["event"] == "membership" and e["new_world_size"] == 1, 120, host
+    )
+    wait_for_event(
+        ev, lambda e: e["event"] == "checkpoint" and e["time"] > shrunk["time"], 120, host
+    )
+    t_join = time.time()
+    node_c = launch(
+        args, torchrun_args=node_args(port, run_id, is_host=False), env=env, name="node-c"
+    )
+    grown = wait_for_event(
+        ev, lambda e: e["event"] == "membership" and e["new_world_size"] == 2, 120, host
+    )
+    assert host.wait(240) == 0, host.log()[-3000:]
+    assert node_c.wait(60) == 0, node_c.log()[-3000:]
+
+    events = read_events(ev)
+    assert events[-1]["event"] == "end" and events[-1]["step"] == STEPS
+    ledger = assert_exactly_once(
+        read_sample_log(str(tmp_path / "elastic-samples")),
+        dataset_size=DATASET,
+        batch_size=BATCH,
+        max_steps=STEPS,
+    )
+    assert ledger["world_sizes"] == [1, 2]
+
+    final, reference = (
+        final_state(str(tmp_path / "elastic-ckpt")),
+        final_state(str(tmp_path / "ref-ckpt")),
+    )
+    rel = _relative_error(final["model"], reference["model"])
+    assert rel < 1e-4, rel
+    print(
+        "\n"
+        + json.dumps(
+            {
+                "node_loss_to_resumed_s": round(shrunk["time"] - t_loss, 2),
+                "rejoin_to_resumed_s": round(grown["time"] - t_join, 2),
+                "shrunk_at_step": shrunk["step"],
+                "grown_at_step": grown["step"],
+                "ledger": ledger,
+                "relative_error_vs_fixed_world": rel,
+                "bitwise_equal": all(
+                    torch.equal(final["model"][k], reference["model"][k]) for k in final["model"]
+                ),
+            }
+        )
+    )
