@@ -119,3 +119,34 @@ def test_node_loss_then_rejoin_trains_every_sample_once(launch, tmp_path):
             }
         )
     )
+
+
+def test_losing_the_rendezvous_host_ends_the_job_and_a_relaunch_resumes(launch, tmp_path):
+    """torchrun's c10d store lives in the host agent: when that node dies, the survivors cannot
+    re-rendezvous. They exit non-zero, and a relaunch (the scheduler's job) resumes from the last
+    committed checkpoint. See README "Losing the rendezvous host"."""
+    env = job_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    ev = str(tmp_path / "elastic.jsonl")
+    args = app_args(tmp_path, "elastic")
+    port, run_id = free_port(), f"run-{uuid.uuid4().hex[:8]}"
+    host = launch(args, torchrun_args=node_args(port, run_id, is_host=True), env=env, name="host")
+    time.sleep(1.0)
+    other = launch(args, torchrun_args=node_args(port, run_id, is_host=False), env=env, name="other")
+    wait_for_event(ev, lambda e: e["event"] == "checkpoint" and e["step"] >= 80, 120, host)
+    t_loss = time.time()
+    host.kill()
+    assert other.wait(150) != 0
+    survivor_exit_s = time.time() - t_loss
+    last = max(e["step"] for e in read_events(ev) if e["event"] == "checkpoint")
+
+    port, run_id = free_port(), f"run-{uuid.uuid4().hex[:8]}"  # the relaunch: a fresh rendezvous
+    a = launch(args, torchrun_args=node_args(port, run_id, is_host=True), env=env, name="relaunch-a")
+    time.sleep(1.0)
+    b = launch(args, torchrun_args=node_args(port, run_id, is_host=False), env=env, name="relaunch-b")
+    assert a.wait(180) == 0 and b.wait(60) == 0, a.log()[-3000:]
+    resumes = [e for e in read_events(ev) if e["event"] == "resume"]
+    assert resumes[-1]["step"] == last and not resumes[-1]["fresh"]
+    assert_exactly_once(
+        read_sample_log(str(tmp_path / "elastic-samples")), dataset_size=DATASET, batch_size=BATCH, max_steps=STEPS
+    )
+    print(f"\nrendezvous host lost: survivor exited after {survivor_exit_s:.1f}s; relaunch resumed from step {last}")
