@@ -21,7 +21,7 @@ class CountingFileSystem(LocalFileSystem):
     @classmethod
     def _strip_protocol(cls, path):
         if isinstance(path, str) and path.startswith("counting://"):
-            path = path[len("counting://"):]
+            path = path[len("counting://") :]
         return super()._strip_protocol(path)
 
     def cat_file(self, path, start=None, end=None, **kwargs):

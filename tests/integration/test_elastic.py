@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 import uuid
 
@@ -11,7 +12,7 @@ import torch
 from elastictrain.events import read_events, read_sample_log
 from tests.conftest import free_port
 from tests.integration.elastic_helpers import assert_exactly_once, node_args
-from tests.integration.launcher import final_state, job_env, wait_for_event
+from tests.integration.launcher import REPO_ROOT, final_state, job_env, wait_for_event
 
 DATASET, BATCH, STEPS = 2048, 64, 640  # 32 steps per epoch, 20 epochs
 
@@ -131,7 +132,9 @@ def test_losing_the_rendezvous_host_ends_the_job_and_a_relaunch_resumes(launch, 
     port, run_id = free_port(), f"run-{uuid.uuid4().hex[:8]}"
     host = launch(args, torchrun_args=node_args(port, run_id, is_host=True), env=env, name="host")
     time.sleep(1.0)
-    other = launch(args, torchrun_args=node_args(port, run_id, is_host=False), env=env, name="other")
+    other = launch(
+        args, torchrun_args=node_args(port, run_id, is_host=False), env=env, name="other"
+    )
     wait_for_event(ev, lambda e: e["event"] == "checkpoint" and e["step"] >= 80, 120, host)
     t_loss = time.time()
     host.kill()
@@ -140,13 +143,43 @@ def test_losing_the_rendezvous_host_ends_the_job_and_a_relaunch_resumes(launch, 
     last = max(e["step"] for e in read_events(ev) if e["event"] == "checkpoint")
 
     port, run_id = free_port(), f"run-{uuid.uuid4().hex[:8]}"  # the relaunch: a fresh rendezvous
-    a = launch(args, torchrun_args=node_args(port, run_id, is_host=True), env=env, name="relaunch-a")
+    a = launch(
+        args, torchrun_args=node_args(port, run_id, is_host=True), env=env, name="relaunch-a"
+    )
     time.sleep(1.0)
-    b = launch(args, torchrun_args=node_args(port, run_id, is_host=False), env=env, name="relaunch-b")
+    b = launch(
+        args, torchrun_args=node_args(port, run_id, is_host=False), env=env, name="relaunch-b"
+    )
     assert a.wait(180) == 0 and b.wait(60) == 0, a.log()[-3000:]
     resumes = [e for e in read_events(ev) if e["event"] == "resume"]
     assert resumes[-1]["step"] == last and not resumes[-1]["fresh"]
     assert_exactly_once(
-        read_sample_log(str(tmp_path / "elastic-samples")), dataset_size=DATASET, batch_size=BATCH, max_steps=STEPS
+        read_sample_log(str(tmp_path / "elastic-samples")),
+        dataset_size=DATASET,
+        batch_size=BATCH,
+        max_steps=STEPS,
     )
-    print(f"\nrendezvous host lost: survivor exited after {survivor_exit_s:.1f}s; relaunch resumed from step {last}")
+    print(
+        f"\nrendezvous host lost: survivor exited after {survivor_exit_s:.1f}s; relaunch resumed from step {last}"
+    )
+
+
+def test_two_nodes_example_script_runs(tmp_path):
+    import subprocess
+
+    script = os.path.join(REPO_ROOT, "examples", "two_nodes.sh")
+    result = subprocess.run(
+        ["bash", script, "--max-steps", "60", "--event-log", str(tmp_path / "ev.jsonl")],
+        cwd=str(tmp_path),
+        env=job_env(
+            PORT=str(free_port()),
+            RUN_ID=f"demo-{uuid.uuid4().hex[:6]}",
+            CKPT=str(tmp_path / "ckpt"),
+        ),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    starts = [e for e in read_events(str(tmp_path / "ev.jsonl")) if e["event"] == "start"]
+    assert starts and starts[0]["world_size"] == 2

@@ -16,17 +16,35 @@ from tests.integration.launcher import job_env
 def test_bytes_read_per_resume_at_world_size_3(launch, tmp_path, mode, expected_ratio):
     root = str(tmp_path / "ckpt")
     url = f"counting://{root}"
-    common = ["--task", "tests.integration.counting_fs:make_task", "--task-option", "hidden=256",
-              "--checkpoint-dir", url, "--storage-option", "auto_mkdir=1", "--checkpoint-every-steps", "0", "--event-log", str(tmp_path / "ev.jsonl")]
+    common = [
+        "--task",
+        "tests.integration.counting_fs:make_task",
+        "--task-option",
+        "hidden=256",
+        "--checkpoint-dir",
+        url,
+        "--storage-option",
+        "auto_mkdir=1",
+        "--checkpoint-every-steps",
+        "0",
+        "--event-log",
+        str(tmp_path / "ev.jsonl"),
+    ]
     first = launch([*common, "--max-steps", "20"], nproc=3, name="first")
     assert first.wait(120) == 0, first.log()[-3000:]
     size = storage.open_store(root).read(20).manifest.files["state.pt"].size
 
     log = str(tmp_path / "reads.tsv")
-    second = launch([*common, "--max-steps", "30", "--resume-read", mode], nproc=3,
-                    env=job_env(COUNTING_FS_LOG=log), name="second")
+    second = launch(
+        [*common, "--max-steps", "30", "--resume-read", mode],
+        nproc=3,
+        env=job_env(COUNTING_FS_LOG=log),
+        name="second",
+    )
     assert second.wait(120) == 0, second.log()[-3000:]
-    assert [e["step"] for e in read_events(str(tmp_path / "ev.jsonl")) if e["event"] == "resume"] == [0, 20]
+    assert [
+        e["step"] for e in read_events(str(tmp_path / "ev.jsonl")) if e["event"] == "resume"
+    ] == [0, 20]
     ratio = bytes_read(log, os.path.join("step-000000000020", "state.pt")) / size
     print(f"\nresume-read={mode}: {ratio:.3f}x the checkpoint ({size} bytes) read at world size 3")
     assert ratio == pytest.approx(expected_ratio, abs=0.01)
