@@ -17,7 +17,7 @@ from tests.integration.launcher import REPO_ROOT, final_state, job_env, wait_for
 DATASET, BATCH, STEPS = 2048, 64, 640  # 32 steps per epoch, 20 epochs
 
 
-def app_args(tmp_path, name: str, step_time: float = 0.02) -> list[str]:
+def app_args(tmp_path, name: str, step_time: float = 0.03) -> list[str]:
     return [
         "--checkpoint-dir",
         str(tmp_path / f"{name}-ckpt"),
