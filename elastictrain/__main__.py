@@ -6,11 +6,9 @@ import logging
 import sys
 
 import storage
-from elastictrain.errors import ElasticTrainError
+from elastictrain.errors import EXIT_USER_ERROR, ElasticTrainError
 
 logger = logging.getLogger("elastictrain")
-
-EXIT_USER_ERROR = 2
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -30,9 +28,10 @@ def main(argv: list[str] | None = None) -> int:
         cfg = parse_args(argv)
         return run(cfg)
     except (ElasticTrainError, storage.StorageError) as e:
-        # Expected failures: one clear line, no traceback to dig through.
-        logging.getLogger("elastictrain").error("%s: %s", type(e).__name__, e)
-        return EXIT_USER_ERROR
+        # Expected failures: one clear line, no traceback to dig through, and a code that says which.
+        code = getattr(e, "exit_code", EXIT_USER_ERROR)
+        logger.error("FAILED (exit %d): %s: %s", code, type(e).__name__, e)
+        return code
 
 
 if __name__ == "__main__":

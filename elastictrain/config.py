@@ -38,6 +38,11 @@ class RunConfig:
     checkpoint_timeout: float = 1800.0
     """Seconds for the barriers around resume and checkpoint saves, where rank 0 may be slow
     because of storage."""
+    hang_timeout: float = 600.0
+    """Seconds without step progress before a rank is declared hung: stacks are dumped and the
+    worker exits 4 so torchrun restarts the group. Must exceed the slowest legitimate step."""
+    preempt_signal: list[str] = field(default_factory=lambda: ["SIGTERM"])
+    """Signals that mean "save at the next step boundary and exit 75"."""
     storage_retry_deadline: float = 120.0
     """Seconds to keep retrying transient storage errors before an operation fails."""
     resume_read: str = "rank0"
@@ -70,12 +75,17 @@ class RunConfig:
             "init_timeout",
             "collective_timeout",
             "checkpoint_timeout",
+            "hang_timeout",
             "storage_retry_deadline",
             "log_every_seconds",
         ):
             positive(name)
         positive("checkpoint_every_steps", allow_none=True)
         positive("checkpoint_every_seconds", allow_none=True)
+        from elastictrain.watchdog import parse_signal  # config must not import it at module load
+
+        for name in self.preempt_signal:
+            parse_signal(name)
         if self.resume_read not in ("rank0", "all"):
             raise ConfigError(f"--resume-read must be 'rank0' or 'all', got {self.resume_read!r}.")
         if not self.checkpoint_dir:
@@ -165,6 +175,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="barriers around resume and saves, where rank 0 waits on storage (default: 1800)",
     )
     add(
+        "hang_timeout",
+        type=float,
+        metavar="SECONDS",
+        help="no step progress this long means hung: dump stacks, exit 4 (default: 600)",
+    )
+    p.add_argument(
+        "--preempt-signal",
+        dest="preempt_signal",
+        action="append",
+        default=None,
+        metavar="SIGNAL",
+        help="save at the next step boundary and exit 75 on this signal (repeatable; default: SIGTERM)",
+    )
+    add(
         "storage_retry_deadline",
         type=float,
         metavar="SECONDS",
@@ -195,4 +219,6 @@ def parse_args(argv: list[str]) -> RunConfig:
     values = vars(ns)
     values["task_options"] = dict(values["task_options"])
     values["storage_options"] = dict(values["storage_options"])
+    if values["preempt_signal"] is None:
+        values.pop("preempt_signal")
     return RunConfig(**values)

@@ -26,13 +26,12 @@ import torch
 import torch.distributed as dist
 
 from elastictrain.env import DistEnv
-from elastictrain.errors import InitTimeoutError
+from elastictrain.errors import EXIT_INIT_TIMEOUT, InitTimeoutError
 
 logger = logging.getLogger(__name__)
 
 ATTEMPT_KEY = "elastictrain/attempt"
 _POLL_S = 0.02  # handshake poll interval: cheap TCPStore round trips
-EXIT_INIT_TIMEOUT = 3
 
 
 @dataclass(frozen=True)
@@ -70,8 +69,14 @@ def _base_store(env: DistEnv, timeout: float) -> dist.Store:
     )
 
 
-def handshake(store: dist.Store, env: DistEnv, timeout: float) -> Attempt:
-    """Agree on a fresh attempt nonce; never trusts a value left by an earlier attempt."""
+def handshake(
+    store: dist.Store, env: DistEnv, timeout: float, flag_value: float | None = None
+) -> Attempt:
+    """Agree on a fresh attempt nonce; never trusts a value left by an earlier attempt.
+
+    ``flag_value`` is the --init-timeout to name in errors when ``timeout`` is a share of it.
+    """
+    shown = f"{flag_value if flag_value is not None else timeout:.0f}s"
     deadline = time.monotonic() + timeout
     if env.rank == 0:
         generation = time.time_ns()
@@ -84,7 +89,7 @@ def handshake(store: dist.Store, env: DistEnv, timeout: float) -> Attempt:
             except dist.DistStoreError as e:
                 missing = [k.rsplit("/", 1)[1] for k in joins if not store.check([k])]
                 raise InitTimeoutError(
-                    f"rank 0: ranks {missing} did not join within --init-timeout ({timeout:.0f}s). "
+                    f"rank 0: ranks {missing} did not join within --init-timeout ({shown}). "
                     "Raise --init-timeout if nodes start far apart."
                 ) from e
             for key in joins:
@@ -97,7 +102,7 @@ def handshake(store: dist.Store, env: DistEnv, timeout: float) -> Attempt:
         if time.monotonic() >= deadline:
             raise InitTimeoutError(
                 f"rank {env.rank}: rank 0 of this attempt did not answer within --init-timeout "
-                f"({timeout:.0f}s). Raise --init-timeout if nodes start far apart."
+                f"({shown}). Raise --init-timeout if nodes start far apart."
             )
         # check() never blocks, so a stale advertisement costs one poll, not a store timeout.
         if store.check([ATTEMPT_KEY]):
@@ -176,7 +181,8 @@ def init_process_groups(
         )
     with _InitWatchdog(init_timeout, env.rank):
         base = _base_store(env, init_timeout)
-        attempt = handshake(base, env, init_timeout)
+        # 90% of the budget, so a missing rank is reported by name before the hard bound fires.
+        attempt = handshake(base, env, 0.9 * init_timeout, flag_value=init_timeout)
         store = dist.PrefixStore(f"elastictrain/{attempt.nonce}/", base)
         dist.init_process_group(
             backend,

@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
+EXIT_USER_ERROR = 2
+EXIT_INIT_TIMEOUT = 3
+EXIT_HUNG = 4
+EXIT_TIMEOUT = 5
+EXIT_PREEMPTED = (
+    75  # EX_TEMPFAIL: stopped on request with a checkpoint committed; relaunch to continue
+)
+
 
 class ElasticTrainError(Exception):
     """Base class of every error raised by ``elastictrain``."""
+
+    exit_code = EXIT_USER_ERROR
 
 
 class ConfigError(ElasticTrainError, ValueError):
@@ -21,3 +31,11 @@ class CheckpointMismatchError(ElasticTrainError, ValueError):
 
 class InitTimeoutError(ElasticTrainError, TimeoutError):
     """Process-group initialisation did not finish within --init-timeout."""
+
+    exit_code = EXIT_INIT_TIMEOUT
+
+
+class CollectiveTimeoutError(ElasticTrainError, TimeoutError):
+    """A training collective or checkpoint barrier outlived its timeout (names which one)."""
+
+    exit_code = EXIT_TIMEOUT

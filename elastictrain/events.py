@@ -166,10 +166,15 @@ class Progress:
         self._last_step = start_step
         self.last_checkpoint: int | None = None
 
-    def maybe_report(self, step: int, loss: torch.Tensor, force: bool = False) -> None:
-        now = time.monotonic()
-        if not self.enabled or (not force and now - self._last_t < self.every_s):
+    def due(self) -> bool:
+        """Rank 0's clock says a report is due; the loop makes it everyone's decision."""
+        return self.enabled and time.monotonic() - self._last_t >= self.every_s
+
+    def report(self, step: int, loss: torch.Tensor, stragglers: Any = None) -> None:
+        """Log and record progress (rank 0 only); ``stragglers`` is a StragglerReport or None."""
+        if not self.enabled:
             return
+        now = time.monotonic()
         rate = (step - self._last_step) / max(now - self._last_t, 1e-9)
         eta = (self.max_steps - step) / rate if rate > 0 else float("inf")
         value = float(loss.item())
@@ -190,6 +195,9 @@ class Progress:
             steps_per_s=round(rate, 3),
             world_size=self.world_size,
         )
+        if stragglers is not None and self.world_size > 1:
+            logger.info("%s", stragglers.describe())
+            self.events.emit("stragglers", step=step, **stragglers.as_event())
         self._last_t, self._last_step = now, step
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -9,6 +10,7 @@ import torch
 from torch import nn
 
 from elastictrain.data import GlobalBatchSampler, Share, step_seed
+from elastictrain.stragglers import StepTimer
 from elastictrain.task import Task
 
 
@@ -47,6 +49,7 @@ class Trainer:
         self.world_size = world_size
         self.seed = seed
         self.on_share = on_share
+        self.timer = StepTimer()
         """Called with each step's share before any collective: a hook for the sample ledger."""
 
     def prime_buckets(self, step: int) -> None:
@@ -74,6 +77,7 @@ class Trainer:
 
     def step(self, step: int) -> torch.Tensor:
         """Train global step ``step`` (0-based); returns this rank's weighted loss (not synced)."""
+        t0 = time.perf_counter()
         # Randomness inside a step depends only on (seed, step, rank): nothing to checkpoint.
         torch.manual_seed(step_seed(self.seed, step, self.rank))
         batch, share = self._batch(step)
@@ -82,6 +86,8 @@ class Trainer:
             self.on_share(step, share)
         self.optimizer.zero_grad(set_to_none=True)
         loss = self.task.loss_fn(self.model, batch)
+        # Work before the first synchronisation (the all-reduce inside backward): the straggler signal.
+        self.timer.add(time.perf_counter() - t0)
         # DDP averages gradients over ranks; the weight turns that into the global-batch mean.
         weighted = loss * share.weight if share.weight != 1.0 else loss
         weighted.backward()

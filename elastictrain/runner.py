@@ -1,23 +1,32 @@
-"""Wires one attempt together: env -> process groups -> resume -> loop -> final checkpoint."""
+"""Wires one attempt together: env -> process groups -> resume -> loop -> final checkpoint.
+
+Exit codes (errors.py): 0 finished; 75 preempted with a checkpoint committed; 2 bad input;
+3 init timeout; 4 hang detected; 5 a collective or checkpoint barrier timed out; 1 a crash.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
 import time
+from collections.abc import Iterator
 
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from elastictrain import dist as edist
+from elastictrain import stragglers
 from elastictrain.checkpointing import Checkpointer, CheckpointSchedule
 from elastictrain.config import RunConfig
 from elastictrain.data import GlobalBatchSampler
 from elastictrain.env import DistEnv, read_env
+from elastictrain.errors import EXIT_PREEMPTED, CollectiveTimeoutError
 from elastictrain.events import CONTEXT, EventLog, Progress, SampleLog, setup_logging
 from elastictrain.loop import Trainer
 from elastictrain.state import DataFingerprint
 from elastictrain.task import Task, build_task
+from elastictrain.watchdog import HangWatchdog, StopSignals, parse_signal
 
 logger = logging.getLogger(__name__)
 
@@ -25,13 +34,13 @@ logger = logging.getLogger(__name__)
 def run(cfg: RunConfig) -> int:
     env = read_env()
     setup_logging(env.rank)
+    # Installed first: a preemption during init or resume is remembered and honoured at step 1.
+    signals = StopSignals([parse_signal(name) for name in cfg.preempt_signal])
     # Built before any process-group work, so a bad --task fails fast and identically everywhere.
     torch.manual_seed(cfg.seed)
     task = build_task(cfg.task, cfg.task_options)
     sampler = GlobalBatchSampler(len(task.dataset), task.batch_size, cfg.seed)
     sampler.share(0, env.rank, env.world_size)  # validates world size against the batch
-    fingerprint = DataFingerprint(task.batch_size, len(task.dataset), cfg.seed)
-
     device = edist.pick_device(env)
     t_init = time.monotonic()
     groups = edist.init_process_groups(
@@ -42,13 +51,14 @@ def run(cfg: RunConfig) -> int:
         checkpoint_timeout=cfg.checkpoint_timeout,
     )
     events = EventLog(cfg.event_log, enabled=env.is_rank0)
+    init_s = time.monotonic() - t_init
     logger.info(
         "started: world size %d, restart %d, generation %d, device %s, init %.2fs",
         env.world_size,
         env.restart_count,
         groups.attempt.generation,
         device,
-        time.monotonic() - t_init,
+        init_s,
     )
     events.emit(
         "start",
@@ -57,118 +67,203 @@ def run(cfg: RunConfig) -> int:
         generation=groups.attempt.generation,
         host=socket.gethostname(),
         max_steps=cfg.max_steps,
-        init_s=round(time.monotonic() - t_init, 4),
+        init_s=round(init_s, 4),
     )
+    watchdog = HangWatchdog(cfg.hang_timeout, startup_s=cfg.checkpoint_timeout).start()
     try:
-        return _train(cfg, env, task, sampler, fingerprint, device, groups, events)
+        return _Attempt(cfg, env, task, sampler, device, groups, events, watchdog, signals).train()
     finally:
+        watchdog.stop()
         edist.shutdown()
 
 
-def _train(
-    cfg: RunConfig,
-    env: DistEnv,
-    task: Task,
-    sampler: GlobalBatchSampler,
-    fingerprint: DataFingerprint,
-    device: torch.device,
-    groups: edist.ProcessGroups,
-    events: EventLog,
-) -> int:
-    ckpt = Checkpointer(
-        url=cfg.checkpoint_dir,
-        storage_options=cfg.storage_options,
-        retry_deadline=cfg.storage_retry_deadline,
-        rank=env.rank,
-        world_size=env.world_size,
-        generation=groups.attempt.generation,
-        control=groups.control,
-        device=device,
-        events=events,
-        keep_last=cfg.keep_last,
-        read_mode=cfg.resume_read,
-    )
-    ckpt.preflight()
-    model = task.model.to(device)
-    optimizer = task.make_optimizer(model.parameters())
-    scheduler = task.make_scheduler(optimizer) if task.make_scheduler else None
-    resumed = ckpt.resume(model, optimizer, scheduler, fingerprint)
-    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-    trainer = Trainer(
-        task=task,
-        model=ddp,
-        optimizer=optimizer,
-        scheduler=scheduler,
-        sampler=sampler,
-        device=device,
-        rank=env.rank,
-        world_size=env.world_size,
-        seed=cfg.seed,
-        on_share=SampleLog(
-            cfg.sample_log,
+@contextlib.contextmanager
+def _named_timeout(flag: str, value: float, what: str) -> Iterator[None]:
+    """Turn a backend timeout into an error that names the knob and its value."""
+    try:
+        yield
+    except RuntimeError as e:
+        if "timed out" not in str(e).lower() and "timeout" not in str(e).lower():
+            raise
+        raise CollectiveTimeoutError(
+            f"{what} did not complete within {flag}={value:.0f}s: a rank is slower than that budget, "
+            f"stuck, or gone. Raise {flag} above the worst expected skew, or see the straggler report. "
+            f"({type(e).__name__}: {str(e).splitlines()[0][:200]})"
+        ) from e
+
+
+class _Attempt:
+    """One attempt's training: resume, step, agree on stop/checkpoint/report, save."""
+
+    def __init__(
+        self,
+        cfg: RunConfig,
+        env: DistEnv,
+        task: Task,
+        sampler: GlobalBatchSampler,
+        device: torch.device,
+        groups: edist.ProcessGroups,
+        events: EventLog,
+        watchdog: HangWatchdog,
+        signals: StopSignals,
+    ) -> None:
+        self.cfg, self.env, self.task, self.sampler, self.device = cfg, env, task, sampler, device
+        self.groups, self.events, self.watchdog, self.signals = groups, events, watchdog, signals
+        self.fingerprint = DataFingerprint(task.batch_size, len(task.dataset), cfg.seed)
+        self.ckpt = Checkpointer(
+            url=cfg.checkpoint_dir,
+            storage_options=cfg.storage_options,
+            retry_deadline=cfg.storage_retry_deadline,
             rank=env.rank,
             world_size=env.world_size,
             generation=groups.attempt.generation,
-        ).record,
-    )
-    if resumed.step < cfg.max_steps:
-        trainer.prime_buckets(resumed.step)
-    schedule = CheckpointSchedule(cfg.checkpoint_every_steps, cfg.checkpoint_every_seconds)
-    progress = Progress(
-        world_size=env.world_size,
-        start_step=resumed.step,
-        max_steps=cfg.max_steps,
-        every_s=cfg.log_every_seconds,
-        events=events,
-        enabled=env.is_rank0,
-    )
-    progress.last_checkpoint = resumed.checkpoint_step
-
-    def save(step: int, reason: str) -> None:
-        ckpt.save(
-            step=step,
-            epoch=sampler.epoch_of(max(step - 1, 0)),
-            model=model,
-            optimizer=optimizer,
-            scheduler=scheduler,
-            fingerprint=fingerprint,
-            reason=reason,
+            control=groups.control,
+            device=device,
+            events=events,
+            keep_last=cfg.keep_last,
+            read_mode=cfg.resume_read,
         )
-        schedule.mark_saved()
-        progress.last_checkpoint = step
+        self.schedule = CheckpointSchedule(cfg.checkpoint_every_steps, cfg.checkpoint_every_seconds)
 
-    loss = torch.zeros(())
-    t_loop = time.monotonic()
-    for step in range(resumed.step, cfg.max_steps):
-        CONTEXT.step = step
-        loss = trainer.step(step)
-        done = step + 1
-        CONTEXT.step = done
-        by_time = (
-            schedule.uses_time
-            and edist.any_rank_flags([env.is_rank0 and schedule.due_by_time()], device)[0]
+    def save(self, step: int, reason: str) -> None:
+        with (
+            self.watchdog.phase("checkpoint", self.cfg.checkpoint_timeout),
+            _named_timeout(
+                "--checkpoint-timeout",
+                self.cfg.checkpoint_timeout,
+                f"the checkpoint barrier at step {step}",
+            ),
+        ):
+            self.ckpt.save(
+                step=step,
+                epoch=self.sampler.epoch_of(max(step - 1, 0)),
+                model=self.model,
+                optimizer=self.optimizer,
+                scheduler=self.scheduler,
+                fingerprint=self.fingerprint,
+                reason=reason,
+            )
+        self.schedule.mark_saved()
+        self.progress.last_checkpoint = step
+
+    def train(self) -> int:
+        cfg, env = self.cfg, self.env
+        with _named_timeout("--checkpoint-timeout", cfg.checkpoint_timeout, "resume"):
+            self.ckpt.preflight()
+            self.model = self.task.model.to(self.device)
+            self.optimizer = self.task.make_optimizer(self.model.parameters())
+            self.scheduler = (
+                self.task.make_scheduler(self.optimizer) if self.task.make_scheduler else None
+            )
+            resumed = self.ckpt.resume(self.model, self.optimizer, self.scheduler, self.fingerprint)
+        ddp = DDP(
+            self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None
         )
-        if done < cfg.max_steps and (schedule.due_by_steps(done) or by_time):
-            save(done, "time" if by_time else "steps")
-        progress.maybe_report(done, loss)
-    if resumed.step > cfg.max_steps:
-        # Never label step-k state as an earlier step: there is nothing to train or save.
+        sample_log = SampleLog(
+            cfg.sample_log,
+            rank=env.rank,
+            world_size=env.world_size,
+            generation=self.groups.attempt.generation,
+        )
+        trainer = Trainer(
+            task=self.task,
+            model=ddp,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+            sampler=self.sampler,
+            device=self.device,
+            rank=env.rank,
+            world_size=env.world_size,
+            seed=cfg.seed,
+            on_share=sample_log.record,
+        )
+        self.progress = Progress(
+            world_size=env.world_size,
+            start_step=resumed.step,
+            max_steps=cfg.max_steps,
+            every_s=cfg.log_every_seconds,
+            events=self.events,
+            enabled=env.is_rank0,
+        )
+        self.progress.last_checkpoint = resumed.checkpoint_step
+        if resumed.step < cfg.max_steps:
+            with _named_timeout(
+                "--collective-timeout", cfg.collective_timeout, "the first step's all-reduce"
+            ):
+                trainer.prime_buckets(resumed.step)
+
+        loss = torch.zeros(())
+        t_loop = time.monotonic()
+        for step in range(resumed.step, cfg.max_steps):
+            CONTEXT.step = step
+            with _named_timeout(
+                "--collective-timeout", cfg.collective_timeout, f"training step {step}"
+            ):
+                loss = trainer.step(step)
+                done = step + 1
+                CONTEXT.step = done
+                self.watchdog.beat(done)
+                # One small all-reduce per step turns local opinions into decisions all ranks share.
+                stop, by_time, report = edist.any_rank_flags(
+                    [
+                        self.signals.requested,
+                        env.is_rank0 and self.schedule.due_by_time(),
+                        env.is_rank0 and self.progress.due(),
+                    ],
+                    self.device,
+                )
+                if report:
+                    self.progress.report(
+                        done, loss, stragglers.gather(trainer.timer, self.groups.control)
+                    )
+            if stop:
+                return self._preempted(done)
+            if done < cfg.max_steps and (self.schedule.due_by_steps(done) or by_time):
+                self.save(done, "time" if by_time else "steps")
+
+        if resumed.step > cfg.max_steps:
+            # Never label step-k state as an earlier step: there is nothing to train or save.
+            logger.warning(
+                "checkpoint is at step %d, past --max-steps %d; nothing to do",
+                resumed.step,
+                cfg.max_steps,
+            )
+        else:
+            self.save(cfg.max_steps, "final")
+        if resumed.step < cfg.max_steps:
+            self.progress.report(cfg.max_steps, loss)
+        elapsed = time.monotonic() - t_loop
+        trained = max(cfg.max_steps - resumed.step, 0)
+        logger.info(
+            "FINISHED %d steps (%d this attempt in %.1fs); exit 0", cfg.max_steps, trained, elapsed
+        )
+        self.events.emit(
+            "end",
+            step=max(cfg.max_steps, resumed.step),
+            steps_this_attempt=trained,
+            seconds=round(elapsed, 3),
+        )
+        return 0
+
+    def _preempted(self, step: int) -> int:
+        t0 = time.monotonic()
+        self.save(step, "preempt")
+        received = self.signals.received.name if self.signals.received else "a peer's signal"
+        since = time.monotonic() - self.signals.received_at if self.signals.received_at else None
         logger.warning(
-            "checkpoint is at step %d, past --max-steps %d; nothing to do",
-            resumed.step,
-            cfg.max_steps,
+            "PREEMPTED (%s) at step %d: checkpoint committed in %.2fs; exit %d. Relaunch to continue "
+            "from step %d.",
+            received,
+            step,
+            time.monotonic() - t0,
+            EXIT_PREEMPTED,
+            step,
         )
-    else:
-        save(cfg.max_steps, "final")
-    if resumed.step < cfg.max_steps:
-        progress.maybe_report(cfg.max_steps, loss, force=True)
-    elapsed = time.monotonic() - t_loop
-    trained = max(cfg.max_steps - resumed.step, 0)
-    logger.info("finished %d steps (%d this attempt in %.1fs)", cfg.max_steps, trained, elapsed)
-    events.emit(
-        "end",
-        step=max(cfg.max_steps, resumed.step),
-        steps_this_attempt=trained,
-        seconds=round(elapsed, 3),
-    )
-    return 0
+        self.events.emit(
+            "preempted",
+            step=step,
+            signal=received,
+            save_s=round(time.monotonic() - t0, 4),
+            signal_to_commit_s=round(since, 4) if since is not None else None,
+        )
+        return EXIT_PREEMPTED

@@ -1,7 +1,9 @@
 """The built-in toy task: the DDP tutorial's ToyModel on a deterministic synthetic dataset.
 
 Options (``--task-option KEY=VALUE``): hidden (10), layers (1 hidden layer), dataset_size (4096),
-batch_size (64, global), lr (0.01), momentum (0.9), step_time (0 s of simulated compute per step).
+batch_size (64, global), lr (0.01), momentum (0.9), step_time (0 s of simulated compute per step),
+and for skew tests: slow_rank (none), slow_factor (1: that rank's step_time multiplier) and
+start_delay (0 s that rank sleeps before initialising).
 """
 
 from __future__ import annotations
@@ -13,10 +15,22 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
+from elastictrain.env import read_env
 from elastictrain.errors import ConfigError
 from elastictrain.task import Task, option
 
-KNOWN_OPTIONS = {"hidden", "layers", "dataset_size", "batch_size", "lr", "momentum", "step_time"}
+KNOWN_OPTIONS = {
+    "hidden",
+    "layers",
+    "dataset_size",
+    "batch_size",
+    "lr",
+    "momentum",
+    "step_time",
+    "slow_rank",
+    "slow_factor",
+    "start_delay",
+}
 
 
 class ToyModel(nn.Module):
@@ -58,6 +72,10 @@ def make_task(options: Mapping[str, str]) -> Task:
             f"Toy task needs hidden >= 1 and layers >= 1, got hidden={hidden}, layers={layers}."
         )
     step_time = option(options, "step_time", 0.0, float)
+    slow_rank = option(options, "slow_rank", -1)
+    if read_env().rank == slow_rank:
+        step_time *= option(options, "slow_factor", 1.0, float)
+        time.sleep(option(options, "start_delay", 0.0, float))  # the task is built before init
     lr = option(options, "lr", 0.01, float)
     momentum = option(options, "momentum", 0.9, float)
     mse = nn.MSELoss()

@@ -118,8 +118,8 @@ def test_progress_reports_rate_eta_and_last_checkpoint(tmp_path, caplog):
     )
     progress.last_checkpoint = 40
     with caplog.at_level(logging.INFO, logger="elastictrain.events"):
-        progress.maybe_report(10, torch.tensor(0.5))  # inside the interval: silent
-        progress.maybe_report(50, torch.tensor(0.25), force=True)
+        assert not progress.due()  # inside the interval
+        progress.report(50, torch.tensor(0.25))
     (event,) = read_events(path)
     assert (
         event["event"] == "progress"

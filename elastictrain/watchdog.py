@@ -1,0 +1,128 @@
+"""Hang detection and preemption signals.
+
+A hang is "no step progress for --hang-timeout": a SIGSTOPped peer, a deadlocked collective, user
+code stuck in a loop. The watchdog thread dumps every thread's Python stack (faulthandler) and exits
+non-zero, so torchrun restarts the group instead of waiting for gloo's 30-minute default.
+
+A preemption signal only sets a flag; the loop agrees on it at the next step boundary.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+
+from elastictrain.errors import EXIT_HUNG, ConfigError
+
+logger = logging.getLogger(__name__)
+
+
+def parse_signal(name: str) -> signal.Signals:
+    key = name.upper() if name.upper().startswith("SIG") else f"SIG{name.upper()}"
+    try:
+        return signal.Signals[key]
+    except KeyError:
+        raise ConfigError(
+            f"--preempt-signal {name!r} is not a signal name; use e.g. SIGTERM or SIGUSR1."
+        ) from None
+
+
+class StopSignals:
+    """Turns preemption signals into a flag. The handler does nothing else: no I/O, no locks."""
+
+    def __init__(self, signals: Sequence[signal.Signals]) -> None:
+        self.received: signal.Signals | None = None
+        self.received_at: float | None = None
+        for sig in signals:
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, frame) -> None:
+        if self.received is None:
+            self.received = signal.Signals(signum)
+            self.received_at = time.monotonic()
+
+    @property
+    def requested(self) -> bool:
+        return self.received is not None
+
+
+class HangWatchdog:
+    """Exits the process when no step completes within the current phase's budget."""
+
+    def __init__(
+        self,
+        timeout: float,
+        *,
+        startup_s: float,
+        poll_s: float = 0.5,
+        clock: Callable[[], float] = time.monotonic,
+        on_hang: Callable[[str], None] | None = None,
+    ) -> None:
+        self.timeout = timeout
+        self._poll_s = poll_s
+        self._clock = clock
+        self._on_hang = on_hang or _dump_and_exit
+        self._last = clock()
+        self._step: int | None = None
+        # Until the first step completes (resume, first-step compilation), the startup budget rules.
+        self._phase, self._budget = "startup", startup_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="elastictrain-watchdog", daemon=True)
+
+    def start(self) -> HangWatchdog:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def beat(self, step: int) -> None:
+        self._step = step
+        self._last = self._clock()
+        if self._phase == "startup":
+            self._phase, self._budget = "training", self.timeout
+
+    @contextlib.contextmanager
+    def phase(self, name: str, budget: float) -> Iterator[None]:
+        """Run a non-step phase (resume, checkpoint save) under its own, usually longer, budget."""
+        previous = (self._phase, self._budget)
+        self._phase, self._budget = name, budget
+        self._last = self._clock()
+        try:
+            yield
+        finally:
+            (self._phase, self._budget), self._last = previous, self._clock()
+
+    def check(self) -> bool:
+        """True (and the hang handler called) when the budget is exceeded; used by the thread."""
+        idle = self._clock() - self._last
+        if idle <= self._budget:
+            return False
+        self._on_hang(
+            f"no progress for {idle:.1f}s in phase '{self._phase}' after step {self._step} "
+            f"(budget {self._budget:.0f}s, from --{'hang' if self._phase == 'training' else 'checkpoint'}-timeout)"
+        )
+        return True
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._poll_s):
+            if self.check():
+                return
+
+
+def _dump_and_exit(reason: str) -> None:
+    logger.error(
+        "HANG DETECTED: %s; dumping Python stacks and exiting %d so torchrun restarts the group",
+        reason,
+        EXIT_HUNG,
+    )
+    faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+    logging.shutdown()
+    os._exit(EXIT_HUNG)

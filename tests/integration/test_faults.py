@@ -1,0 +1,162 @@
+"""Skewed ranks, hung ranks and preemption, on real torchrun jobs."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+from elastictrain.events import read_events
+from tests.integration.launcher import assert_bitwise_equal, final_state, wait_for_event
+from tests.integration.test_kill_resume import toy_args
+
+
+def test_sigterm_preemption_loses_zero_steps(launch, tmp_path):
+    ref_dir = str(tmp_path / "ref")
+    ref = launch(
+        toy_args(ref_dir, str(tmp_path / "ref.jsonl"), max_steps=400, every=100, step_time=0),
+        name="ref",
+    )
+    assert ref.wait(120) == 0
+
+    run_dir, ev = str(tmp_path / "run"), str(tmp_path / "run.jsonl")
+    args = toy_args(run_dir, ev, max_steps=400, every=100, step_time=0.01)
+    job = launch(args, name="preempted")
+    wait_for_event(ev, lambda e: e["event"] == "progress" and 30 < e["step"] < 300, 90, job)
+    t_term = time.monotonic()
+    os.kill(job.proc.pid, signal.SIGTERM)  # the agent, as SLURM or Kubernetes would
+    job.wait(60)
+    term_to_exit_s = time.monotonic() - t_term
+    log = job.log()
+    assert "PREEMPTED (SIGTERM)" in log and "exit 75" in log
+    preempted = [e for e in read_events(ev) if e["event"] == "preempted"]
+    assert (
+        len(preempted) == 1 and preempted[0]["step"] % 100 != 0
+    )  # an off-schedule, exact-step save
+    stopped_at = preempted[0]["step"]
+
+    again = launch(args, name="relaunch")
+    assert again.wait(120) == 0, again.log()[-3000:]
+    resumes = [e for e in read_events(ev) if e["event"] == "resume"]
+    assert resumes[-1]["step"] == stopped_at  # zero lost steps
+    assert_bitwise_equal(final_state(run_dir), final_state(ref_dir))
+    ckpt = [e for e in read_events(ev) if e["event"] == "checkpoint" and e["reason"] == "preempt"][
+        0
+    ]
+    print(
+        f"\nSIGTERM->exit {term_to_exit_s:.2f}s, preemption checkpoint {ckpt['bytes']} bytes at step "
+        f"{stopped_at}, signal->commit {preempted[0]['signal_to_commit_s']}s"
+    )
+
+
+def test_preempt_signal_is_configurable(launch, tmp_path):
+    ev = str(tmp_path / "ev.jsonl")
+    job = launch(
+        [
+            *toy_args(str(tmp_path / "c"), ev, max_steps=5000, every=1000, step_time=0.01),
+            "--preempt-signal",
+            "SIGUSR1",
+        ],
+        nproc=2,
+        max_restarts=0,
+    )
+    wait_for_event(ev, lambda e: e["event"] == "progress" and e["step"] > 20, 90, job)
+    for pid in job.workers().values():  # SLURM --signal=USR1 reaches the tasks directly
+        os.kill(pid, signal.SIGUSR1)
+    job.wait(60)
+    (preempted,) = [e for e in read_events(ev) if e["event"] == "preempted"]
+    assert preempted["signal"] == "SIGUSR1"
+
+
+def test_sigstopped_rank_is_detected_and_the_job_recovers(launch, tmp_path):
+    ev = str(tmp_path / "ev.jsonl")
+    args = [
+        *toy_args(str(tmp_path / "c"), ev, max_steps=600, every=50, step_time=0.01),
+        "--hang-timeout",
+        "5",
+        "--collective-timeout",
+        "300",
+        "--checkpoint-timeout",
+        "60",
+    ]
+    job = launch(args, nproc=2, max_restarts=2)
+    wait_for_event(ev, lambda e: e["event"] == "checkpoint" and e["step"] >= 100, 90, job)
+    workers = job.workers()
+    stopped, healthy = workers[1], workers[0]
+    t_stop = time.monotonic()
+    os.kill(stopped, signal.SIGSTOP)
+    while True:  # the healthy rank must notice and exit on its own
+        try:
+            os.kill(healthy, 0)
+        except ProcessLookupError:
+            break
+        assert time.monotonic() - t_stop < 5 + 15, "hang not detected within --hang-timeout + 15s"
+        time.sleep(0.1)
+    detect_s = time.monotonic() - t_stop
+    assert job.wait(180) == 0, job.log()[-3000:]
+    log = job.log()
+    assert "HANG DETECTED" in log and "(most recent call first)" in log  # stacks dumped
+    resumes = [e for e in read_events(ev) if e["event"] == "resume"]
+    assert len(resumes) == 2 and resumes[1]["step"] >= 100
+    print(f"\nSIGSTOP detected in {detect_s:.1f}s (--hang-timeout 5); job finished after restart")
+
+
+def test_slow_and_late_rank_within_budget_completes(launch, tmp_path):
+    ev = str(tmp_path / "ev.jsonl")
+    args = [
+        *toy_args(str(tmp_path / "c"), ev, max_steps=60, every=30, step_time=0.05),
+        "--task-option",
+        "slow_rank=1",
+        "--task-option",
+        "slow_factor=3",
+        "--task-option",
+        "start_delay=20",
+        "--init-timeout",
+        "60",
+        "--collective-timeout",
+        "10",
+        "--hang-timeout",
+        "10",
+        "--log-every-seconds",
+        "1",
+    ]
+    job = launch(args, nproc=2, max_restarts=0)
+    assert job.wait(150) == 0, job.log()[-3000:]
+    events = read_events(ev)
+    (start,) = [e for e in events if e["event"] == "start"]
+    assert start["init_s"] >= 15  # rank 0 waited for the late rank inside the init budget
+    reports = [e for e in events if e["event"] == "stragglers"]
+    assert reports and reports[-1]["slowest_rank"] == 1
+    medians = [r["median_s"] for r in reports[-1]["ranks"]]
+    assert 2.0 < medians[1] / medians[0] < 4.0
+
+
+def test_budget_below_skew_fails_naming_the_timeout(launch, tmp_path):
+    args = [
+        *toy_args(
+            str(tmp_path / "c"), str(tmp_path / "ev.jsonl"), max_steps=20, every=10, step_time=1.0
+        ),
+        "--task-option",
+        "slow_rank=1",
+        "--task-option",
+        "slow_factor=3",
+        "--collective-timeout",
+        "1",
+    ]
+    job = launch(args, nproc=2, max_restarts=0)
+    assert job.wait(120) != 0
+    assert "did not complete within --collective-timeout=1s" in job.log()
+    late = [
+        *toy_args(
+            str(tmp_path / "d"), str(tmp_path / "ev2.jsonl"), max_steps=20, every=10, step_time=0
+        ),
+        "--task-option",
+        "slow_rank=1",
+        "--task-option",
+        "start_delay=8",
+        "--init-timeout",
+        "2",
+    ]
+    job = launch(late, nproc=2, max_restarts=0, name="late")
+    assert job.wait(120) != 0
+    assert "did not join within --init-timeout (2s)" in job.log()
