@@ -90,6 +90,8 @@ def test_node_loss_then_rejoin_trains_every_sample_once(launch, tmp_path):
 
     events = read_events(ev)
     assert events[-1]["event"] == "end" and events[-1]["step"] == STEPS
+    # The agent stops a healthy group with SIGTERM for the rejoin: it saved the exact step first.
+    assert grown["step"] in [e["step"] for e in events if e["event"] == "preempted"]
     ledger = assert_exactly_once(
         read_sample_log(str(tmp_path / "elastic-samples")),
         dataset_size=DATASET,

@@ -122,3 +122,15 @@ def test_toy_options():
         build_task("elastictrain.toy:make_task", {"hiden": "3"})
     with pytest.raises(ConfigError, match="fewer than one global batch"):
         build_task("elastictrain.toy:make_task", {"dataset_size": "5", "batch_size": "10"})
+
+
+def test_fault_flags():
+    cfg = parse_args(
+        ["--hang-timeout", "30", "--preempt-signal", "SIGUSR1", "--preempt-signal", "SIGTERM"]
+    )
+    assert cfg.hang_timeout == 30 and cfg.preempt_signal == ["SIGUSR1", "SIGTERM"]
+    assert parse_args([]).preempt_signal == ["SIGTERM"]
+    with pytest.raises(ConfigError, match="--hang-timeout must be > 0"):
+        parse_args(["--hang-timeout", "0"])
+    with pytest.raises(ConfigError, match="not a signal name"):
+        parse_args(["--preempt-signal", "SIGBOGUS"])
