@@ -15,6 +15,7 @@ import torch.distributed as dist
 import storage
 from elastictrain import dist as edist
 from elastictrain import state as tstate
+from elastictrain.errors import OrphanedError
 from elastictrain.events import EventLog
 from elastictrain.version import __version__
 
@@ -77,6 +78,7 @@ class Checkpointer:
         events: EventLog,
         keep_last: int,
         read_mode: str = "rank0",
+        attached: Callable[[], bool] = lambda: True,
     ) -> None:
         self.is_writer = rank == 0
         self.world_size = world_size
@@ -86,6 +88,8 @@ class Checkpointer:
         self.events = events
         self.keep_last = keep_last
         self.read_mode = read_mode
+        self.attached = attached
+        """False once our torchrun agent is gone: an orphan must never commit (zombie writer)."""
         self.store: storage.CheckpointStore | None = None
         self.last_committed: int | None = None
         if self.is_writer or read_mode == "all":
@@ -191,6 +195,8 @@ class Checkpointer:
                 tstate.capture(model, optimizer, scheduler, step=step, fingerprint=fingerprint)
             )
             t_snap = time.monotonic()
+            if not self.attached():
+                raise OrphanedError(f"the torchrun agent is gone; not committing step {step}.")
             manifest = self.store.commit(
                 step, {tstate.STATE_FILE: blob}, self._metadata(step, epoch)
             )

@@ -6,6 +6,7 @@ EXIT_USER_ERROR = 2
 EXIT_INIT_TIMEOUT = 3
 EXIT_HUNG = 4
 EXIT_TIMEOUT = 5
+EXIT_ORPHANED = 6  # the torchrun agent died; exiting so no zombie writer is left behind
 EXIT_PREEMPTED = (
     75  # EX_TEMPFAIL: stopped on request with a checkpoint committed; relaunch to continue
 )
@@ -29,6 +30,10 @@ class CheckpointMismatchError(ElasticTrainError, ValueError):
     """A checkpoint does not fit this run's model or data (keys, shapes, batch size)."""
 
 
+class UnsafeCheckpointError(ElasticTrainError):
+    """A checkpoint would need arbitrary unpickling to load; it is refused, never executed."""
+
+
 class InitTimeoutError(ElasticTrainError, TimeoutError):
     """Process-group initialisation did not finish within --init-timeout."""
 
@@ -39,3 +44,9 @@ class CollectiveTimeoutError(ElasticTrainError, TimeoutError):
     """A training collective or checkpoint barrier outlived its timeout (names which one)."""
 
     exit_code = EXIT_TIMEOUT
+
+
+class OrphanedError(ElasticTrainError):
+    """The torchrun agent died; this worker must not train or commit any further."""
+
+    exit_code = EXIT_ORPHANED

@@ -1,16 +1,18 @@
 """Wires one attempt together: env -> process groups -> resume -> loop -> final checkpoint.
 
 Exit codes (errors.py): 0 finished; 75 preempted with a checkpoint committed; 2 bad input;
-3 init timeout; 4 hang detected; 5 a collective or checkpoint barrier timed out; 1 a crash.
+3 init timeout; 4 hang detected; 5 a collective or checkpoint barrier timed out; 6 the torchrun
+agent died (orphaned worker); 1 a crash.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -33,6 +35,7 @@ logger = logging.getLogger(__name__)
 
 def run(cfg: RunConfig) -> int:
     env = read_env()
+    agent_pid = os.getppid()  # under torchrun: the agent; recorded before anything can reparent us
     setup_logging(env.rank)
     # Installed first: a preemption during init or resume is remembered and honoured at step 1.
     signals = StopSignals([parse_signal(name) for name in cfg.preempt_signal])
@@ -69,9 +72,18 @@ def run(cfg: RunConfig) -> int:
         max_steps=cfg.max_steps,
         init_s=round(init_s, 4),
     )
-    watchdog = HangWatchdog(cfg.hang_timeout, startup_s=cfg.checkpoint_timeout).start()
+    watchdog = HangWatchdog(
+        cfg.hang_timeout,
+        startup_s=cfg.checkpoint_timeout,
+        agent_pid=agent_pid if env.launched_by_torchrun else None,
+    ).start()
     try:
-        return _Attempt(cfg, env, task, sampler, device, groups, events, watchdog, signals).train()
+        attached = (
+            (lambda: os.getppid() == agent_pid) if env.launched_by_torchrun else (lambda: True)
+        )
+        return _Attempt(
+            cfg, env, task, sampler, device, groups, events, watchdog, signals, attached
+        ).train()
     finally:
         watchdog.stop()
         edist.shutdown()
@@ -106,6 +118,7 @@ class _Attempt:
         events: EventLog,
         watchdog: HangWatchdog,
         signals: StopSignals,
+        attached: Callable[[], bool],
     ) -> None:
         self.cfg, self.env, self.task, self.sampler, self.device = cfg, env, task, sampler, device
         self.groups, self.events, self.watchdog, self.signals = groups, events, watchdog, signals
@@ -122,6 +135,7 @@ class _Attempt:
             events=events,
             keep_last=cfg.keep_last,
             read_mode=cfg.resume_read,
+            attached=attached,
         )
         self.schedule = CheckpointSchedule(cfg.checkpoint_every_steps, cfg.checkpoint_every_seconds)
 

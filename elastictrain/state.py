@@ -7,13 +7,14 @@ code. ``map_location`` remaps whatever device the tensors were saved from to thi
 from __future__ import annotations
 
 import io
+import pickle
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from elastictrain.errors import CheckpointMismatchError
+from elastictrain.errors import CheckpointMismatchError, UnsafeCheckpointError
 
 STATE_FILE = "state.pt"
 STATE_VERSION = 1
@@ -57,7 +58,14 @@ def to_bytes(state: dict[str, Any]) -> bytes:
 
 
 def from_bytes(data: bytes, map_location: Any = "cpu") -> dict[str, Any]:
-    return torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
+    try:
+        return torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise UnsafeCheckpointError(
+            "Refused to load a checkpoint: it holds pickled objects outside torch's weights-only "
+            "allowlist, so loading it could run code. It was not written by elastictrain, or it was "
+            f"tampered with. Nothing was executed. ({str(e).splitlines()[0][:200]})"
+        ) from e
 
 
 def check_compatible(

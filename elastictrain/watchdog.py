@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 
-from elastictrain.errors import EXIT_HUNG, ConfigError
+from elastictrain.errors import EXIT_HUNG, EXIT_ORPHANED, ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -64,11 +64,17 @@ class HangWatchdog:
         poll_s: float = 0.5,
         clock: Callable[[], float] = time.monotonic,
         on_hang: Callable[[str], None] | None = None,
+        agent_pid: int | None = None,
+        parent_pid: Callable[[], int] = os.getppid,
     ) -> None:
         self.timeout = timeout
         self._poll_s = poll_s
         self._clock = clock
         self._on_hang = on_hang or _dump_and_exit
+        # torchrun starts workers in their own sessions: when the agent dies alone (OOM killer,
+        # kill -9), they are reparented and would keep training and committing as zombie writers.
+        self._agent_pid = agent_pid
+        self._parent_pid = parent_pid
         self._last = clock()
         self._step: int | None = None
         # Until the first step completes (resume, first-step compilation), the startup budget rules.
@@ -101,7 +107,10 @@ class HangWatchdog:
             (self._phase, self._budget), self._last = previous, self._clock()
 
     def check(self) -> bool:
-        """True (and the hang handler called) when the budget is exceeded; used by the thread."""
+        """True (and the handler called) on a hang or a dead agent; used by the thread."""
+        if self._agent_pid is not None and self._parent_pid() != self._agent_pid:
+            _orphaned_exit(self._agent_pid)
+            return True
         idle = self._clock() - self._last
         if idle <= self._budget:
             return False
@@ -115,6 +124,17 @@ class HangWatchdog:
         while not self._stop.wait(self._poll_s):
             if self.check():
                 return
+
+
+def _orphaned_exit(agent_pid: int) -> None:
+    logger.error(
+        "ORPHANED: the torchrun agent (pid %d) is gone; exiting %d so this worker cannot keep "
+        "training or writing checkpoints",
+        agent_pid,
+        EXIT_ORPHANED,
+    )
+    logging.shutdown()
+    os._exit(EXIT_ORPHANED)
 
 
 def _dump_and_exit(reason: str) -> None:

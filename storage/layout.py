@@ -23,6 +23,20 @@ CHECKSUM_ALGORITHM = "sha256"
 _STEP_DIR = re.compile(r"^step-(\d{12})$")
 
 
+def check_file_name(name: str) -> str:
+    """A payload file name must stay inside its step directory: no paths, '..' or URL schemes."""
+    if (
+        not isinstance(name, str)
+        or not name
+        or name in (".", "..")
+        or name == MANIFEST_NAME
+        or any(c in name for c in "/\\:")
+        or name.startswith(".")
+    ):
+        raise ValueError(f"unsafe payload file name {name!r}: only plain file names are allowed")
+    return name
+
+
 def step_dir_name(step: int) -> str:
     if step < 0:
         raise ValueError(f"Checkpoint step must be >= 0, got {step}.")
@@ -67,7 +81,7 @@ class Manifest:
             if doc.get("format_version") != FORMAT_VERSION:
                 raise ValueError(f"unsupported format_version {doc.get('format_version')!r}")
             files = {
-                name: FileEntry(size=int(e["size"]), sha256=str(e["sha256"]))
+                check_file_name(name): FileEntry(size=int(e["size"]), sha256=str(e["sha256"]))
                 for name, e in doc["files"].items()
             }
             return cls(

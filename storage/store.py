@@ -21,7 +21,14 @@ from storage.errors import (
     StorageError,
     StorageUnavailableError,
 )
-from storage.layout import MANIFEST_NAME, FileEntry, Manifest, parse_step_dir, step_dir_name
+from storage.layout import (
+    MANIFEST_NAME,
+    FileEntry,
+    Manifest,
+    check_file_name,
+    parse_step_dir,
+    step_dir_name,
+)
 from storage.retention import partial_steps_to_delete, steps_to_delete
 from storage.retry import RetryPolicy
 from storage.urls import redact_url
@@ -104,8 +111,7 @@ class CheckpointStore:
             )
         entries: dict[str, FileEntry] = {}
         for name, data in files.items():
-            if not name or "/" in name or name == MANIFEST_NAME or name.startswith("."):
-                raise ValueError(f"Invalid payload file name {name!r}: use a plain file name.")
+            check_file_name(name)
             path = self._backend.join(step_dir, name)
             self._call(
                 f"write {step_dir_name(step)}/{name}",

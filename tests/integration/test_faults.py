@@ -160,3 +160,36 @@ def test_budget_below_skew_fails_naming_the_timeout(launch, tmp_path):
     job = launch(late, nproc=2, max_restarts=0, name="late")
     assert job.wait(120) != 0
     assert "did not join within --init-timeout (2s)" in job.log()
+
+
+def test_workers_of_a_dead_agent_exit_and_commit_nothing(launch, tmp_path):
+    import storage
+
+    ckpt, ev = str(tmp_path / "c"), str(tmp_path / "ev.jsonl")
+    job = launch(
+        toy_args(ckpt, ev, max_steps=100000, every=10, step_time=0.01), nproc=2, max_restarts=0
+    )
+    wait_for_event(ev, lambda e: e["event"] == "checkpoint" and e["step"] >= 30, 90, job)
+    workers = list(job.workers().values())
+    t_kill = time.time()
+    os.kill(job.proc.pid, signal.SIGKILL)  # only the agent: the OOM killer's way
+    deadline = time.monotonic() + 10
+    alive = workers
+    while alive and time.monotonic() < deadline:
+        alive = [p for p in workers if _alive(p)]
+        time.sleep(0.05)
+    gone_s = time.time() - t_kill
+    assert not alive, f"orphaned workers {alive} still running {gone_s:.1f}s after the agent died"
+    late = [c.step for c in storage.open_store(ckpt).list() if c.manifest.created_at > t_kill]
+    assert late == [], f"orphans committed steps {late} after the agent died"
+    print(
+        f"\norphaned workers exited {gone_s:.2f}s after the agent's SIGKILL; nothing committed after it"
+    )
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

@@ -221,3 +221,25 @@ def test_lowering_max_steps_below_checkpoint_saves_nothing(tmp_path):
     again = run_single(["--checkpoint-dir", ckpt, "--max-steps", "10"], str(tmp_path))
     assert again.returncode == 0 and "past --max-steps 10; nothing to do" in again.stderr
     assert storage.open_store(ckpt).committed_steps() == [20]
+
+
+class _Evil:
+    """Unpickling this would run a shell command that creates a marker file."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_malicious_checkpoint_is_refused_and_never_executed(tmp_path):
+    ckpt, marker = str(tmp_path / "c"), str(tmp_path / "PWNED")
+    buf = io.BytesIO()
+    torch.save({"model": _Evil(marker), "progress": {"step": 5}}, buf)
+    storage.open_store(ckpt).commit(5, {"state.pt": buf.getvalue()}, {"step": 5, "world_size": 1})
+    result = run_single(["--checkpoint-dir", ckpt, "--max-steps", "10"], str(tmp_path))
+    assert result.returncode == 2
+    assert "UnsafeCheckpointError" in result.stderr and "Nothing was executed" in result.stderr
+    assert not os.path.exists(marker)
+    assert storage.open_store(ckpt).committed_steps() == [5]  # refused, not deleted

@@ -72,3 +72,17 @@ def test_step_timer_and_report():
     assert report.slowest_rank == 1 and report.wait_s == pytest.approx(0.0205)
     assert report.as_event()["slowest_rank"] == 1
     assert "slowest rank 1" in report.describe()
+
+
+def test_watchdog_exits_when_the_agent_is_gone(monkeypatch):
+    import elastictrain.watchdog as wd
+
+    exits = []
+    monkeypatch.setattr(wd, "_orphaned_exit", exits.append)
+    parent = [100]
+    dog = HangWatchdog(
+        60.0, startup_s=60.0, clock=Clock(), agent_pid=100, parent_pid=lambda: parent[0]
+    )
+    assert not dog.check()
+    parent[0] = 1  # reparented to init: the agent died
+    assert dog.check() and exits == [100]
