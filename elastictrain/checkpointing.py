@@ -77,6 +77,7 @@ class Checkpointer:
         device: torch.device,
         events: EventLog,
         keep_last: int,
+        keep_every: int | None = None,
         read_mode: str = "rank0",
         attached: Callable[[], bool] = lambda: True,
     ) -> None:
@@ -87,6 +88,7 @@ class Checkpointer:
         self.device = device
         self.events = events
         self.keep_last = keep_last
+        self.keep_every = keep_every
         self.read_mode = read_mode
         self.attached = attached
         """False once our torchrun agent is gone: an orphan must never commit (zombie writer)."""
@@ -201,7 +203,9 @@ class Checkpointer:
                 step, {tstate.STATE_FILE: blob}, self._metadata(step, epoch)
             )
             t_commit = time.monotonic()
-            deleted = self.store.apply_retention(self.keep_last, newest_good=step)
+            deleted = self.store.apply_retention(
+                self.keep_last, newest_good=step, keep_every=self.keep_every
+            )
             blocked = time.monotonic() - t0
             logger.info(
                 "checkpoint step %d committed (%s): %d bytes, serialize %.3fs, persist %.3fs, "

@@ -28,6 +28,8 @@ class RunConfig:
     """Also commit when this many seconds passed since the last one; rank 0's clock decides for all."""
     keep_last: int = 3
     """Committed checkpoints to keep; older ones are deleted only after a newer one commits."""
+    keep_every_steps: int | None = None
+    """Also keep every checkpoint whose step is a multiple of this ("milestones"), forever."""
     seed: int = 0
     """Seeds model init, the data order of every epoch, and per-step randomness."""
     init_timeout: float = 900.0
@@ -82,6 +84,7 @@ class RunConfig:
             positive(name)
         positive("checkpoint_every_steps", allow_none=True)
         positive("checkpoint_every_seconds", allow_none=True)
+        positive("keep_every_steps", allow_none=True)
         from elastictrain.watchdog import parse_signal  # config must not import it at module load
 
         for name in self.preempt_signal:
@@ -155,6 +158,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="also checkpoint T seconds after the last one; rank 0's clock decides (default: off)",
     )
     add("keep_last", type=int, metavar="K", help="committed checkpoints to keep (default: 3)")
+    add(
+        "keep_every_steps",
+        type=int,
+        metavar="M",
+        help="also keep milestone checkpoints at multiples of M steps (default: off)",
+    )
     add("seed", type=int, help="seeds init, data order and per-step randomness (default: 0)")
     add(
         "init_timeout",

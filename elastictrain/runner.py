@@ -134,6 +134,7 @@ class _Attempt:
             device=device,
             events=events,
             keep_last=cfg.keep_last,
+            keep_every=cfg.keep_every_steps,
             read_mode=cfg.resume_read,
             attached=attached,
         )

@@ -242,19 +242,35 @@ class CheckpointStore:
         )
         self._call(f"delete step {step}", lambda: self._backend.delete_tree(step_dir))
 
-    def apply_retention(self, keep_last: int, newest_good: int) -> list[int]:
-        """Delete committed checkpoints beyond the newest ``keep_last`` (never ``newest_good``),
-        and partial leftovers older than the newest commit. Returns the deleted steps."""
-        all_dirs = self._step_dirs()
+    def retention_plan(
+        self, keep_last: int, newest_good: int, keep_every: int | None = None
+    ) -> list[int]:
+        """Steps retention would delete: committed ones beyond the policy, and partial leftovers
+        older than the newest commit."""
         committed = self.committed_steps()
-        doomed = steps_to_delete(committed, keep_last, newest_good)
-        doomed += partial_steps_to_delete(all_dirs, committed)
-        for step in sorted(set(doomed)):
-            self.delete(step)
-        if doomed:
-            logger.info(
-                "retention: deleted checkpoint steps %s under %s",
-                sorted(set(doomed)),
-                self.safe_url,
-            )
-        return sorted(set(doomed))
+        doomed = steps_to_delete(committed, keep_last, newest_good, keep_every)
+        return sorted(set(doomed + partial_steps_to_delete(self._step_dirs(), committed)))
+
+    def apply_retention(
+        self, keep_last: int, newest_good: int, keep_every: int | None = None
+    ) -> list[int]:
+        """Apply the retention policy; returns the steps actually deleted.
+
+        A failed deletion is logged and skipped (the next retention retries it): cleaning up must
+        never stop training.
+        """
+        deleted = []
+        for step in self.retention_plan(keep_last, newest_good, keep_every):
+            try:
+                self.delete(step)
+                deleted.append(step)
+            except Exception as e:  # noqa: BLE001 - see docstring
+                logger.warning(
+                    "retention: could not delete step %d under %s: %s; will retry later",
+                    step,
+                    self.safe_url,
+                    e,
+                )
+        if deleted:
+            logger.info("retention: deleted checkpoint steps %s under %s", deleted, self.safe_url)
+        return deleted

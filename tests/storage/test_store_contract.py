@@ -118,3 +118,24 @@ def test_delete_uncommits(store):
     store.delete(2)
     assert store.committed_steps() == [1]
     assert store.latest().manifest.step == 1
+
+
+def test_retention_keeps_milestones(store):
+    for step in (10, 20, 30, 40, 50):
+        _commit(store, step)
+    assert store.retention_plan(keep_last=1, newest_good=50, keep_every=20) == [10, 30]
+    assert store.apply_retention(keep_last=1, newest_good=50, keep_every=20) == [10, 30]
+    assert store.committed_steps() == [20, 40, 50]
+
+
+def test_failed_deletion_is_logged_not_raised(store, monkeypatch, caplog):
+    for step in (1, 2, 3):
+        _commit(store, step)
+
+    def broken(step):
+        raise PermissionError(f"cannot delete {step}")
+
+    monkeypatch.setattr(store, "delete", broken)
+    with caplog.at_level(logging.WARNING, logger="storage.store"):
+        assert store.apply_retention(keep_last=1, newest_good=3) == []
+    assert "could not delete step 1" in caplog.text and store.committed_steps() == [1, 2, 3]

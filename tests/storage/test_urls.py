@@ -42,15 +42,22 @@ def test_retention_policy():
     assert partial_steps_to_delete([0, 9], committed_steps=[]) == []
 
 
-@pytest.mark.parametrize("name", ["../escape.pt", "/etc/passwd", "s3://other/x", "a/b.pt", "..", "", ".hidden"])
+@pytest.mark.parametrize(
+    "name", ["../escape.pt", "/etc/passwd", "s3://other/x", "a/b.pt", "..", "", ".hidden"]
+)
 def test_manifest_file_names_cannot_escape(tmp_path, name):
     import json
 
     from storage import CheckpointCorruptError
     from storage.layout import FORMAT_VERSION, Manifest
 
-    doc = {"format_version": FORMAT_VERSION, "step": 1, "created_at": 0.0, "metadata": {},
-           "files": {name: {"size": 1, "sha256": "00"}}}
+    doc = {
+        "format_version": FORMAT_VERSION,
+        "step": 1,
+        "created_at": 0.0,
+        "metadata": {},
+        "files": {name: {"size": 1, "sha256": "00"}},
+    }
     with pytest.raises(CheckpointCorruptError, match="unsafe payload file name"):
         Manifest.from_json(json.dumps(doc).encode(), where="test")
     with pytest.raises(ValueError, match="unsafe payload file name"):
