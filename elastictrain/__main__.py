@@ -13,12 +13,12 @@ logger = logging.getLogger("elastictrain")
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] == "ls":
-        from elastictrain.inspection import ls_main
+    if argv and argv[0] in ("ls", "verify", "inspect", "prune"):
+        from elastictrain import cli
 
         try:
-            return ls_main(argv[1:])
-        except storage.StorageError as e:
+            return cli.main(argv)
+        except (ElasticTrainError, storage.StorageError) as e:
             print(f"error: {e}", file=sys.stderr)
             return EXIT_USER_ERROR
     from elastictrain.config import parse_args

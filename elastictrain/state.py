@@ -58,8 +58,13 @@ def to_bytes(state: dict[str, Any]) -> bytes:
 
 
 def from_bytes(data: bytes, map_location: Any = "cpu") -> dict[str, Any]:
+    return from_bytes_file(io.BytesIO(data), map_location)
+
+
+def from_bytes_file(f: Any, map_location: Any = "cpu") -> dict[str, Any]:
+    """Load from a seekable file object; ``map_location="meta"`` reads no tensor data."""
     try:
-        return torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
+        return torch.load(f, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as e:
         raise UnsafeCheckpointError(
             "Refused to load a checkpoint: it holds pickled objects outside torch's weights-only "

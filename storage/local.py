@@ -46,6 +46,9 @@ class LocalBackend:
         with open(path, "rb") as f:
             return f.read()
 
+    def open_read(self, path: str):
+        return open(path, "rb")  # noqa: SIM115 - the caller closes it
+
     def size(self, path: str) -> int:
         return os.path.getsize(path)
 

@@ -27,6 +27,10 @@ class FsspecBackend:
     def read(self, path: str) -> bytes:
         return self.fs.cat_file(path)
 
+    def open_read(self, path: str):
+        """Random-access reads: only the bytes actually read are fetched."""
+        return self.fs.open(path, "rb")
+
     def size(self, path: str) -> int:
         self.fs.invalidate_cache(path)
         return int(self.fs.size(path))

@@ -212,6 +212,11 @@ class CheckpointStore:
             files[name] = data
         return Checkpoint(manifest=manifest, files=files)
 
+    def open_file(self, step: int, name: str):
+        """An unverified, random-access file object for one payload file (for cheap inspection)."""
+        check_file_name(name)
+        return self._backend.open_read(self._backend.join(self._step_dir(step), name))
+
     def latest(self) -> Checkpoint | None:
         """The newest committed checkpoint that verifies; corrupt ones are logged and skipped."""
         for step in reversed(self.committed_steps()):
