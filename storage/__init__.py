@@ -13,6 +13,7 @@ from storage.errors import (
     CheckpointNotFoundError,
     StorageConfigError,
     StorageError,
+    StorageFullError,
     StorageUnavailableError,
 )
 from storage.layout import Manifest
@@ -39,6 +40,7 @@ __all__ = [
     "RetryPolicy",
     "StorageConfigError",
     "StorageError",
+    "StorageFullError",
     "StorageUnavailableError",
     "is_transient",
     "open_store",

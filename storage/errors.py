@@ -24,3 +24,7 @@ class CheckpointNotFoundError(StorageError, FileNotFoundError):
 
 class CheckpointCorruptError(StorageError):
     """A committed checkpoint failed verification: a size or checksum mismatch, or a bad manifest."""
+
+
+class StorageFullError(StorageUnavailableError):
+    """The location ran out of space or quota while writing; earlier checkpoints are intact."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import hashlib
 import logging
 import uuid
@@ -19,6 +20,7 @@ from storage.errors import (
     CheckpointCorruptError,
     CheckpointNotFoundError,
     StorageError,
+    StorageFullError,
     StorageUnavailableError,
 )
 from storage.layout import (
@@ -113,10 +115,22 @@ class CheckpointStore:
         for name, data in files.items():
             check_file_name(name)
             path = self._backend.join(step_dir, name)
-            self._call(
-                f"write {step_dir_name(step)}/{name}",
-                lambda p=path, d=data: self._backend.write(p, d),
-            )
+            try:
+                self._call(
+                    f"write {step_dir_name(step)}/{name}",
+                    lambda p=path, d=data: self._backend.write(p, d),
+                )
+            except StorageUnavailableError as e:
+                if getattr(e.__cause__, "errno", None) not in (errno.ENOSPC, errno.EDQUOT):
+                    raise
+                total = sum(len(d) for d in files.values())
+                with contextlib.suppress(Exception):  # uncommitted leftovers; best effort
+                    self._backend.delete_tree(step_dir)
+                raise StorageFullError(
+                    f"No space left (or quota exceeded) under {self.safe_url!r} writing step {step}: "
+                    f"{name} needs {len(data)} bytes, the whole checkpoint {total} bytes. Earlier "
+                    "checkpoints are intact. Free space, raise the quota, or lower --keep-last."
+                ) from e.__cause__
             entries[name] = FileEntry(size=len(data), sha256=sha256_hex(data))
         manifest = Manifest(step=step, files=entries, metadata=dict(metadata))
         # The commit point: before this line the checkpoint does not exist.

@@ -15,8 +15,14 @@ from tests.integration.test_resume_edge_cases import run_single
 
 
 def cli(*args: str, cwd: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "elastictrain", *args], cwd=cwd, env=job_env(),
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "elastictrain", *args],
+        cwd=cwd,
+        env=job_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 @pytest.fixture(params=["local", "s3"])
@@ -26,9 +32,24 @@ def checkpoints(request, tmp_path):
         url, opts = str(tmp_path / "c"), []
     else:
         bucket, options = request.getfixturevalue("s3_bucket")
-        url, opts = f"{bucket}/run", [a for k, v in options.items() for a in ("--storage-option", f"{k}={v}")]
-    result = run_single(["--checkpoint-dir", url, *opts, "--max-steps", "50", "--checkpoint-every-steps", "10",
-                         "--keep-last", "10"], str(tmp_path))
+        url, opts = (
+            f"{bucket}/run",
+            [a for k, v in options.items() for a in ("--storage-option", f"{k}={v}")],
+        )
+    result = run_single(
+        [
+            "--checkpoint-dir",
+            url,
+            *opts,
+            "--max-steps",
+            "50",
+            "--checkpoint-every-steps",
+            "10",
+            "--keep-last",
+            "10",
+        ],
+        str(tmp_path),
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     return url, opts
 
@@ -41,22 +62,57 @@ def test_verify_inspect_prune(checkpoints, tmp_path):
     doc = json.loads(cli("inspect", url, "--step", "30", "--json", *opts, cwd=str(tmp_path)).stdout)
     names = {t["name"]: t for t in doc["tensors"]}
     assert doc["step"] == 30 and doc["metadata"]["world_size"] == 1
-    assert names["model.net1.weight"]["shape"] == [10, 10] and names["model.net1.weight"]["bytes"] == 400
+    assert (
+        names["model.net1.weight"]["shape"] == [10, 10]
+        and names["model.net1.weight"]["bytes"] == 400
+    )
 
-    dry = json.loads(cli("prune", url, "--keep-last", "1", "--keep-every-steps", "20", "--dry-run", "--json",
-                         *opts, cwd=str(tmp_path)).stdout)
+    dry = json.loads(
+        cli(
+            "prune",
+            url,
+            "--keep-last",
+            "1",
+            "--keep-every-steps",
+            "20",
+            "--dry-run",
+            "--json",
+            *opts,
+            cwd=str(tmp_path),
+        ).stdout
+    )
     assert dry["deleted"] == [10, 30] and dry["dry_run"]
-    assert [c["step"] for c in json.loads(cli("ls", url, "--json", *opts, cwd=str(tmp_path)).stdout)["checkpoints"]] \
-        == [10, 20, 30, 40, 50]
-    done = json.loads(cli("prune", url, "--keep-last", "1", "--keep-every-steps", "20", "--json", *opts,
-                          cwd=str(tmp_path)).stdout)
+    assert [
+        c["step"]
+        for c in json.loads(cli("ls", url, "--json", *opts, cwd=str(tmp_path)).stdout)[
+            "checkpoints"
+        ]
+    ] == [10, 20, 30, 40, 50]
+    done = json.loads(
+        cli(
+            "prune",
+            url,
+            "--keep-last",
+            "1",
+            "--keep-every-steps",
+            "20",
+            "--json",
+            *opts,
+            cwd=str(tmp_path),
+        ).stdout
+    )
     assert done["deleted"] == [10, 30] and done["newest_good"] == 50
 
 
 def test_verify_fails_on_a_corrupt_checkpoint(tmp_path):
     url = str(tmp_path / "c")
-    assert run_single(["--checkpoint-dir", url, "--max-steps", "20", "--checkpoint-every-steps", "10"],
-                      str(tmp_path)).returncode == 0
+    assert (
+        run_single(
+            ["--checkpoint-dir", url, "--max-steps", "20", "--checkpoint-every-steps", "10"],
+            str(tmp_path),
+        ).returncode
+        == 0
+    )
     path = os.path.join(url, "step-000000000020", "state.pt")
     with open(path, "r+b") as f:
         f.truncate(100)

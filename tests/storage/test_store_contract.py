@@ -139,3 +139,23 @@ def test_failed_deletion_is_logged_not_raised(store, monkeypatch, caplog):
     with caplog.at_level(logging.WARNING, logger="storage.store"):
         assert store.apply_retention(keep_last=1, newest_good=3) == []
     assert "could not delete step 1" in caplog.text and store.committed_steps() == [1, 2, 3]
+
+
+def test_disk_full_leaves_earlier_checkpoints_intact(store, monkeypatch):
+    import errno
+
+    from storage import StorageFullError
+
+    _commit(store, 1)
+    real_write = store._backend.write
+
+    def full(path, data):
+        if "step-000000000002" in path:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(path, data)
+
+    monkeypatch.setattr(store._backend, "write", full)
+    with pytest.raises(StorageFullError, match=r"needs 100 bytes, the whole checkpoint 102 bytes"):
+        _commit(store, 2, payload=b"y" * 100)
+    assert store.committed_steps() == [1] and store.read(1).files["state.pt"] == b"payload-1" * 10
+    assert 2 not in store._step_dirs()
