@@ -102,9 +102,13 @@ class Checkpointer:
             )
 
     def preflight(self) -> None:
-        """Rank 0 proves the location is usable before any compute is spent."""
+        """Rank 0 proves the location is usable before any compute is spent, and claims it for
+        this generation (fencing out older writers). Every rank learns the fenced generation."""
+        claimed = -1
         if self.is_writer:
             self.store.probe()
+            claimed = self.store.advance_fence(self.generation)
+        self.generation = edist.broadcast_int(claimed, self.control)
 
     # -- resume --------------------------------------------------------------------------------
     def resume(
@@ -138,6 +142,7 @@ class Checkpointer:
             seconds=round(seconds, 4),
             world_size=self.world_size,
             saved_world_size=saved_world,
+            generation=self.generation,
         )
         if self.is_writer and saved_world is not None and saved_world != self.world_size:
             logger.warning(
@@ -168,9 +173,9 @@ class Checkpointer:
                 return b"", None, where
             if not self.is_writer:
                 ckpt = self.store.read(step)
-            return ckpt.files[tstate.STATE_FILE], ckpt.manifest, where
+            return ckpt.files[tstate.state_file_of(ckpt.manifest.metadata)], ckpt.manifest, where
         # The broadcast is the gate: no rank proceeds until rank 0 has chosen.
-        payload = ckpt.files[tstate.STATE_FILE] if ckpt else None
+        payload = ckpt.files[tstate.state_file_of(ckpt.manifest.metadata)] if ckpt else None
         return edist.broadcast_bytes(payload, self.control), ckpt.manifest if ckpt else None, where
 
     # -- save ----------------------------------------------------------------------------------
@@ -200,7 +205,10 @@ class Checkpointer:
             if not self.attached():
                 raise OrphanedError(f"the torchrun agent is gone; not committing step {step}.")
             manifest = self.store.commit(
-                step, {tstate.STATE_FILE: blob}, self._metadata(step, epoch)
+                step,
+                {tstate.state_file_name(self.generation): blob},
+                self._metadata(step, epoch),
+                generation=self.generation,
             )
             t_commit = time.monotonic()
             deleted = self.store.apply_retention(
@@ -250,6 +258,7 @@ class Checkpointer:
             "epoch": epoch,
             "world_size": self.world_size,
             "generation": self.generation,
+            "state_file": tstate.state_file_name(self.generation),
             "versions": {
                 "elastictrain": __version__,
                 "torch": torch.__version__,

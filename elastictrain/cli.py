@@ -126,7 +126,7 @@ def inspect(argv: list[str]) -> int:
             f"No committed checkpoint {step} under {store.safe_url!r}."
         )
     # map_location="meta" builds tensors without their storage: only the pickle and headers are read.
-    with store.open_file(step, tstate.STATE_FILE) as f:
+    with store.open_file(step, tstate.state_file_of(manifest.metadata)) as f:
         state = tstate.from_bytes_file(f, map_location="meta")
     tensors = _tensors(state)
     doc = {

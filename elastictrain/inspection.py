@@ -28,6 +28,8 @@ def load_checkpoint(
             )
     else:
         ckpt = store.read(step)
-    state = tstate.from_bytes(ckpt.files[tstate.STATE_FILE], map_location=map_location)
+    state = tstate.from_bytes(
+        ckpt.files[tstate.state_file_of(ckpt.manifest.metadata)], map_location=map_location
+    )
     state["manifest"] = {"step": ckpt.manifest.step, **ckpt.manifest.metadata}
     return state

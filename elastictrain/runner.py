@@ -178,7 +178,7 @@ class _Attempt:
             cfg.sample_log,
             rank=env.rank,
             world_size=env.world_size,
-            generation=self.groups.attempt.generation,
+            generation=self.ckpt.generation,  # fenced: strictly above every earlier attempt
         )
         trainer = Trainer(
             task=self.task,

@@ -16,7 +16,19 @@ from torch import nn
 
 from elastictrain.errors import CheckpointMismatchError, UnsafeCheckpointError
 
-STATE_FILE = "state.pt"
+STATE_FILE = "state.pt"  # the name before generations were part of it; still read
+
+
+def state_file_name(generation: int) -> str:
+    """Each writer generation writes its own payload file, so a stale writer working on the same
+    step can never overwrite the bytes a newer writer's manifest points to."""
+    return f"state-g{generation}.pt"
+
+
+def state_file_of(metadata: dict[str, Any]) -> str:
+    return str(metadata.get("state_file", STATE_FILE))
+
+
 STATE_VERSION = 1
 
 

@@ -11,6 +11,7 @@ from typing import Any
 from storage.errors import (
     CheckpointCorruptError,
     CheckpointNotFoundError,
+    StaleWriterError,
     StorageConfigError,
     StorageError,
     StorageFullError,
@@ -40,6 +41,7 @@ __all__ = [
     "RetryPolicy",
     "StorageConfigError",
     "StorageError",
+    "StaleWriterError",
     "StorageFullError",
     "StorageUnavailableError",
     "is_transient",

@@ -28,3 +28,7 @@ class CheckpointCorruptError(StorageError):
 
 class StorageFullError(StorageUnavailableError):
     """The location ran out of space or quota while writing; earlier checkpoints are intact."""
+
+
+class StaleWriterError(StorageError):
+    """A writer from an older generation tried to commit after a newer generation took over."""

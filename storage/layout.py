@@ -17,6 +17,7 @@ from typing import Any
 from storage.errors import CheckpointCorruptError
 
 MANIFEST_NAME = "manifest.json"
+FENCE_NAME = "fence.json"  # at the root: the newest writer generation; older writers may not commit
 FORMAT_VERSION = 1
 CHECKSUM_ALGORITHM = "sha256"
 
@@ -62,6 +63,9 @@ class Manifest:
     step: int
     files: dict[str, FileEntry]
     metadata: dict[str, Any] = field(default_factory=dict)
+    generation: int = 0
+    """The writer's generation: "latest" orders by (generation, step), so a stale writer that
+    commits late never outranks the current generation."""
     created_at: float = field(default_factory=time.time)
     format_version: int = FORMAT_VERSION
 
@@ -88,6 +92,7 @@ class Manifest:
                 step=int(doc["step"]),
                 files=files,
                 metadata=dict(doc.get("metadata", {})),
+                generation=int(doc.get("generation", 0)),
                 created_at=float(doc["created_at"]),
                 format_version=FORMAT_VERSION,
             )

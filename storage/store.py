@@ -9,7 +9,9 @@ import contextlib
 import dataclasses
 import errno
 import hashlib
+import json
 import logging
+import time
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -19,11 +21,13 @@ from storage.backend import Backend, open_backend
 from storage.errors import (
     CheckpointCorruptError,
     CheckpointNotFoundError,
+    StaleWriterError,
     StorageError,
     StorageFullError,
     StorageUnavailableError,
 )
 from storage.layout import (
+    FENCE_NAME,
     MANIFEST_NAME,
     FileEntry,
     Manifest,
@@ -100,8 +104,35 @@ class CheckpointStore:
             ) from e
 
     # -- write -------------------------------------------------------------------------------
+    def read_fence(self) -> int:
+        """The newest writer generation recorded under the root (0 when none)."""
+        path = self._backend.join(self._backend.root, FENCE_NAME)
+        try:
+            raw = self._call("read fence", lambda: self._backend.read(path))
+        except FileNotFoundError:
+            return 0
+        try:
+            return int(json.loads(raw)["generation"])
+        except (ValueError, KeyError, TypeError) as e:
+            raise CheckpointCorruptError(
+                f"Fence {FENCE_NAME} under {self.safe_url!r} is unreadable: {e}."
+            ) from e
+
+    def advance_fence(self, generation: int) -> int:
+        """Claim the store for a new writer generation; returns the generation actually used,
+        strictly above every earlier one even if this host's clock runs behind."""
+        claimed = max(generation, self.read_fence() + 1)
+        path = self._backend.join(self._backend.root, FENCE_NAME)
+        body = json.dumps({"generation": claimed, "claimed_at": time.time()}).encode()
+        self._call("write fence", lambda: self._backend.write_atomic(path, body))
+        return claimed
+
     def commit(
-        self, step: int, files: Mapping[str, bytes | memoryview], metadata: Mapping[str, Any]
+        self,
+        step: int,
+        files: Mapping[str, bytes | memoryview],
+        metadata: Mapping[str, Any],
+        generation: int = 0,
     ) -> Manifest:
         """Write ``files`` for ``step``, then the manifest that commits them. Returns the manifest."""
         step_dir = self._step_dir(step)
@@ -132,7 +163,15 @@ class CheckpointStore:
                     "checkpoints are intact. Free space, raise the quota, or lower --keep-last."
                 ) from e.__cause__
             entries[name] = FileEntry(size=len(data), sha256=sha256_hex(data))
-        manifest = Manifest(step=step, files=entries, metadata=dict(metadata))
+        fence = self.read_fence()
+        if generation < fence:
+            raise StaleWriterError(
+                f"Refusing to commit step {step} under {self.safe_url!r}: this writer's generation "
+                f"{generation} is older than the store's {fence}; a newer attempt owns it now."
+            )
+        manifest = Manifest(
+            step=step, files=entries, metadata=dict(metadata), generation=generation
+        )
         # The commit point: before this line the checkpoint does not exist.
         self._call(
             f"commit {step_dir_name(step)}",
@@ -232,8 +271,18 @@ class CheckpointStore:
         return self._backend.open_read(self._backend.join(self._step_dir(step), name))
 
     def latest(self) -> Checkpoint | None:
-        """The newest committed checkpoint that verifies; corrupt ones are logged and skipped."""
-        for step in reversed(self.committed_steps()):
+        """The newest committed checkpoint that verifies, ordered by (generation, step); corrupt
+        ones are logged and skipped."""
+        ranked = []
+        for step in self.committed_steps():
+            try:
+                manifest = self.read_manifest(step)
+            except CheckpointCorruptError as e:
+                logger.error("CORRUPT CHECKPOINT skipped, falling back to an older one: %s", e)
+                continue
+            if manifest is not None:
+                ranked.append((manifest.generation, step))
+        for _, step in sorted(ranked, reverse=True):
             try:
                 return self.read(step)
             except CheckpointCorruptError as e:

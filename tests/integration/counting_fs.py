@@ -40,8 +40,9 @@ def make_task(options):
     return make_toy_task(options)
 
 
-def bytes_read(log: str, suffix: str) -> int:
+def bytes_read(log: str, fragment: str) -> int:
+    """Bytes read from files whose path contains ``fragment``."""
     if not os.path.exists(log):
         return 0
     with open(log) as f:
-        return sum(int(line.split("\t")[1]) for line in f if line.rstrip("\n").endswith(suffix))
+        return sum(int(line.split("\t")[1]) for line in f if fragment in line.split("\t")[2])

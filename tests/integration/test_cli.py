@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import subprocess
@@ -113,7 +114,7 @@ def test_verify_fails_on_a_corrupt_checkpoint(tmp_path):
         ).returncode
         == 0
     )
-    path = os.path.join(url, "step-000000000020", "state.pt")
+    (path,) = glob.glob(os.path.join(url, "step-000000000020", "state-g*.pt"))
     with open(path, "r+b") as f:
         f.truncate(100)
     bad = cli("verify", url, cwd=str(tmp_path))

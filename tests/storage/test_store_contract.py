@@ -159,3 +159,35 @@ def test_disk_full_leaves_earlier_checkpoints_intact(store, monkeypatch):
         _commit(store, 2, payload=b"y" * 100)
     assert store.committed_steps() == [1] and store.read(1).files["state.pt"] == b"payload-1" * 10
     assert 2 not in store._step_dirs()
+
+
+def test_fencing_refuses_a_stale_writer(store):
+    from storage import StaleWriterError
+
+    assert store.read_fence() == 0
+    store.commit(100, {"state-g1.pt": b"a"}, {}, generation=1)
+    assert store.advance_fence(2) == 2  # a new attempt claims the store
+    assert store.advance_fence(1) == 3  # a host with a slow clock still gets a newer generation
+    store.commit(120, {"state-g3.pt": b"b"}, {}, generation=3)
+    with pytest.raises(StaleWriterError, match="generation 1 is older than the store's 3"):
+        store.commit(150, {"state-g1.pt": b"zombie"}, {}, generation=1)
+    assert store.committed_steps() == [100, 120]
+
+
+def test_a_late_stale_commit_never_outranks_the_current_generation(store):
+    """A stale writer that passed its fence check just before a new attempt claimed the store
+    can still land a manifest; ordering by (generation, step) keeps it from becoming "latest"."""
+    import hashlib
+
+    from storage.layout import FileEntry, Manifest, step_dir_name
+
+    store.commit(100, {"state-g1.pt": b"a"}, {}, generation=1)
+    store.advance_fence(2)
+    store.commit(120, {"state-g2.pt": b"b"}, {}, generation=2)
+    backend, step_dir = store._backend, step_dir_name(150)
+    backend.write(backend.join(backend.root, step_dir, "state-g1.pt"), b"zombie")
+    entry = FileEntry(size=6, sha256=hashlib.sha256(b"zombie").hexdigest())
+    late = Manifest(step=150, files={"state-g1.pt": entry}, generation=1)
+    backend.write_atomic(backend.join(backend.root, step_dir, "manifest.json"), late.to_json())
+    assert store.committed_steps() == [100, 120, 150]
+    assert store.latest().manifest.step == 120
