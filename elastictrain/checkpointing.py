@@ -102,13 +102,17 @@ class Checkpointer:
             )
 
     def preflight(self) -> None:
-        """Rank 0 proves the location is usable before any compute is spent, and claims it for
-        this generation (fencing out older writers). Every rank learns the fenced generation."""
-        claimed = -1
+        """Rank 0 proves the location is usable before any compute is spent."""
         if self.is_writer:
             self.store.probe()
-            claimed = self.store.advance_fence(self.generation)
+
+    def claim(self) -> int:
+        """Claim the store for this generation, fencing out older writers. Done after a
+        successful resume, so a run that fails its checks (a mismatched model) changes nothing.
+        Every rank learns the fenced generation."""
+        claimed = self.store.advance_fence(self.generation) if self.is_writer else -1
         self.generation = edist.broadcast_int(claimed, self.control)
+        return self.generation
 
     # -- resume --------------------------------------------------------------------------------
     def resume(
@@ -239,14 +243,23 @@ class Checkpointer:
         self.last_committed = step
 
     def _already_committed(self, step: int) -> bool:
-        """A good checkpoint at ``step`` is kept (never overwritten); a corrupt one is un-committed
-        so this step can be written again (it was skipped at resume, so nothing can need it)."""
+        """A good checkpoint of this generation's history at ``step`` is kept (never overwritten).
+        A corrupt one, or one a stale older-generation writer left, is un-committed so this step
+        is written again: resume skipped it, so nothing can need it."""
         if not self.store.is_committed(step):
             return False
         try:
-            self.store.read(step)
+            existing = self.store.read(step).manifest
         except storage.CheckpointCorruptError as e:
             logger.error("replacing corrupt committed checkpoint at step %d: %s", step, e)
+            self.store.delete(step)
+            return False
+        if existing.generation < self.generation and self.last_committed != step:
+            logger.warning(
+                "replacing step %d written by older generation %d (not in this run's history)",
+                step,
+                existing.generation,
+            )
             self.store.delete(step)
             return False
         logger.info("checkpoint step %d is already committed and verifies; keeping it", step)

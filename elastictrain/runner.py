@@ -171,6 +171,7 @@ class _Attempt:
                 self.task.make_scheduler(self.optimizer) if self.task.make_scheduler else None
             )
             resumed = self.ckpt.resume(self.model, self.optimizer, self.scheduler, self.fingerprint)
+            self.ckpt.claim()
         ddp = DDP(
             self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None
         )
