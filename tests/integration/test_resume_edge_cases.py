@@ -173,7 +173,11 @@ def test_mismatched_checkpoint_fails_clearly_and_deletes_nothing(tmp_path):
     assert "CheckpointMismatchError" in bad.stderr
     assert "net1.weight: checkpoint (10, 10) vs model (12, 10)" in bad.stderr
     assert _snapshot(ckpt) == before
-    assert sorted({p.split("/")[0] for p in before}) == ["fence.json", "step-000000000010", "step-000000000020"]
+    assert sorted({p.split("/")[0] for p in before}) == [
+        "fence.json",
+        "step-000000000010",
+        "step-000000000020",
+    ]
 
 
 def test_full_run_on_s3_and_ls(tmp_path, s3_bucket):
