@@ -45,39 +45,41 @@ def run(cfg: RunConfig) -> int:
     sampler = GlobalBatchSampler(len(task.dataset), task.batch_size, cfg.seed)
     sampler.share(0, env.rank, env.world_size)  # validates world size against the batch
     device = edist.pick_device(env)
-    t_init = time.monotonic()
-    groups = edist.init_process_groups(
-        env,
-        device,
-        init_timeout=cfg.init_timeout,
-        collective_timeout=cfg.collective_timeout,
-        checkpoint_timeout=cfg.checkpoint_timeout,
-    )
-    events = EventLog(cfg.event_log, enabled=env.is_rank0)
-    init_s = time.monotonic() - t_init
-    logger.info(
-        "started: world size %d, restart %d, generation %d, device %s, init %.2fs",
-        env.world_size,
-        env.restart_count,
-        groups.attempt.generation,
-        device,
-        init_s,
-    )
-    events.emit(
-        "start",
-        world_size=env.world_size,
-        restart_count=env.restart_count,
-        generation=groups.attempt.generation,
-        host=socket.gethostname(),
-        max_steps=cfg.max_steps,
-        init_s=round(init_s, 4),
-    )
+    # Started before init: an orphan (agent gone) must exit even while it waits in init or resume.
+    # The startup budget covers init + resume + the first step; init keeps its own hard bound.
     watchdog = HangWatchdog(
         cfg.hang_timeout,
-        startup_s=cfg.checkpoint_timeout,
+        startup_s=cfg.init_timeout + cfg.checkpoint_timeout,
         agent_pid=agent_pid if env.launched_by_torchrun else None,
     ).start()
     try:
+        t_init = time.monotonic()
+        groups = edist.init_process_groups(
+            env,
+            device,
+            init_timeout=cfg.init_timeout,
+            collective_timeout=cfg.collective_timeout,
+            checkpoint_timeout=cfg.checkpoint_timeout,
+        )
+        events = EventLog(cfg.event_log, enabled=env.is_rank0)
+        init_s = time.monotonic() - t_init
+        logger.info(
+            "started: world size %d, restart %d, generation %d, device %s, init %.2fs",
+            env.world_size,
+            env.restart_count,
+            groups.attempt.generation,
+            device,
+            init_s,
+        )
+        events.emit(
+            "start",
+            world_size=env.world_size,
+            restart_count=env.restart_count,
+            generation=groups.attempt.generation,
+            host=socket.gethostname(),
+            max_steps=cfg.max_steps,
+            init_s=round(init_s, 4),
+        )
         attached = (
             (lambda: os.getppid() == agent_pid) if env.launched_by_torchrun else (lambda: True)
         )
