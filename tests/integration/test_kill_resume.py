@@ -107,3 +107,24 @@ def test_user_task_example_trains_and_resumes(launch, tmp_path):
     assert [e["step"] for e in resumes] == [0, 40]
     progress = [e for e in read_events(str(tmp_path / "ev.jsonl")) if e["event"] == "progress"]
     assert progress[-1]["step"] == 60 and progress[-1]["loss"] < progress[0]["loss"]
+
+
+def test_sigkill_resume_on_s3(launch, tmp_path, s3_bucket):
+    """The same kill/resume contract with checkpoints on a real S3 endpoint (moto_server)."""
+    bucket_url, options = s3_bucket
+    opts = tuple(a for k, v in options.items() for a in ("--storage-option", f"{k}={v}"))
+    ref = launch(
+        toy_args(str(tmp_path / "ref"), str(tmp_path / "ref.jsonl"), max_steps=200, step_time=0),
+        name="ref",
+    )
+    assert ref.wait(120) == 0
+    url, ev = f"{bucket_url}/run", str(tmp_path / "run.jsonl")
+    job = launch(toy_args(url, ev, max_steps=200, step_time=0.01, extra=opts), name="s3-killed")
+    wait_for_event(ev, lambda e: e["event"] == "checkpoint", 90, job)
+    job.kill_worker(0)  # rank 0: the writer
+    assert job.wait(180) == 0, job.log()[-3000:]
+    resumes = [e for e in read_events(ev) if e["event"] == "resume"]
+    assert resumes[0]["fresh"] and not resumes[1]["fresh"] and resumes[1]["step"] >= 40
+    assert_bitwise_equal(
+        final_state(url, storage_options=options), final_state(str(tmp_path / "ref"))
+    )
