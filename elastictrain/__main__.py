@@ -6,7 +6,7 @@ import logging
 import sys
 
 import storage
-from elastictrain.errors import EXIT_USER_ERROR, ElasticTrainError
+from elastictrain.errors import EXIT_STORAGE, EXIT_USER_ERROR, ElasticTrainError
 
 logger = logging.getLogger("elastictrain")
 
@@ -29,9 +29,18 @@ def main(argv: list[str] | None = None) -> int:
         return run(cfg)
     except (ElasticTrainError, storage.StorageError) as e:
         # Expected failures: one clear line, no traceback to dig through, and a code that says which.
-        code = getattr(e, "exit_code", EXIT_USER_ERROR)
+        code = getattr(e, "exit_code", _storage_exit_code(e))
         logger.error("FAILED (exit %d): %s: %s", code, type(e).__name__, e)
         return code
+
+
+def _storage_exit_code(e: Exception) -> int:
+    """A location that fails its probe needs the user (2); storage that went away mid-run (7)."""
+    if isinstance(e, storage.StorageUnavailableError) and not isinstance(
+        e, storage.StorageNotUsableError
+    ):
+        return EXIT_STORAGE
+    return EXIT_USER_ERROR
 
 
 if __name__ == "__main__":

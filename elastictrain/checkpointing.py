@@ -15,11 +15,16 @@ import torch.distributed as dist
 import storage
 from elastictrain import dist as edist
 from elastictrain import state as tstate
-from elastictrain.errors import OrphanedError
+from elastictrain.errors import CheckpointFailedError, OrphanedError
 from elastictrain.events import EventLog
 from elastictrain.version import __version__
 
 logger = logging.getLogger(__name__)
+
+# Outcomes of a save, broadcast from rank 0 so every rank acts on the same one.
+_COMMITTED, _SKIPPED, _FAILED = 0, 1, 2
+# Checkpoints the run cannot go on without: the end of training, and the one a preemption waits for.
+_MUST_COMMIT = ("final", "preempt")
 
 
 class CheckpointSchedule:
@@ -79,6 +84,7 @@ class Checkpointer:
         keep_last: int,
         keep_every: int | None = None,
         read_mode: str = "rank0",
+        on_failure: str = "warn",
         attached: Callable[[], bool] = lambda: True,
     ) -> None:
         self.is_writer = rank == 0
@@ -90,6 +96,9 @@ class Checkpointer:
         self.keep_last = keep_last
         self.keep_every = keep_every
         self.read_mode = read_mode
+        self.on_failure = on_failure
+        """``--on-storage-failure``: ``warn`` skips a scheduled checkpoint storage rejects."""
+        self.skipped = 0
         self.attached = attached
         """False once our torchrun agent is gone: an orphan must never commit (zombie writer)."""
         self.store: storage.CheckpointStore | None = None
@@ -193,54 +202,113 @@ class Checkpointer:
         scheduler: Any,
         fingerprint: tstate.DataFingerprint,
         reason: str,
-    ) -> None:
-        """Synchronous: rank 0 commits, then every rank passes the control barrier (the tutorial's
-        save + barrier), so no collective waits on storage with the shorter collective timeout."""
+    ) -> bool:
+        """Synchronous: rank 0 commits, then broadcasts the outcome, which doubles as the
+        tutorial's save + barrier (no collective waits on storage with the shorter collective
+        timeout). Returns True when step ``step`` is committed, False when it was skipped under
+        ``--on-storage-failure warn``; raises on every rank when the run cannot go on."""
         if self.last_committed == step:
-            return
-        t0 = time.monotonic()
-        if self.is_writer and self._already_committed(step):
-            pass
-        elif self.is_writer:
-            blob = tstate.to_bytes(
-                tstate.capture(model, optimizer, scheduler, step=step, fingerprint=fingerprint)
-            )
-            t_snap = time.monotonic()
-            if not self.attached():
-                raise OrphanedError(f"the torchrun agent is gone; not committing step {step}.")
-            manifest = self.store.commit(
-                step,
-                {tstate.state_file_name(self.generation): blob},
-                self._metadata(step, epoch),
-                generation=self.generation,
-            )
-            t_commit = time.monotonic()
-            deleted = self.store.apply_retention(
-                self.keep_last, newest_good=step, keep_every=self.keep_every
-            )
-            blocked = time.monotonic() - t0
-            logger.info(
-                "checkpoint step %d committed (%s): %d bytes, serialize %.3fs, persist %.3fs, "
-                "loop blocked %.3fs",
+            return True
+        outcome, error = _COMMITTED, None
+        if self.is_writer:
+            try:
+                self._commit(step, epoch, model, optimizer, scheduler, fingerprint, reason)
+            except storage.StorageError as e:
+                outcome, error = self._on_failure(step, reason, e), e
+        outcome = edist.broadcast_int(outcome, self.control)
+        if outcome == _FAILED:
+            detail = f": {error}" if error else "; see rank 0's log for the storage error"
+            raise CheckpointFailedError(
+                f"the {reason} checkpoint at step {step} could not be committed{detail}"
+            ) from error
+        if outcome == _COMMITTED:
+            self.last_committed = step
+        return outcome == _COMMITTED
+
+    def _on_failure(self, step: int, reason: str, e: storage.StorageError) -> int:
+        """Rank 0: apply ``--on-storage-failure`` to a storage error; never silent."""
+        skippable = (
+            isinstance(e, storage.StorageUnavailableError)
+            and self.on_failure == "warn"
+            and reason not in _MUST_COMMIT
+        )
+        if skippable:
+            self.skipped += 1
+            logger.error(
+                "CHECKPOINT SKIPPED at step %d (%s): %s. Training continues "
+                "(--on-storage-failure warn); %d skipped so far, last committed step %s.",
                 step,
                 reason,
-                manifest.total_bytes,
-                t_snap - t0,
-                t_commit - t_snap,
-                blocked,
+                e,
+                self.skipped,
+                self.last_committed,
             )
             self.events.emit(
-                "checkpoint",
+                "checkpoint_skipped",
                 step=step,
                 reason=reason,
-                bytes=manifest.total_bytes,
-                blocked_s=round(blocked, 4),
-                persist_s=round(t_commit - t_snap, 4),
-                serialize_s=round(t_snap - t0, 4),
-                deleted=deleted,
+                error=f"{type(e).__name__}: {e}",
+                skipped_total=self.skipped,
+                last_committed=self.last_committed,
             )
-        dist.barrier(group=self.control)
-        self.last_committed = step
+            return _SKIPPED
+        logger.error("CHECKPOINT FAILED at step %d (%s): %s", step, reason, e)
+        self.events.emit(
+            "checkpoint_failed", step=step, reason=reason, error=f"{type(e).__name__}: {e}"
+        )
+        return _FAILED
+
+    def _commit(
+        self,
+        step: int,
+        epoch: int,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: Any,
+        fingerprint: tstate.DataFingerprint,
+        reason: str,
+    ) -> None:
+        """Rank 0: serialise, commit, apply retention, report."""
+        t0 = time.monotonic()
+        if self._already_committed(step):
+            return
+        blob = tstate.to_bytes(
+            tstate.capture(model, optimizer, scheduler, step=step, fingerprint=fingerprint)
+        )
+        t_snap = time.monotonic()
+        if not self.attached():
+            raise OrphanedError(f"the torchrun agent is gone; not committing step {step}.")
+        manifest = self.store.commit(
+            step,
+            {tstate.state_file_name(self.generation): blob},
+            self._metadata(step, epoch),
+            generation=self.generation,
+        )
+        t_commit = time.monotonic()
+        deleted = self.store.apply_retention(
+            self.keep_last, newest_good=step, keep_every=self.keep_every
+        )
+        blocked = time.monotonic() - t0
+        logger.info(
+            "checkpoint step %d committed (%s): %d bytes, serialize %.3fs, persist %.3fs, "
+            "loop blocked %.3fs",
+            step,
+            reason,
+            manifest.total_bytes,
+            t_snap - t0,
+            t_commit - t_snap,
+            blocked,
+        )
+        self.events.emit(
+            "checkpoint",
+            step=step,
+            reason=reason,
+            bytes=manifest.total_bytes,
+            blocked_s=round(blocked, 4),
+            persist_s=round(t_commit - t_snap, 4),
+            serialize_s=round(t_snap - t0, 4),
+            deleted=deleted,
+        )
 
     def _already_committed(self, step: int) -> bool:
         """A good checkpoint of this generation's history at ``step`` is kept (never overwritten).

@@ -27,7 +27,7 @@ def _parser(name: str, description: str) -> argparse.ArgumentParser:
 
 
 def _store(args: argparse.Namespace) -> storage.CheckpointStore:
-    options = dict(kv.split("=", 1) for kv in args.storage_option)
+    options = dict(storage.parse_option(kv) for kv in args.storage_option)
     return storage.open_store(args.url, storage_options=options)
 
 

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass, field
+from typing import Any
 
 from elastictrain.errors import ConfigError
+from storage.urls import parse_option
 
 DEFAULT_TASK = "elastictrain.toy:make_task"
 
@@ -18,7 +20,7 @@ class RunConfig:
     """Free-form ``KEY=VALUE`` options handed to the task factory."""
     checkpoint_dir: str = "./checkpoints"
     """Root URL of the checkpoints: a local path or any fsspec URL (s3://, memory://, ...)."""
-    storage_options: dict[str, str] = field(default_factory=dict)
+    storage_options: dict[str, Any] = field(default_factory=dict)
     """Passed to the fsspec filesystem, e.g. ``endpoint_url`` for S3. Never logged unredacted."""
     max_steps: int = 1000
     """Train until this many optimizer steps have completed; a final checkpoint is always taken."""
@@ -47,6 +49,10 @@ class RunConfig:
     """Signals that mean "save at the next step boundary and exit 75"."""
     storage_retry_deadline: float = 120.0
     """Seconds to keep retrying transient storage errors before an operation fails."""
+    on_storage_failure: str = "warn"
+    """A scheduled checkpoint whose storage stays down past the retry deadline: ``warn`` skips it
+    (logged and in the events) and keeps training; ``fail`` stops the job (exit 7). The final and
+    preemption checkpoints always fail the job when they cannot be committed."""
     resume_read: str = "rank0"
     """``rank0``: rank 0 reads the checkpoint once and broadcasts it. ``all``: every rank reads it
     (for very large states, where one broadcast of the whole state is the bottleneck)."""
@@ -89,6 +95,10 @@ class RunConfig:
 
         for name in self.preempt_signal:
             parse_signal(name)
+        if self.on_storage_failure not in ("warn", "fail"):
+            raise ConfigError(
+                f"--on-storage-failure must be 'warn' or 'fail', got {self.on_storage_failure!r}."
+            )
         if self.resume_read not in ("rank0", "all"):
             raise ConfigError(f"--resume-read must be 'rank0' or 'all', got {self.resume_read!r}.")
         if not self.checkpoint_dir:
@@ -102,6 +112,13 @@ def _key_value(text: str) -> tuple[str, str]:
     if not sep or not key:
         raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
     return key.strip(), value
+
+
+def _storage_option(text: str) -> tuple[str, object]:
+    try:
+        return parse_option(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -135,10 +152,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--storage-option",
         dest="storage_options",
         action="append",
-        type=_key_value,
+        type=_storage_option,
         default=[],
         metavar="KEY=VALUE",
-        help="fsspec option, e.g. endpoint_url=... (repeatable)",
+        help="fsspec option, e.g. endpoint_url=...; true/false are booleans, {...} is JSON "
+        "(repeatable)",
     )
     add(
         "max_steps",
@@ -202,6 +220,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         metavar="SECONDS",
         help="keep retrying transient storage errors this long (default: 120)",
+    )
+    add(
+        "on_storage_failure",
+        choices=["warn", "fail"],
+        help="a scheduled checkpoint storage rejects past the retry deadline: warn = skip it and "
+        "keep training, fail = stop the job, exit 7 (default: warn)",
     )
     add(
         "resume_read",

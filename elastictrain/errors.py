@@ -7,6 +7,7 @@ EXIT_INIT_TIMEOUT = 3
 EXIT_HUNG = 4
 EXIT_TIMEOUT = 5
 EXIT_ORPHANED = 6  # the torchrun agent died; exiting so no zombie writer is left behind
+EXIT_STORAGE = 7  # storage stayed unusable past --storage-retry-deadline
 EXIT_PREEMPTED = (
     75  # EX_TEMPFAIL: stopped on request with a checkpoint committed; relaunch to continue
 )
@@ -50,3 +51,9 @@ class OrphanedError(ElasticTrainError):
     """The torchrun agent died; this worker must not train or commit any further."""
 
     exit_code = EXIT_ORPHANED
+
+
+class CheckpointFailedError(ElasticTrainError):
+    """Rank 0 could not commit a checkpoint the run cannot go on without (all ranks raise it)."""
+
+    exit_code = EXIT_STORAGE

@@ -2,7 +2,7 @@
 
 Exit codes (errors.py): 0 finished; 75 preempted with a checkpoint committed; 2 bad input;
 3 init timeout; 4 hang detected; 5 a collective or checkpoint barrier timed out; 6 the torchrun
-agent died (orphaned worker); 1 a crash.
+agent died (orphaned worker); 7 storage stayed down past --storage-retry-deadline; 1 a crash.
 """
 
 from __future__ import annotations
@@ -138,11 +138,12 @@ class _Attempt:
             keep_last=cfg.keep_last,
             keep_every=cfg.keep_every_steps,
             read_mode=cfg.resume_read,
+            on_failure=cfg.on_storage_failure,
             attached=attached,
         )
         self.schedule = CheckpointSchedule(cfg.checkpoint_every_steps, cfg.checkpoint_every_seconds)
 
-    def save(self, step: int, reason: str) -> None:
+    def save(self, step: int, reason: str) -> bool:
         with (
             self.watchdog.phase("checkpoint", self.cfg.checkpoint_timeout),
             _named_timeout(
@@ -151,7 +152,7 @@ class _Attempt:
                 f"the checkpoint barrier at step {step}",
             ),
         ):
-            self.ckpt.save(
+            committed = self.ckpt.save(
                 step=step,
                 epoch=self.sampler.epoch_of(max(step - 1, 0)),
                 model=self.model,
@@ -160,8 +161,12 @@ class _Attempt:
                 fingerprint=self.fingerprint,
                 reason=reason,
             )
+        # A skipped checkpoint restarts the clock too: storage that is down is not retried
+        # every step, only at the next scheduled checkpoint.
         self.schedule.mark_saved()
-        self.progress.last_checkpoint = step
+        if committed:
+            self.progress.last_checkpoint = step
+        return committed
 
     def train(self) -> int:
         cfg, env = self.cfg, self.env
@@ -260,6 +265,7 @@ class _Attempt:
             step=max(cfg.max_steps, resumed.step),
             steps_this_attempt=trained,
             seconds=round(elapsed, 3),
+            skipped_checkpoints=self.ckpt.skipped,
         )
         return 0
 

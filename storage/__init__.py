@@ -15,12 +15,13 @@ from storage.errors import (
     StorageConfigError,
     StorageError,
     StorageFullError,
+    StorageNotUsableError,
     StorageUnavailableError,
 )
 from storage.layout import Manifest
 from storage.retry import RetryPolicy, is_transient
 from storage.store import Checkpoint, CheckpointExistsError, CheckpointStore, ListedCheckpoint
-from storage.urls import redact_options, redact_url
+from storage.urls import parse_option, redact_options, redact_url
 
 
 def open_store(
@@ -43,9 +44,11 @@ __all__ = [
     "StorageError",
     "StaleWriterError",
     "StorageFullError",
+    "StorageNotUsableError",
     "StorageUnavailableError",
     "is_transient",
     "open_store",
+    "parse_option",
     "redact_options",
     "redact_url",
 ]

@@ -26,6 +26,11 @@ class CheckpointCorruptError(StorageError):
     """A committed checkpoint failed verification: a size or checksum mismatch, or a bad manifest."""
 
 
+class StorageNotUsableError(StorageUnavailableError):
+    """The startup probe failed: the location is missing, read-only, unreachable, or the credentials
+    are rejected. Names the likely cause; the user must fix the location or its options."""
+
+
 class StorageFullError(StorageUnavailableError):
     """The location ran out of space or quota while writing; earlier checkpoints are intact."""
 

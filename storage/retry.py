@@ -28,14 +28,35 @@ _TRANSIENT_ERRNOS = {
     errno.EPIPE,
     errno.EHOSTUNREACH,
     errno.ENETUNREACH,
+    # s3fs maps SlowDown/ServiceUnavailable (503) to EBUSY and InternalError (500) to EREMOTEIO.
+    errno.EBUSY,
+    errno.EREMOTEIO,
 }
-# Markers of server-side transient failures as they surface through s3fs/botocore/aiohttp messages.
+# S3 error codes worth retrying (botocore's own retry handler treats these as transient too).
+_TRANSIENT_S3_CODES = {
+    "SlowDown",
+    "ServiceUnavailable",
+    "InternalError",
+    "RequestTimeout",
+    "RequestTimeTooSkewed",
+    "Throttling",
+    "ThrottlingException",
+    "RequestLimitExceeded",
+    "BandwidthLimitExceeded",
+    "500",
+    "502",
+    "503",
+    "504",
+}
+_TRANSIENT_HTTP_STATUS = {500, 502, 503, 504}
+# Markers of server-side transient failures as they surface in exception messages.
 _TRANSIENT_MARKERS = (
     "SlowDown",
     "ServiceUnavailable",
     "InternalError",
     "RequestTimeout",
     "Throttl",
+    "reduce your request rate",
     "503",
     "500 ",
     "(500)",
@@ -54,23 +75,98 @@ _TRANSIENT_TYPE_NAMES = {
     "ServerTimeoutError",
     "ClientPayloadError",
     "IncompleteReadError",
+    "FSTimeoutError",
 }
+_PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
 
 
-def is_transient(exc: BaseException) -> bool:
-    """True when ``exc`` is worth retrying: the same call may succeed a moment later."""
-    if isinstance(exc, StorageError):
-        return False  # already classified by us
-    if isinstance(exc, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)):
-        return False
+def _causes(exc: BaseException) -> list[BaseException]:
+    """``exc`` and what it wraps: s3fs re-raises botocore errors as plain OSErrors."""
+    chain: list[BaseException] = []
+    while exc is not None and exc not in chain and len(chain) < 8:
+        chain.append(exc)
+        exc = exc.__cause__
+    return chain
+
+
+def _s3_error(exc: BaseException) -> tuple[str | None, int | None]:
+    """(error code, HTTP status) of a botocore ClientError, duck-typed so storage needs no boto."""
+    response = getattr(exc, "response", None)
+    if not isinstance(response, dict):
+        return None, None
+    code = (response.get("Error") or {}).get("Code")
+    status = (response.get("ResponseMetadata") or {}).get("HTTPStatusCode")
+    return (str(code) if code is not None else None), status
+
+
+def _transient_one(exc: BaseException) -> bool:
     if isinstance(exc, (ConnectionError, TimeoutError)):
         return True
     if isinstance(exc, OSError) and exc.errno in _TRANSIENT_ERRNOS:
         return True
     if any(t.__name__ in _TRANSIENT_TYPE_NAMES for t in type(exc).__mro__):
         return True
+    code, status = _s3_error(exc)
+    if code in _TRANSIENT_S3_CODES or status in _TRANSIENT_HTTP_STATUS:
+        return True
     text = str(exc)
     return isinstance(exc, OSError) and any(m in text for m in _TRANSIENT_MARKERS)
+
+
+def is_transient(exc: BaseException) -> bool:
+    """True when ``exc`` is worth retrying: the same call may succeed a moment later.
+
+    The outermost error decides when it is already classified (our own errors, missing files,
+    denied permissions); otherwise any error it wraps may show it is transient.
+    """
+    if isinstance(exc, (StorageError, *_PERMANENT)):
+        return False
+    return any(_transient_one(e) for e in _causes(exc))
+
+
+_CREDENTIAL_S3_CODES = {
+    "InvalidAccessKeyId",
+    "SignatureDoesNotMatch",
+    "InvalidToken",
+    "ExpiredToken",
+    "TokenRefreshRequired",
+    "InvalidClientTokenId",
+    "AuthorizationHeaderMalformed",
+}
+
+
+def diagnose(exc: BaseException, *, deadline_s: float) -> str:
+    """The likely cause of a failed storage operation and its fix, as one sentence for a user."""
+    chain = _causes(exc)
+    codes = {_s3_error(e)[0] for e in chain} - {None}
+    if codes & _CREDENTIAL_S3_CODES or "NoCredentialsError" in {type(e).__name__ for e in chain}:
+        return (
+            "the storage rejected the credentials "
+            f"({', '.join(sorted(codes & _CREDENTIAL_S3_CODES)) or 'none found'}). Check "
+            "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE (or --storage-option key=... "
+            "secret=...); a session token may have expired."
+        )
+    if "NoSuchBucket" in codes or any(isinstance(e, FileNotFoundError) for e in chain):
+        return (
+            "the bucket (or parent directory) does not exist. Create it first, e.g. "
+            "'aws s3 mb s3://BUCKET', or fix the URL and --storage-option endpoint_url."
+        )
+    if (
+        "AccessDenied" in codes
+        or any(isinstance(e, PermissionError) for e in chain)
+        or any(isinstance(e, OSError) and e.errno == errno.EROFS for e in chain)
+    ):
+        return (
+            "the location is not writable (read-only, or the credentials lack write permission "
+            "such as s3:PutObject and s3:DeleteObject). Grant write access or choose another "
+            "--checkpoint-dir."
+        )
+    if any(_transient_one(e) for e in chain):
+        return (
+            f"the storage could not be reached within {deadline_s:.0f}s. Check --storage-option "
+            "endpoint_url, the network, and that the service is up."
+        )
+    return "check that it exists, is writable, and that credentials and endpoint_url are right."
 
 
 @dataclass(frozen=True, kw_only=True)

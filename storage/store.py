@@ -24,6 +24,7 @@ from storage.errors import (
     StaleWriterError,
     StorageError,
     StorageFullError,
+    StorageNotUsableError,
     StorageUnavailableError,
 )
 from storage.layout import (
@@ -36,7 +37,7 @@ from storage.layout import (
     step_dir_name,
 )
 from storage.retention import partial_steps_to_delete, steps_to_delete
-from storage.retry import RetryPolicy
+from storage.retry import RetryPolicy, diagnose
 from storage.urls import redact_url
 
 logger = logging.getLogger(__name__)
@@ -183,6 +184,8 @@ class CheckpointStore:
         """Write, read back and delete a small object under the root: fail fast on a bad location.
 
         Uses a deadline of its own (at most the store's), so a misconfigured URL fails in seconds.
+        Raises :class:`StorageNotUsableError` naming the likely cause: a missing bucket, rejected
+        credentials, a read-only location, or an unreachable endpoint.
         """
         retry = dataclasses.replace(self._retry, deadline_s=min(deadline_s, self._retry.deadline_s))
         path = self._backend.join(self._backend.root, f".probe-{uuid.uuid4().hex}")
@@ -190,14 +193,13 @@ class CheckpointStore:
         try:
             self._call("probe write", lambda: self._backend.write(path, payload), retry)
             if self._call("probe read", lambda: self._backend.read(path), retry) != payload:
-                raise StorageUnavailableError(
-                    f"Probe object under {self.safe_url!r} read back different bytes."
-                )
-        except (FileNotFoundError, PermissionError, StorageUnavailableError) as e:
-            raise StorageUnavailableError(
-                f"Checkpoint location {self.safe_url!r} is not usable: {type(e).__name__}: {e}. "
-                "Check that it exists (bucket created), is writable, and that credentials and "
-                "--storage-option endpoint_url are right."
+                raise StorageUnavailableError("the probe object read back different bytes")
+        except Exception as e:  # noqa: BLE001 - every failure here means "not usable"; diagnose it
+            cause = e.__cause__ if isinstance(e, StorageUnavailableError) and e.__cause__ else e
+            raise StorageNotUsableError(
+                f"Checkpoint location {self.safe_url!r} is not usable: "
+                f"{diagnose(cause, deadline_s=retry.deadline_s)} "
+                f"({type(cause).__name__}: {str(cause).splitlines()[0][:300] if str(cause) else ''})"
             ) from e
         finally:
             # A leftover probe object is harmless; a failed cleanup must not mask the real error.

@@ -5,6 +5,7 @@ Paths stay ``str`` throughout: a checkpoint location may be a remote URI that ``
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from collections.abc import Mapping
@@ -28,6 +29,31 @@ def redact_url(url: str) -> str:
 def redact_options(options: Mapping[str, Any]) -> dict[str, Any]:
     """``options`` with the values of secret-looking keys replaced, safe to log."""
     return {k: ("***" if _SECRET_OPTION.search(k) else v) for k, v in options.items()}
+
+
+def parse_option(text: str) -> tuple[str, Any]:
+    """``KEY=VALUE`` from a command line into one fsspec option.
+
+    Values are strings, except ``true``/``false`` (booleans: the string "false" would be truthy)
+    and values starting with ``{`` or ``[``, which are JSON, for nested options such as
+    ``config_kwargs={"retries": {"total_max_attempts": 10}}``.
+    """
+    key, sep, value = text.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise StorageConfigError(f"Expected a storage option as KEY=VALUE, got {text!r}.")
+    if value.lower() in ("true", "false"):
+        return key, value.lower() == "true"
+    if value.lstrip().startswith(("{", "[")):
+        try:
+            return key, json.loads(value)
+        except json.JSONDecodeError as e:
+            shown = "***" if _SECRET_OPTION.search(key) else repr(value)
+            raise StorageConfigError(
+                f"Storage option {key!r} looks like JSON but does not parse ({e}): {shown}. "
+                "Quote it for the shell, e.g. --storage-option 'config_kwargs={\"retries\": {}}'."
+            ) from e
+    return key, value
 
 
 def is_local(url: str) -> bool:

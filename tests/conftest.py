@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import json
 import os
 import shutil
 import signal
@@ -9,7 +12,6 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.request
 import uuid
 
 import pytest
@@ -23,37 +25,87 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="session")
-def s3_endpoint():
+@contextlib.contextmanager
+def moto_server(env: dict[str, str] | None = None):
     """A moto_server S3 endpoint on a free loopback port; killed by its own process group."""
     if shutil.which("moto_server") is None:
         pytest.fail("moto_server not found: install the test extras (pip install -e '.[test]')")
-    os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
-    os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
-    os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
     port = free_port()
     proc = subprocess.Popen(
         [shutil.which("moto_server"), "-H", "127.0.0.1", "-p", str(port)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         start_new_session=True,
+        env={**os.environ, **(env or {})},
     )
-    url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 30
-    while True:
+    while True:  # a bare TCP connect: with auth on, every HTTP request counts against the budget
         try:
-            urllib.request.urlopen(url, timeout=1)
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
             break
-        except Exception:
+        except OSError:
             if proc.poll() is not None or time.monotonic() > deadline:
                 os.killpg(proc.pid, signal.SIGKILL)
-                pytest.fail(f"moto_server did not start on {url}")
-            time.sleep(0.2)
+                pytest.fail(f"moto_server did not start on port {port}")
+            time.sleep(0.1)
     try:
-        yield url
+        yield f"http://127.0.0.1:{port}"
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint():
+    """A moto_server S3 endpoint that accepts any credentials."""
+    os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
+    os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
+    os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
+    with moto_server() as url:
+        yield url
+
+
+@dataclasses.dataclass(frozen=True)
+class AuthS3:
+    """An S3 endpoint that checks credentials, with a bucket, a read-write and a read-only user."""
+
+    endpoint: str
+    bucket: str
+    read_write: dict[str, str]
+    read_only: dict[str, str]
+
+
+@pytest.fixture(scope="session")
+def s3_auth():
+    """moto with IAM auth on: unknown keys are rejected, and a read-only user exists."""
+    import boto3
+
+    # The first 3 requests (create the admin user, its key, its policy) run unauthenticated.
+    with moto_server({"INITIAL_NO_AUTH_ACTION_COUNT": "3"}) as url:
+        kw = {"endpoint_url": url, "region_name": "us-east-1"}
+        iam = boto3.client("iam", aws_access_key_id="x", aws_secret_access_key="x", **kw)
+
+        def user(name: str, actions: list[str] | str) -> dict[str, str]:
+            iam.create_user(UserName=name)
+            key = iam.create_access_key(UserName=name)["AccessKey"]
+            policy = {"Effect": "Allow", "Action": actions, "Resource": "*"}
+            iam.put_user_policy(
+                UserName=name,
+                PolicyName=name,
+                PolicyDocument=json.dumps({"Version": "2012-10-17", "Statement": [policy]}),
+            )
+            return {"key": key["AccessKeyId"], "secret": key["SecretAccessKey"]}
+
+        admin = user("admin", "*")
+        iam = boto3.client(
+            "iam", aws_access_key_id=admin["key"], aws_secret_access_key=admin["secret"], **kw
+        )
+        read_only = user("reader", ["s3:GetObject", "s3:ListBucket"])
+        s3 = boto3.client(
+            "s3", aws_access_key_id=admin["key"], aws_secret_access_key=admin["secret"], **kw
+        )
+        s3.create_bucket(Bucket="guarded")
+        yield AuthS3(endpoint=url, bucket="guarded", read_write=admin, read_only=read_only)
 
 
 @pytest.fixture

@@ -144,6 +144,27 @@ def test_unreachable_checkpoint_url_fails_fast_and_clearly(tmp_path, s3_endpoint
     )
 
 
+def test_bad_credentials_fail_fast_before_any_compute(tmp_path, s3_auth):
+    args = [
+        "--checkpoint-dir",
+        f"s3://{s3_auth.bucket}/run",
+        "--storage-option",
+        f"endpoint_url={s3_auth.endpoint}",
+        "--storage-option",
+        "key=AKIANOSUCHKEY0000000",
+        "--storage-option",
+        "secret=hunter2-secret",
+        "--event-log",
+        str(tmp_path / "ev.jsonl"),
+    ]
+    result = run_single(args, str(tmp_path), timeout=120)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "rejected the credentials (InvalidAccessKeyId)" in result.stderr
+    assert "hunter2" not in result.stderr + result.stdout
+    assert "hunter2" not in (tmp_path / "ev.jsonl").read_text()
+    assert not [e for e in read_events(str(tmp_path / "ev.jsonl")) if e["event"] == "progress"]
+
+
 def test_unknown_protocol_fails_clearly(tmp_path):
     result = run_single(["--checkpoint-dir", "nosuch://x/y"], str(tmp_path))
     assert result.returncode == 2 and "protocol 'nosuch' is not available" in result.stderr

@@ -22,6 +22,23 @@ class FakeTime:
         return self.now
 
 
+class _ClientError(Exception):
+    """Shaped like botocore's ClientError: storage must classify it without importing boto."""
+
+    def __init__(self, response):
+        super().__init__(str(response))
+        self.response = response
+
+
+def _client_error(code: str, status: int) -> Exception:
+    return _ClientError({"Error": {"Code": code}, "ResponseMetadata": {"HTTPStatusCode": status}})
+
+
+def _wrapped(outer: Exception, cause: Exception) -> Exception:
+    outer.__cause__ = cause  # how s3fs re-raises botocore errors
+    return outer
+
+
 @pytest.mark.parametrize(
     "exc",
     [
@@ -30,6 +47,10 @@ class FakeTime:
         OSError(errno.ETIMEDOUT, "timed out"),
         OSError("An error occurred (SlowDown) when calling the PutObject operation"),
         OSError("An error occurred (503) when calling PutObject: Service Unavailable"),
+        OSError(errno.EBUSY, "Please reduce your request rate."),  # s3fs's SlowDown
+        OSError(errno.EREMOTEIO, "We encountered an internal error."),  # s3fs's InternalError
+        _wrapped(OSError(errno.EIO, "opaque"), _client_error("BadGateway", 502)),
+        _wrapped(OSError(errno.EIO, "opaque"), _client_error("SlowDown", 503)),
     ],
 )
 def test_transient(exc):
@@ -44,6 +65,8 @@ def test_transient(exc):
         ValueError("bad"),
         CheckpointCorruptError("bad checksum"),
         OSError(errno.ENOSPC, "No space left on device"),
+        _wrapped(PermissionError("Access Denied"), _client_error("AccessDenied", 403)),
+        _wrapped(OSError(errno.EIO, "opaque"), _client_error("InvalidArgument", 400)),
     ],
 )
 def test_not_transient(exc):

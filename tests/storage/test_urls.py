@@ -62,3 +62,19 @@ def test_manifest_file_names_cannot_escape(tmp_path, name):
         Manifest.from_json(json.dumps(doc).encode(), where="test")
     with pytest.raises(ValueError, match="unsafe payload file name"):
         open_store(str(tmp_path)).commit(1, {name: b"x"}, {})
+
+
+def test_storage_option_values():
+    from storage import StorageConfigError, parse_option
+
+    assert parse_option("endpoint_url=http://h:1/x=y") == ("endpoint_url", "http://h:1/x=y")
+    assert parse_option("anon=false") == ("anon", False)  # the string "false" would be truthy
+    assert parse_option('config_kwargs={"retries": {"total_max_attempts": 3}}') == (
+        "config_kwargs",
+        {"retries": {"total_max_attempts": 3}},
+    )
+    with pytest.raises(StorageConfigError, match="KEY=VALUE"):
+        parse_option("no-equals-sign")
+    with pytest.raises(StorageConfigError, match="does not parse") as info:
+        parse_option("secret={not json")
+    assert "not json" not in str(info.value)  # a secret-looking option's value is never echoed
