@@ -1,0 +1,158 @@
+"""Real torchrun jobs checkpointing to S3 through a proxy that injects faults (fault_proxy.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+import storage
+from elastictrain.events import read_events
+from tests.integration.fault_proxy import KINDS, FaultProxy
+from tests.integration.launcher import wait_for_event
+from tests.integration.test_kill_resume import toy_args
+
+# botocore retries 5xx and dropped connections itself by default, which would hide most faults from
+# our own retry layer; with one attempt each fault reaches s3fs and then storage.retry.
+NO_BOTO_RETRIES = 'config_kwargs={"retries": {"total_max_attempts": 1}}'
+
+
+def s3_args(url: str, ev: str, proxy_url: str, *extra: str, **kw) -> list[str]:
+    return toy_args(
+        url,
+        ev,
+        extra=(
+            "--storage-option",
+            f"endpoint_url={proxy_url}",
+            "--storage-option",
+            "key=testing",
+            "--storage-option",
+            "secret=s3cr3t-do-not-print",
+            "--storage-option",
+            NO_BOTO_RETRIES,
+            *extra,
+        ),
+        **kw,
+    )
+
+
+def _events(ev: str, kind: str) -> list[dict]:
+    return [e for e in read_events(ev) if e["event"] == kind]
+
+
+def test_ten_percent_faults_every_checkpoint_committed_or_reported(launch, tmp_path, s3_bucket):
+    bucket_url, options = s3_bucket
+    url, ev = f"{bucket_url}/faulty", str(tmp_path / "ev.jsonl")
+    with FaultProxy(options["endpoint_url"], fail_fraction=0.10, seed=5) as proxy:
+        args = s3_args(
+            url,
+            ev,
+            proxy.url,
+            "--keep-last",
+            "3",
+            "--keep-every-steps",
+            "60",
+            "--storage-retry-deadline",
+            "60",
+            max_steps=240,
+            every=20,
+            step_time=0.01,
+        )
+        job = launch(args, nproc=2, max_restarts=0)
+        assert job.wait(300) == 0, job.log()[-4000:]
+        first = proxy.stats()
+        # Resume through the same faults, and go on.
+        again = launch([*args[:5], "300", *args[6:]], nproc=2, max_restarts=0, name="again")
+        assert again.wait(300) == 0, again.log()[-4000:]
+        stats = proxy.stats()
+    log = job.log() + again.log()
+    assert "s3cr3t" not in log + (tmp_path / "ev.jsonl").read_text()
+    assert [e["step"] for e in _events(ev, "resume")] == [0, 240]
+
+    scheduled = set(range(20, 301, 20))
+    committed = {e["step"] for e in _events(ev, "checkpoint")}
+    skipped = {e["step"] for e in _events(ev, "checkpoint_skipped")}
+    missing = scheduled - committed - skipped
+    assert not missing, f"scheduled checkpoints neither committed nor reported skipped: {missing}"
+    # Every committed checkpoint still present verifies, read over a clean connection.
+    listed = storage.open_store(url, storage_options=options).list()
+    assert all(c.ok for c in listed), [c.error for c in listed if not c.ok]
+    expected = {s for s in committed if s % 60 == 0} | set(sorted(committed)[-3:])
+    assert {c.step for c in listed} == expected
+    assert all(stats.get(f"fault_{kind}", 0) > 0 for kind in KINDS), stats
+    our_retries = log.count("transient storage error during")
+    assert our_retries > 0
+    kinds = ", ".join(f"{k} {stats['fault_' + k]}" for k in KINDS)
+    print(
+        f"\n10% faults: {stats['requests']} storage requests, {stats['faults']} faults injected "
+        f"({kinds}), {stats['retried']} retried "
+        f"({our_retries} by storage.retry, the rest inside s3fs), first run "
+        f"{first['faults']}/{first['requests']}; {len(committed)} committed, {len(skipped)} "
+        f"skipped of {len(scheduled)} scheduled; {len(listed)} kept, all verify"
+    )
+
+
+def test_storage_down_warn_skips_keeps_training_and_recovers(launch, tmp_path, s3_bucket):
+    bucket_url, options = s3_bucket
+    url, ev = f"{bucket_url}/down-warn", str(tmp_path / "ev.jsonl")
+    with FaultProxy(options["endpoint_url"]) as proxy:
+        args = s3_args(
+            url,
+            ev,
+            proxy.url,
+            "--storage-retry-deadline",
+            "2",
+            max_steps=400,
+            every=20,
+            step_time=0.02,
+        )
+        job = launch(args, nproc=2, max_restarts=0)
+        wait_for_event(ev, lambda e: e["event"] == "checkpoint" and e["step"] >= 40, 120, job)
+        proxy.down = True
+        wait_for_event(ev, lambda e: e["event"] == "checkpoint_skipped", 120, job)
+        proxy.down = False
+        assert job.wait(180) == 0, job.log()[-4000:]
+    log = job.log()
+    skipped = [e["step"] for e in _events(ev, "checkpoint_skipped")]
+    committed = [e["step"] for e in _events(ev, "checkpoint")]
+    assert "CHECKPOINT SKIPPED" in log and "--on-storage-failure warn" in log
+    assert skipped and not set(skipped) & set(committed)
+    assert max(committed) == 200 and max(committed) > max(skipped)  # recovered, final committed
+    (end,) = _events(ev, "end")
+    assert end["skipped_checkpoints"] == len(skipped)
+    assert all("s3cr3t" not in e["error"] for e in _events(ev, "checkpoint_skipped"))
+    listed = storage.open_store(url, storage_options=options).list()
+    assert listed and all(c.ok for c in listed) and listed[-1].step == 200
+
+
+@pytest.mark.parametrize("policy", ["fail", "warn"])
+def test_storage_down_stops_the_job_when_it_must(launch, tmp_path, s3_bucket, policy):
+    """``fail``: the first checkpoint storage rejects stops the job. ``warn``: scheduled ones are
+    skipped, but the final checkpoint cannot be, so the job still stops, with exit 7, not 0."""
+    bucket_url, options = s3_bucket
+    url, ev = f"{bucket_url}/down-{policy}", str(tmp_path / "ev.jsonl")
+    with FaultProxy(options["endpoint_url"]) as proxy:
+        args = s3_args(
+            url,
+            ev,
+            proxy.url,
+            "--storage-retry-deadline",
+            "2",
+            "--on-storage-failure",
+            policy,
+            max_steps=100,
+            every=20,
+            step_time=0.02,
+        )
+        job = launch(args, nproc=2, max_restarts=0)
+        wait_for_event(ev, lambda e: e["event"] == "checkpoint" and e["step"] == 20, 120, job)
+        proxy.down = True
+        assert job.wait(180) != 0
+    log = job.log()
+    (failed,) = _events(ev, "checkpoint_failed")
+    assert failed["reason"] == ("steps" if policy == "fail" else "final")
+    assert "CHECKPOINT FAILED" in log and log.count("FAILED (exit 7)") == 2, log[-4000:]
+    assert "s3cr3t" not in log
+    if policy == "warn":
+        assert [e["step"] for e in _events(ev, "checkpoint_skipped")] == [40, 60, 80]
+    # What was committed before the outage is intact.
+    listed = storage.open_store(url, storage_options=options).list()
+    assert [c.step for c in listed] == [20] and listed[0].ok
