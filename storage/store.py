@@ -244,28 +244,46 @@ class CheckpointStore:
             )
         files: dict[str, bytes] = {}
         for name, entry in manifest.files.items():
-            path = self._backend.join(self._step_dir(step), name)
+            data = self._read_verified(step, name, entry)
+            files[name] = data
+        return Checkpoint(manifest=manifest, files=files)
+
+    def _read_verified(self, step: int, name: str, entry: FileEntry) -> bytes:
+        """One payload file, checked against its manifest entry. A mismatch is read a second
+        time before it is called corruption: a flaky network must never get a good checkpoint
+        skipped (or replaced)."""
+        path = self._backend.join(self._step_dir(step), name)
+        problem = ""
+        for attempt in range(2):
             try:
                 data = self._call(
-                    f"read {step_dir_name(step)}/{name}", lambda p=path: self._backend.read(p)
+                    f"read {step_dir_name(step)}/{name}", lambda: self._backend.read(path)
                 )
             except FileNotFoundError as e:
                 raise CheckpointCorruptError(
                     f"Checkpoint step {step} under {self.safe_url!r}: file {name!r} is missing."
                 ) from e
             if len(data) != entry.size:
-                raise CheckpointCorruptError(
-                    f"Checkpoint step {step} under {self.safe_url!r}: file {name!r} has "
-                    f"{len(data)} bytes, manifest says {entry.size} (truncated or overwritten)."
+                problem = (
+                    f"has {len(data)} bytes, manifest says {entry.size} (truncated or overwritten)"
                 )
-            digest = sha256_hex(data)
-            if digest != entry.sha256:
-                raise CheckpointCorruptError(
-                    f"Checkpoint step {step} under {self.safe_url!r}: file {name!r} checksum "
-                    f"{digest[:16]}... does not match manifest {entry.sha256[:16]}... (corrupted)."
+            elif (digest := sha256_hex(data)) != entry.sha256:
+                problem = (
+                    f"checksum {digest[:16]}... does not match manifest {entry.sha256[:16]}... "
+                    "(corrupted)"
                 )
-            files[name] = data
-        return Checkpoint(manifest=manifest, files=files)
+            else:
+                if attempt:
+                    logger.warning(
+                        "step %d file %s verified on a second read (the first %s)",
+                        step,
+                        name,
+                        problem,
+                    )
+                return data
+        raise CheckpointCorruptError(
+            f"Checkpoint step {step} under {self.safe_url!r}: file {name!r} {problem}, twice."
+        )
 
     def open_file(self, step: int, name: str):
         """An unverified, random-access file object for one payload file (for cheap inspection)."""

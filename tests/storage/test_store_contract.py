@@ -93,6 +93,24 @@ def test_latest_falls_back_past_corruption(store, damage, caplog):
     assert listed[1].ok and not listed[2].ok
 
 
+def test_a_flaky_read_is_not_called_corruption(store, monkeypatch, caplog):
+    _commit(store, 1)
+    good = store.read(1).files["state.pt"]
+    real_read, served = store._backend.read, []
+
+    def read_truncated_once(path):
+        data = real_read(path)
+        if path.endswith("state.pt") and not served:
+            served.append(path)
+            return data[:-3]  # a connection that dropped the tail, once
+        return data
+
+    monkeypatch.setattr(store._backend, "read", read_truncated_once)
+    with caplog.at_level(logging.WARNING, logger="storage.store"):
+        assert store.latest().files["state.pt"] == good
+    assert served and "verified on a second read" in caplog.text
+
+
 def test_retention_keeps_last_k_and_cleans_partials(store):
     for step in (1, 2, 3):
         _commit(store, step)
