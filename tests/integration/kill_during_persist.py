@@ -1,0 +1,215 @@
+"""SIGKILL rank 0 while it is persisting a checkpoint, over and over, under one torchrun job.
+
+Each trial lets the restarted job commit one checkpoint, waits until the next one is half-written (its step directory holds payload bytes but no
+manifest), SIGKILLs rank 0 at a random moment inside that window, and then checks:
+
+- the half-written step is not committed, and every committed checkpoint verifies
+  (no committed-but-incomplete checkpoint, ever);
+- torchrun's restart resumes from the newest committed checkpoint.
+
+A kill that lands after the manifest was written is not counted as "during persist"; the loop goes
+on until ``trials`` kills landed inside the window. Used by the test suite, and runnable by hand:
+
+    python -m tests.integration.kill_during_persist --trials 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+from typing import Any
+
+import storage
+from storage.layout import MANIFEST_NAME, parse_step_dir, step_dir_name
+from tests.integration.launcher import Job
+from tests.integration.restart_loop import _count, _wait_count
+
+# About 40 MB of state (weights + momentum): writing and fsyncing it takes long enough to aim at.
+TOY = ("hidden=1024", "layers=5", "batch_size=32")
+
+
+def _payload_files(ckpt: str) -> set[str]:
+    return {
+        os.path.join(name, f)
+        for name in (os.listdir(ckpt) if os.path.isdir(ckpt) else [])
+        if parse_step_dir(name) is not None
+        for f in (
+            os.listdir(os.path.join(ckpt, name)) if os.path.isdir(os.path.join(ckpt, name)) else []
+        )
+        if f.endswith(".pt")
+    }
+
+
+def _half_written(ckpt: str, leftovers: set[str]) -> int | None:
+    """A step newer than every committed one whose directory holds a new payload file but no
+    manifest: one being written right now.
+
+    Newer, because retention deleting an old step (manifest first) looks half-written too; new,
+    because an earlier trial's killed write leaves its file behind (``leftovers``).
+    """
+    try:
+        names = os.listdir(ckpt)
+    except FileNotFoundError:
+        return None
+    committed, partial = [], []
+    for name in names:
+        step = parse_step_dir(name)
+        if step is None:
+            continue
+        try:
+            files = os.listdir(os.path.join(ckpt, name))
+        except FileNotFoundError:
+            continue
+        if MANIFEST_NAME in files:
+            committed.append(step)
+        elif any(f.endswith(".pt") and os.path.join(name, f) not in leftovers for f in files):
+            partial.append(step)
+    newer = [s for s in partial if s > max(committed, default=-1)]
+    return max(newer) if newer else None
+
+
+def _wait_half_written(ckpt: str, timeout: float, job: Job) -> int:
+    leftovers = _payload_files(ckpt)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        step = _half_written(ckpt, leftovers)
+        if step is not None:
+            return step
+        if job.proc.poll() is not None:
+            raise AssertionError(f"torchrun exited ({job.proc.returncode}):\n{job.log()[-3000:]}")
+        time.sleep(0.002)
+    raise AssertionError(f"no checkpoint was being written within {timeout}s")
+
+
+def run_trials(workdir: str, trials: int, *, seed: int = 0, max_attempts: int | None = None):
+    rng = random.Random(seed)
+    ckpt, events = os.path.join(workdir, "ckpt"), os.path.join(workdir, "events.jsonl")
+    max_attempts = max_attempts or trials * 2
+    job = Job(
+        ["--standalone", "--nproc_per_node=2", f"--max-restarts={max_attempts + 1}"],
+        [
+            "--checkpoint-dir",
+            ckpt,
+            "--event-log",
+            events,
+            "--max-steps",
+            "1000000",
+            "--checkpoint-every-steps",
+            "10",
+            "--keep-last",
+            "2",
+            *(arg for opt in TOY for arg in ("--task-option", opt)),
+        ],
+        os.path.join(workdir, "torchrun.log"),
+        cwd=workdir,
+        env=None,
+    )
+    store = storage.open_store(ckpt)
+    results: list[dict[str, Any]] = []
+    try:
+        attempt = 0
+        while sum(r["during_persist"] for r in results) < trials:
+            attempt += 1
+            if attempt > max_attempts:
+                raise AssertionError(f"only {len(results)} kills in {max_attempts} attempts")
+            _wait_count(events, "resume", attempt, 120, job)
+            # Let this attempt commit one checkpoint first, so every resume has one to find and
+            # retention runs; then aim at the next one.
+            _wait_count(events, "checkpoint", len(_count(events, "checkpoint")) + 1, 120, job)
+            rank0 = job.workers()[0]
+            step = _wait_half_written(ckpt, 120, job)
+            time.sleep(rng.uniform(0, 0.03))  # somewhere inside the write, not always its start
+            os.kill(rank0, 9)
+            _wait_dead(rank0)
+            written = _new_payload_bytes(ckpt, step)
+            committed_after = store.committed_steps()
+            listed = store.list()  # verifies every committed checkpoint's sizes and checksums
+            bad = [c.step for c in listed if not c.ok]
+            resumed = _wait_count(events, "resume", attempt + 1, 120, job)
+            newest = max(committed_after) if committed_after else 0
+            results.append(
+                {
+                    "trial": attempt,
+                    "killed_writing_step": step,
+                    "payload_bytes_on_disk": written,
+                    "during_persist": step not in committed_after,
+                    "committed_but_incomplete": bad,
+                    "newest_committed": newest,
+                    "resumed_from": resumed["step"],
+                }
+            )
+            if bad or resumed["step"] != newest:
+                raise AssertionError(f"trial went wrong: {results[-1]}\n{job.log()[-3000:]}")
+    finally:
+        job.kill()
+    corrupt_logged = "CORRUPT CHECKPOINT" in job.log()
+    full = max((e["bytes"] for e in _count(events, "checkpoint")), default=None)
+    written = sorted(
+        r["payload_bytes_on_disk"] / full for r in results if r["during_persist"] and full
+    )
+    return {
+        "kills": len(results),
+        "during_persist": sum(r["during_persist"] for r in results),
+        "committed_but_incomplete": sum(len(r["committed_but_incomplete"]) for r in results),
+        "resumed_from_newest_committed": sum(
+            r["resumed_from"] == r["newest_committed"] for r in results
+        ),
+        "corrupt_checkpoint_logged": corrupt_logged,
+        "restarts": len(_count(events, "start")) - 1,
+        "checkpoint_bytes": full,
+        # How far the killed write had got: 1.0 means the payload was whole but not yet committed.
+        "payload_written_at_kill": {
+            "min": round(written[0], 3),
+            "median": round(written[len(written) // 2], 3),
+            "max": round(written[-1], 3),
+        }
+        if written
+        else None,
+        "trials": results,
+    }
+
+
+def _new_payload_bytes(ckpt: str, step: int) -> int:
+    """Bytes of the newest payload file in ``step``'s directory (the one being written)."""
+    step_dir = os.path.join(ckpt, step_dir_name(step))
+    paths = [os.path.join(step_dir, f) for f in os.listdir(step_dir) if f.endswith(".pt")]
+    return os.path.getsize(max(paths, key=os.path.getmtime)) if paths else 0
+
+
+def _wait_dead(pid: int, timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    return
+        except FileNotFoundError:
+            return
+        time.sleep(0.005)
+    raise AssertionError(f"rank 0 (pid {pid}) still alive {timeout}s after SIGKILL")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--trials", type=int, default=20)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args()
+    with tempfile.TemporaryDirectory() as d:
+        try:
+            result = run_trials(d, args.trials, seed=args.seed)
+        except AssertionError as e:
+            print(f"FAILED: {e}", file=sys.stderr)
+            return 1
+    print(json.dumps({k: v for k, v in result.items() if k != "trials"}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
