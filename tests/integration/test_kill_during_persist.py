@@ -15,5 +15,6 @@ def test_kill_rank0_during_persist_never_leaves_a_bad_commit(tmp_path):
     assert result["during_persist"] == TRIALS
     assert result["committed_but_incomplete"] == 0
     assert result["resumed_from_newest_committed"] == result["kills"]
-    assert not result["corrupt_checkpoint_logged"]  # uncommitted leftovers are invisible, not corrupt
+    # Uncommitted leftovers are invisible, never reported as corrupt.
+    assert not result["corrupt_checkpoint_logged"]
     assert result["checkpoint_bytes"]  # commits happened between the kills

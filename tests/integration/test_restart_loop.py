@@ -7,7 +7,9 @@ import os
 
 from tests.integration.restart_loop import run_cycles
 
-CYCLES = int(os.environ.get("ELASTICTRAIN_RESTART_CYCLES", "30"))
+# CI runs 10 cycles (about 30 s) to stay inside its time budget; the README's 30-cycle figure comes
+# from `python -m tests.integration.restart_loop --cycles 30`, or ELASTICTRAIN_RESTART_CYCLES=30 here.
+CYCLES = int(os.environ.get("ELASTICTRAIN_RESTART_CYCLES", "10"))
 
 
 def test_every_kill_restart_cycle_resumes(tmp_path):

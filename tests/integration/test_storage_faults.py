@@ -100,7 +100,7 @@ def test_storage_down_warn_skips_keeps_training_and_recovers(launch, tmp_path, s
             proxy.url,
             "--storage-retry-deadline",
             "2",
-            max_steps=400,
+            max_steps=200,
             every=20,
             step_time=0.02,
         )
