@@ -211,8 +211,15 @@ class Checkpointer:
             return True
         outcome, error = _COMMITTED, None
         if self.is_writer:
+
+            def serialize() -> bytes:
+                state = tstate.capture(
+                    model, optimizer, scheduler, step=step, fingerprint=fingerprint
+                )
+                return tstate.to_bytes(state)
+
             try:
-                self._commit(step, epoch, model, optimizer, scheduler, fingerprint, reason)
+                self._commit(step, epoch, reason, serialize)
             except storage.StorageError as e:
                 outcome, error = self._on_failure(step, reason, e), e
         outcome = edist.broadcast_int(outcome, self.control)
@@ -258,23 +265,12 @@ class Checkpointer:
         )
         return _FAILED
 
-    def _commit(
-        self,
-        step: int,
-        epoch: int,
-        model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
-        scheduler: Any,
-        fingerprint: tstate.DataFingerprint,
-        reason: str,
-    ) -> None:
+    def _commit(self, step: int, epoch: int, reason: str, serialize: Callable[[], bytes]) -> None:
         """Rank 0: serialise, commit, apply retention, report."""
         t0 = time.monotonic()
         if self._already_committed(step):
             return
-        blob = tstate.to_bytes(
-            tstate.capture(model, optimizer, scheduler, step=step, fingerprint=fingerprint)
-        )
+        blob = serialize()
         t_snap = time.monotonic()
         if not self.attached():
             raise OrphanedError(f"the torchrun agent is gone; not committing step {step}.")
