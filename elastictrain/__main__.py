@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
 import storage
@@ -43,5 +44,22 @@ def _storage_exit_code(e: Exception) -> int:
     return EXIT_USER_ERROR
 
 
+def _exit_now(code: int) -> None:
+    """Exit without interpreter finalization once everything is committed and flushed.
+
+    A training process holds C++ threads (gloo, the c10d store, torch's pools) whose teardown
+    during finalization can abort the process ("terminate called without an active exception",
+    SIGABRT) after a clean finish, which torchrun would count as a failure and restart. Seen once
+    in about a hundred finishes here; nothing is left to do at this point, so skip that teardown.
+    """
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    if len(sys.argv) > 1 and sys.argv[1] in ("ls", "verify", "inspect", "prune"):
+        sys.exit(code)
+    _exit_now(code)

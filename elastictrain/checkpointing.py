@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import platform
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -15,16 +14,11 @@ import torch.distributed as dist
 import storage
 from elastictrain import dist as edist
 from elastictrain import state as tstate
-from elastictrain.errors import CheckpointFailedError, OrphanedError
+from elastictrain.errors import CheckpointFailedError
 from elastictrain.events import EventLog
-from elastictrain.version import __version__
+from elastictrain.persist import COMMITTED, FAILED, MUST_COMMIT, Failure, Persister
 
 logger = logging.getLogger(__name__)
-
-# Outcomes of a save, broadcast from rank 0 so every rank acts on the same one.
-_COMMITTED, _SKIPPED, _FAILED = 0, 1, 2
-# Checkpoints the run cannot go on without: the end of training, and the one a preemption waits for.
-_MUST_COMMIT = ("final", "preempt")
 
 
 class CheckpointSchedule:
@@ -85,6 +79,7 @@ class Checkpointer:
         keep_every: int | None = None,
         read_mode: str = "rank0",
         on_failure: str = "warn",
+        async_persist: bool = True,
         attached: Callable[[], bool] = lambda: True,
     ) -> None:
         self.is_writer = rank == 0
@@ -93,22 +88,45 @@ class Checkpointer:
         self.control = control
         self.device = device
         self.events = events
-        self.keep_last = keep_last
-        self.keep_every = keep_every
         self.read_mode = read_mode
-        self.on_failure = on_failure
-        """``--on-storage-failure``: ``warn`` skips a scheduled checkpoint storage rejects."""
-        self.skipped = 0
-        self.attached = attached
-        """False once our torchrun agent is gone: an orphan must never commit (zombie writer)."""
+        self.async_persist = async_persist
         self.store: storage.CheckpointStore | None = None
-        self.last_committed: int | None = None
+        self.writer: Persister | None = None
+        self._last_committed: int | None = None
         if self.is_writer or read_mode == "all":
             self.store = storage.open_store(
                 url,
                 storage_options=storage_options,
                 retry=storage.RetryPolicy(deadline_s=retry_deadline),
             )
+        if self.is_writer:
+            self.writer = Persister(
+                store=self.store,
+                world_size=world_size,
+                generation=lambda: self.generation,
+                events=events,
+                keep_last=keep_last,
+                keep_every=keep_every,
+                on_failure=on_failure,
+                # False once our torchrun agent is gone: an orphan must never commit.
+                attached=attached,
+            )
+
+    @property
+    def last_committed(self) -> int | None:
+        """The newest step this attempt resumed from or committed (rank 0: including ones
+        committed in the background)."""
+        return self.writer.last_committed if self.writer else self._last_committed
+
+    @last_committed.setter
+    def last_committed(self, step: int | None) -> None:
+        if self.writer:
+            self.writer.last_committed = step
+        self._last_committed = step
+
+    @property
+    def skipped(self) -> int:
+        return self.writer.skipped if self.writer else 0
 
     def preflight(self) -> None:
         """Rank 0 proves the location is usable before any compute is spent."""
@@ -203,143 +221,61 @@ class Checkpointer:
         fingerprint: tstate.DataFingerprint,
         reason: str,
     ) -> bool:
-        """Synchronous: rank 0 commits, then broadcasts the outcome, which doubles as the
-        tutorial's save + barrier (no collective waits on storage with the shorter collective
-        timeout). Returns True when step ``step`` is committed, False when it was skipped under
-        ``--on-storage-failure warn``; raises on every rank when the run cannot go on."""
+        """Checkpoint ``step``. Rank 0 snapshots the state; other ranks do not wait for it.
+
+        A scheduled checkpoint with ``async_persist`` is persisted in the background: this returns
+        once the snapshot is taken, with no collective, and a failure surfaces later through
+        :attr:`failure`. The final and preemption checkpoints (and every one without
+        ``async_persist``) are committed before rank 0 broadcasts the outcome, which doubles as the
+        tutorial's save + barrier. Returns False when the checkpoint was skipped under
+        ``--on-storage-failure warn``; raises on every rank when the run cannot go on.
+        """
         if self.last_committed == step:
             return True
-        outcome, error = _COMMITTED, None
+        wait_for_commit = reason in MUST_COMMIT or not self.async_persist
+        if not wait_for_commit and not self.is_writer:
+            return True
+        outcome, error = COMMITTED, None
         if self.is_writer:
-
-            def serialize() -> bytes:
-                state = tstate.capture(
+            outcome, error = self.writer.save(
+                step,
+                epoch,
+                reason,
+                lambda: tstate.capture(
                     model, optimizer, scheduler, step=step, fingerprint=fingerprint
-                )
-                return tstate.to_bytes(state)
-
-            try:
-                self._commit(step, epoch, reason, serialize)
-            except storage.StorageError as e:
-                outcome, error = self._on_failure(step, reason, e), e
+                ),
+                background=not wait_for_commit,
+            )
+            if not wait_for_commit:
+                return True
         outcome = edist.broadcast_int(outcome, self.control)
-        if outcome == _FAILED:
+        if outcome == FAILED:
             detail = f": {error}" if error else "; see rank 0's log for the storage error"
             raise CheckpointFailedError(
                 f"the {reason} checkpoint at step {step} could not be committed{detail}"
             ) from error
-        if outcome == _COMMITTED:
+        if outcome == COMMITTED:
             self.last_committed = step
-        return outcome == _COMMITTED
+        return outcome == COMMITTED
 
-    def _on_failure(self, step: int, reason: str, e: storage.StorageError) -> int:
-        """Rank 0: apply ``--on-storage-failure`` to a storage error; never silent."""
-        skippable = (
-            isinstance(e, storage.StorageUnavailableError)
-            and self.on_failure == "warn"
-            and reason not in _MUST_COMMIT
-        )
-        if skippable:
-            self.skipped += 1
-            logger.error(
-                "CHECKPOINT SKIPPED at step %d (%s): %s. Training continues "
-                "(--on-storage-failure warn); %d skipped so far, last committed step %s.",
-                step,
-                reason,
-                e,
-                self.skipped,
-                self.last_committed,
+    @property
+    def failure(self) -> Failure | None:
+        """Rank 0: a background persist that failed for good (the loop then stops every rank)."""
+        return self.writer.failure if self.writer else None
+
+    def raise_failure(self) -> None:
+        """Every rank, once the loop agreed that rank 0's background persist failed."""
+        failure = self.failure
+        if failure is None:
+            raise CheckpointFailedError(
+                "rank 0's background checkpoint persist failed; see rank 0's log for the error"
             )
-            self.events.emit(
-                "checkpoint_skipped",
-                step=step,
-                reason=reason,
-                error=f"{type(e).__name__}: {e}",
-                skipped_total=self.skipped,
-                last_committed=self.last_committed,
-            )
-            return _SKIPPED
-        logger.error("CHECKPOINT FAILED at step %d (%s): %s", step, reason, e)
-        self.events.emit(
-            "checkpoint_failed", step=step, reason=reason, error=f"{type(e).__name__}: {e}"
-        )
-        return _FAILED
+        raise CheckpointFailedError(
+            f"the {failure.reason} checkpoint at step {failure.step} could not be committed in "
+            f"the background: {type(failure.error).__name__}: {failure.error}"
+        ) from failure.error
 
-    def _commit(self, step: int, epoch: int, reason: str, serialize: Callable[[], bytes]) -> None:
-        """Rank 0: serialise, commit, apply retention, report."""
-        t0 = time.monotonic()
-        if self._already_committed(step):
-            return
-        blob = serialize()
-        t_snap = time.monotonic()
-        if not self.attached():
-            raise OrphanedError(f"the torchrun agent is gone; not committing step {step}.")
-        manifest = self.store.commit(
-            step,
-            {tstate.state_file_name(self.generation): blob},
-            self._metadata(step, epoch),
-            generation=self.generation,
-        )
-        t_commit = time.monotonic()
-        deleted = self.store.apply_retention(
-            self.keep_last, newest_good=step, keep_every=self.keep_every
-        )
-        blocked = time.monotonic() - t0
-        logger.info(
-            "checkpoint step %d committed (%s): %d bytes, serialize %.3fs, persist %.3fs, "
-            "loop blocked %.3fs",
-            step,
-            reason,
-            manifest.total_bytes,
-            t_snap - t0,
-            t_commit - t_snap,
-            blocked,
-        )
-        self.events.emit(
-            "checkpoint",
-            step=step,
-            reason=reason,
-            bytes=manifest.total_bytes,
-            blocked_s=round(blocked, 4),
-            persist_s=round(t_commit - t_snap, 4),
-            serialize_s=round(t_snap - t0, 4),
-            deleted=deleted,
-        )
-
-    def _already_committed(self, step: int) -> bool:
-        """A good checkpoint of this generation's history at ``step`` is kept (never overwritten).
-        A corrupt one, or one a stale older-generation writer left, is un-committed so this step
-        is written again: resume skipped it, so nothing can need it."""
-        if not self.store.is_committed(step):
-            return False
-        try:
-            existing = self.store.read(step).manifest
-        except storage.CheckpointCorruptError as e:
-            logger.error("replacing corrupt committed checkpoint at step %d: %s", step, e)
-            self.store.delete(step)
-            return False
-        if existing.generation < self.generation and self.last_committed != step:
-            logger.warning(
-                "replacing step %d written by older generation %d (not in this run's history)",
-                step,
-                existing.generation,
-            )
-            self.store.delete(step)
-            return False
-        logger.info("checkpoint step %d is already committed and verifies; keeping it", step)
-        return True
-
-    def _metadata(self, step: int, epoch: int) -> dict[str, Any]:
-        return {
-            "step": step,
-            "epoch": epoch,
-            "world_size": self.world_size,
-            "generation": self.generation,
-            "state_file": tstate.state_file_name(self.generation),
-            "versions": {
-                "elastictrain": __version__,
-                "torch": torch.__version__,
-                "python": platform.python_version(),
-            },
-            "saved_at": time.time(),
-        }
+    def finish(self) -> None:
+        """Wait for a background persist still in flight (before exiting)."""
+        if self.writer:
+            self.writer.wait()

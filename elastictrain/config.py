@@ -49,6 +49,9 @@ class RunConfig:
     """Signals that mean "save at the next step boundary and exit 75"."""
     storage_retry_deadline: float = 120.0
     """Seconds to keep retrying transient storage errors before an operation fails."""
+    async_checkpoint: bool = True
+    """Persist scheduled checkpoints in the background: training is blocked only for the copy of
+    the state into host memory. The final and preemption checkpoints are always waited for."""
     on_storage_failure: str = "warn"
     """A scheduled checkpoint whose storage stays down past the retry deadline: ``warn`` skips it
     (logged and in the events) and keeps training; ``fail`` stops the job (exit 7). The final and
@@ -220,6 +223,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         metavar="SECONDS",
         help="keep retrying transient storage errors this long (default: 120)",
+    )
+    add(
+        "async_checkpoint",
+        action=argparse.BooleanOptionalAction,
+        help="persist scheduled checkpoints in the background; the loop blocks only for a copy of "
+        "the state into reused host memory (default: on)",
     )
     add(
         "on_storage_failure",

@@ -139,6 +139,7 @@ class _Attempt:
             keep_every=cfg.keep_every_steps,
             read_mode=cfg.resume_read,
             on_failure=cfg.on_storage_failure,
+            async_persist=cfg.async_checkpoint,
             attached=attached,
         )
         self.schedule = CheckpointSchedule(cfg.checkpoint_every_steps, cfg.checkpoint_every_seconds)
@@ -164,8 +165,7 @@ class _Attempt:
         # A skipped checkpoint restarts the clock too: storage that is down is not retried
         # every step, only at the next scheduled checkpoint.
         self.schedule.mark_saved()
-        if committed:
-            self.progress.last_checkpoint = step
+        self.progress.last_checkpoint = self.ckpt.last_committed
         return committed
 
     def train(self) -> int:
@@ -227,15 +227,19 @@ class _Attempt:
                 CONTEXT.step = done
                 self.watchdog.beat(done)
                 # One small all-reduce per step turns local opinions into decisions all ranks share.
-                stop, by_time, report = edist.any_rank_flags(
+                stop, by_time, report, persist_failed = edist.any_rank_flags(
                     [
                         self.signals.requested,
                         env.is_rank0 and self.schedule.due_by_time(),
                         env.is_rank0 and self.progress.due(),
+                        self.ckpt.failure is not None,
                     ],
                     self.device,
                 )
+                if persist_failed:
+                    self.ckpt.raise_failure()
                 if report:
+                    self.progress.last_checkpoint = self.ckpt.last_committed
                     self.progress.report(
                         done, loss, stragglers.gather(trainer.timer, self.groups.control)
                     )

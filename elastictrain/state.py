@@ -1,11 +1,13 @@
 """Capture and restore training state: model, optimizer, LR scheduler, data position.
 
-Serialized with ``torch.save`` and loaded with ``weights_only=True``: loading never runs pickled
+Written in the flat format of ``snapshot`` (tensor bytes + a ``weights_only`` skeleton); files
+written by ``torch.save`` (older elastictrain, or by hand) are still read. Loading never runs pickled
 code. ``map_location`` remaps whatever device the tensors were saved from to this rank's device.
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
 import pickle
 from dataclasses import dataclass
@@ -14,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from elastictrain import snapshot
 from elastictrain.errors import CheckpointMismatchError, UnsafeCheckpointError
 
 STATE_FILE = "state.pt"  # the name before generations were part of it; still read
@@ -22,7 +25,7 @@ STATE_FILE = "state.pt"  # the name before generations were part of it; still re
 def state_file_name(generation: int) -> str:
     """Each writer generation writes its own payload file, so a stale writer working on the same
     step can never overwrite the bytes a newer writer's manifest points to."""
-    return f"state-g{generation}.pt"
+    return f"state-g{generation}.bin"
 
 
 def state_file_of(metadata: dict[str, Any]) -> str:
@@ -64,19 +67,35 @@ def capture(
 
 
 def to_bytes(state: dict[str, Any]) -> bytes:
-    buf = io.BytesIO()
-    torch.save(state, buf)
-    return buf.getvalue()
+    """``state`` as one flat file (a throwaway staging buffer; the runner reuses its own)."""
+    return bytes(snapshot.Staging().snapshot(state).data)
 
 
-def from_bytes(data: bytes, map_location: Any = "cpu") -> dict[str, Any]:
-    return from_bytes_file(io.BytesIO(data), map_location)
+def from_bytes(data: bytes | bytearray, map_location: Any = "cpu") -> dict[str, Any]:
+    """Load a flat file (tensors are views into ``data`` on CPU) or a ``torch.save`` file."""
+    with _refuse_unsafe():
+        if snapshot.is_flat(data):
+            return snapshot.load(data, map_location)
+        return torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
 
 
 def from_bytes_file(f: Any, map_location: Any = "cpu") -> dict[str, Any]:
     """Load from a seekable file object; ``map_location="meta"`` reads no tensor data."""
-    try:
+    with _refuse_unsafe():
+        f.seek(-len(snapshot.MAGIC), io.SEEK_END)
+        flat = f.read() == snapshot.MAGIC
+        f.seek(0)
+        if flat and map_location == "meta":
+            return snapshot.load_meta(f)
+        if flat:
+            return snapshot.load(bytearray(f.read()), map_location)
         return torch.load(f, map_location=map_location, weights_only=True)
+
+
+@contextlib.contextmanager
+def _refuse_unsafe():
+    try:
+        yield
     except pickle.UnpicklingError as e:
         raise UnsafeCheckpointError(
             "Refused to load a checkpoint: it holds pickled objects outside torch's weights-only "

@@ -41,7 +41,7 @@ def _payload_files(ckpt: str) -> set[str]:
         for f in (
             os.listdir(os.path.join(ckpt, name)) if os.path.isdir(os.path.join(ckpt, name)) else []
         )
-        if f.endswith(".pt")
+        if f.startswith("state-")
     }
 
 
@@ -67,7 +67,7 @@ def _half_written(ckpt: str, leftovers: set[str]) -> int | None:
             continue
         if MANIFEST_NAME in files:
             committed.append(step)
-        elif any(f.endswith(".pt") and os.path.join(name, f) not in leftovers for f in files):
+        elif any(f.startswith("state-") and os.path.join(name, f) not in leftovers for f in files):
             partial.append(step)
     newer = [s for s in partial if s > max(committed, default=-1)]
     return max(newer) if newer else None
@@ -177,7 +177,7 @@ def run_trials(workdir: str, trials: int, *, seed: int = 0, max_attempts: int | 
 def _new_payload_bytes(ckpt: str, step: int) -> int:
     """Bytes of the newest payload file in ``step``'s directory (the one being written)."""
     step_dir = os.path.join(ckpt, step_dir_name(step))
-    paths = [os.path.join(step_dir, f) for f in os.listdir(step_dir) if f.endswith(".pt")]
+    paths = [os.path.join(step_dir, f) for f in os.listdir(step_dir) if f.startswith("state-")]
     return os.path.getsize(max(paths, key=os.path.getmtime)) if paths else 0
 
 

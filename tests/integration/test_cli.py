@@ -114,7 +114,7 @@ def test_verify_fails_on_a_corrupt_checkpoint(tmp_path):
         ).returncode
         == 0
     )
-    (path,) = glob.glob(os.path.join(url, "step-000000000020", "state-g*.pt"))
+    (path,) = glob.glob(os.path.join(url, "step-000000000020", "state-g*"))
     with open(path, "r+b") as f:
         f.truncate(100)
     bad = cli("verify", url, cwd=str(tmp_path))

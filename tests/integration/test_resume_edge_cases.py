@@ -13,7 +13,7 @@ import torch
 
 import storage
 from elastictrain.events import read_events
-from elastictrain.state import state_file_of
+from elastictrain.state import from_bytes, state_file_of
 from tests.integration.launcher import REPO_ROOT, assert_bitwise_equal, final_state, job_env
 from tests.integration.test_kill_resume import toy_args
 
@@ -59,9 +59,8 @@ def test_resume_cuda_saved_checkpoint_on_cpu_only_node(launch, tmp_path):
 
     # Rewrite the step-60 checkpoint as if rank 0 had saved it from cuda:1.
     ckpt = storage.open_store(half_dir).read(60)
-    state = torch.load(
-        io.BytesIO(ckpt.files[state_file_of(ckpt.manifest.metadata)]), weights_only=True
-    )
+    state = from_bytes(ckpt.files[state_file_of(ckpt.manifest.metadata)])
+    # As a torch.save file, the format older versions wrote: its tensors carry device tags.
     blob = _save_with_location(state, "cuda:1")
     with pytest.raises(RuntimeError, match="CUDA"):  # proof the tags are real: no remap, no load
         torch.load(io.BytesIO(blob), weights_only=True)
@@ -86,7 +85,7 @@ def test_corrupted_latest_falls_back_to_previous(launch, tmp_path):
         toy_args(run_dir, str(tmp_path / "a.jsonl"), max_steps=100, every=50, step_time=0), name="a"
     )
     assert first.wait(120) == 0
-    (path,) = glob.glob(os.path.join(run_dir, "step-000000000100", "state-g*.pt"))
+    (path,) = glob.glob(os.path.join(run_dir, "step-000000000100", "state-g*"))
     with open(path, "r+b") as f:
         f.seek(os.path.getsize(path) // 2)
         byte = f.read(1)
