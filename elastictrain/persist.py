@@ -109,10 +109,12 @@ class Persister:
         snap = self.staging.snapshot(state())
         blocked = waited + time.monotonic() - t0
         if not background:
-            return self._persist(step, epoch, reason, snap, blocked, waited)
+            return self._persist(step, epoch, reason, snap, blocked, waited, background=False)
 
         def run() -> None:
-            outcome, error = self._persist(step, epoch, reason, snap, blocked, waited)
+            outcome, error = self._persist(
+                step, epoch, reason, snap, blocked, waited, background=True
+            )
             if outcome == FAILED:
                 self.failure = Failure(step, reason, error)
 
@@ -122,10 +124,18 @@ class Persister:
         return COMMITTED, None  # not yet: a failure surfaces through ``self.failure``
 
     def _persist(
-        self, step: int, epoch: int, reason: str, snap: Snapshot, blocked: float, waited: float
+        self,
+        step: int,
+        epoch: int,
+        reason: str,
+        snap: Snapshot,
+        blocked: float,
+        waited: float,
+        *,
+        background: bool,
     ) -> tuple[int, BaseException | None]:
         try:
-            self._commit(step, epoch, reason, snap, blocked, waited)
+            self._commit(step, epoch, reason, snap, blocked, waited, background)
             return COMMITTED, None
         except storage.StorageError as e:
             return self._on_failure(step, reason, e), e
@@ -140,7 +150,14 @@ class Persister:
             return FAILED, e
 
     def _commit(
-        self, step: int, epoch: int, reason: str, snap: Snapshot, blocked: float, waited: float
+        self,
+        step: int,
+        epoch: int,
+        reason: str,
+        snap: Snapshot,
+        blocked: float,
+        waited: float,
+        background: bool,
     ) -> None:
         t0 = time.monotonic()
         snap.wait()  # CUDA: the device-to-host copies have landed
@@ -161,6 +178,8 @@ class Persister:
         deleted = self.store.apply_retention(
             self.keep_last, newest_good=step, keep_every=self.keep_every
         )
+        if not background:  # the loop waited for all of it
+            blocked += time.monotonic() - t0
         logger.info(
             "checkpoint step %d committed (%s): %d bytes, loop blocked %.3fs, persist %.3fs "
             "(%.2f GB/s)",
@@ -179,6 +198,7 @@ class Persister:
             blocked_s=round(blocked, 4),
             waited_s=round(waited, 4),
             persist_s=round(persist, 4),
+            background=background,
             deleted=deleted,
         )
 
