@@ -9,6 +9,22 @@ import contextlib
 
 import fsspec
 
+_WHOLE_COPY_LIMIT = 64 << 20
+
+
+class _PartsView:
+    """``len`` and slicing of a memoryview, each slice as bytes: what s3fs's multipart upload
+    (``pipe_file``) needs from its data, without a copy of the whole."""
+
+    def __init__(self, view: memoryview) -> None:
+        self._view = view
+
+    def __len__(self) -> int:
+        return len(self._view)
+
+    def __getitem__(self, index: slice) -> bytes:
+        return bytes(self._view[index])
+
 
 class FsspecBackend:
     def __init__(self, fs: fsspec.AbstractFileSystem, root: str) -> None:
@@ -19,7 +35,14 @@ class FsspecBackend:
         return "/".join(p.rstrip("/") for p in parts)
 
     def write(self, path: str, data: bytes | memoryview) -> None:
-        self.fs.pipe_file(path, bytes(data) if isinstance(data, memoryview) else data)
+        if isinstance(data, memoryview) and len(data) >= _WHOLE_COPY_LIMIT:
+            # Object stores' clients want bytes, but a whole copy of a multi-GB state would double
+            # the memory: hand s3fs a sliceable view whose parts (uploaded concurrently) are copied
+            # one at a time.
+            data = _PartsView(data)
+        elif isinstance(data, memoryview):
+            data = bytes(data)
+        self.fs.pipe_file(path, data)
 
     def write_atomic(self, path: str, data: bytes) -> None:
         self.fs.pipe_file(path, data)

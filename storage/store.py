@@ -5,9 +5,11 @@ Knows nothing of torch or ranks: payloads are named byte strings, metadata is JS
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import errno
+import functools
 import hashlib
 import json
 import logging
@@ -42,6 +44,14 @@ from storage.urls import redact_url
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+
+_PIPELINE_BYTES = 8 << 20  # payloads from this size on are hashed while being written or read
+_READ_CHUNK = 64 << 20
+
+
+@functools.cache
+def _hasher() -> concurrent.futures.ThreadPoolExecutor:
+    return concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="storage-hash")
 
 
 class CheckpointExistsError(StorageError, FileExistsError):
@@ -147,6 +157,8 @@ class CheckpointStore:
         for name, data in files.items():
             check_file_name(name)
             path = self._backend.join(step_dir, name)
+            # Hash while writing: both release the GIL, so a big payload costs max(write, hash).
+            digest = _hasher().submit(sha256_hex, data) if len(data) >= _PIPELINE_BYTES else None
             try:
                 self._call(
                     f"write {step_dir_name(step)}/{name}",
@@ -163,7 +175,9 @@ class CheckpointStore:
                     f"{name} needs {len(data)} bytes, the whole checkpoint {total} bytes. Earlier "
                     "checkpoints are intact. Free space, raise the quota, or lower --keep-last."
                 ) from e.__cause__
-            entries[name] = FileEntry(size=len(data), sha256=sha256_hex(data))
+            entries[name] = FileEntry(
+                size=len(data), sha256=digest.result() if digest else sha256_hex(data)
+            )
         fence = self.read_fence()
         if generation < fence:
             raise StaleWriterError(
@@ -256,8 +270,8 @@ class CheckpointStore:
         problem = ""
         for attempt in range(2):
             try:
-                data = self._call(
-                    f"read {step_dir_name(step)}/{name}", lambda: self._backend.read(path)
+                data, digest = self._call(
+                    f"read {step_dir_name(step)}/{name}", lambda: self._read_hashed(path, entry)
                 )
             except FileNotFoundError as e:
                 raise CheckpointCorruptError(
@@ -267,7 +281,7 @@ class CheckpointStore:
                 problem = (
                     f"has {len(data)} bytes, manifest says {entry.size} (truncated or overwritten)"
                 )
-            elif (digest := sha256_hex(data)) != entry.sha256:
+            elif digest != entry.sha256:
                 problem = (
                     f"checksum {digest[:16]}... does not match manifest {entry.sha256[:16]}... "
                     "(corrupted)"
@@ -284,6 +298,33 @@ class CheckpointStore:
         raise CheckpointCorruptError(
             f"Checkpoint step {step} under {self.safe_url!r}: file {name!r} {problem}, twice."
         )
+
+    def _read_hashed(self, path: str, entry: FileEntry) -> tuple[bytes | bytearray, str]:
+        """A file's bytes and sha256. A big file is read into one preallocated, writable buffer
+        (loaded tensors are views into it) in chunks, each hashed on another thread while the
+        next is read, so verifying costs max(read, hash), not their sum."""
+        if entry.size < _PIPELINE_BYTES:
+            data = self._backend.read(path)
+            return data, sha256_hex(data)
+        buf = bytearray(entry.size)
+        view, hasher, offset, pending = memoryview(buf), hashlib.sha256(), 0, None
+        with self._backend.open_read(path) as f:
+            while offset < entry.size:
+                n = f.readinto(view[offset : offset + _READ_CHUNK])
+                if not n:
+                    break
+                if pending is not None:
+                    pending.result()
+                pending = _hasher().submit(hasher.update, view[offset : offset + n])
+                offset += n
+            longer = bool(f.read(1))
+        if pending is not None:
+            pending.result()
+        if offset < entry.size:
+            return buf[:offset], ""
+        if longer:
+            return bytes(entry.size + 1), ""  # only its length is looked at: longer than recorded
+        return buf, hasher.hexdigest()
 
     def open_file(self, step: int, name: str):
         """An unverified, random-access file object for one payload file (for cheap inspection)."""

@@ -93,6 +93,27 @@ def test_latest_falls_back_past_corruption(store, damage, caplog):
     assert listed[1].ok and not listed[2].ok
 
 
+@pytest.mark.parametrize("damage", ["none", "truncate", "extend", "flip"])
+def test_big_payloads_are_hashed_while_streamed(store, damage):
+    """Payloads from 8 MB on take the pipelined write/read path; it must verify the same way."""
+    import os as _os
+
+    big = _os.urandom(9 << 20)
+    store.commit(3, {"state.bin": memoryview(big)}, {"step": 3})
+    if damage == "truncate":
+        _overwrite(store, 3, "state.bin", big[:-1])
+    elif damage == "extend":
+        _overwrite(store, 3, "state.bin", big + b"x")
+    elif damage == "flip":
+        _overwrite(store, 3, "state.bin", big[:100] + bytes([big[100] ^ 1]) + big[101:])
+    if damage == "none":
+        data = store.read(3).files["state.bin"]
+        assert data == big and isinstance(data, bytearray)  # writable: tensors may view it
+    else:
+        with pytest.raises(CheckpointCorruptError, match="twice"):
+            store.read(3)
+
+
 def test_a_flaky_read_is_not_called_corruption(store, monkeypatch, caplog):
     _commit(store, 1)
     good = store.read(1).files["state.pt"]
