@@ -14,6 +14,10 @@ logger = logging.getLogger("elastictrain")
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "bench":
+        from elastictrain import bench
+
+        return bench.main(argv[1:])
     if argv and argv[0] in ("ls", "verify", "inspect", "prune"):
         from elastictrain import cli
 
@@ -60,6 +64,6 @@ def _exit_now(code: int) -> None:
 
 if __name__ == "__main__":
     code = main()
-    if len(sys.argv) > 1 and sys.argv[1] in ("ls", "verify", "inspect", "prune"):
+    if len(sys.argv) > 1 and sys.argv[1] in ("ls", "verify", "inspect", "prune", "bench"):
         sys.exit(code)
     _exit_now(code)

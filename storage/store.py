@@ -13,6 +13,7 @@ import functools
 import hashlib
 import json
 import logging
+import mmap
 import time
 import uuid
 from collections.abc import Callable, Mapping
@@ -46,7 +47,7 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _PIPELINE_BYTES = 8 << 20  # payloads from this size on are hashed while being written or read
-_READ_CHUNK = 64 << 20
+_READ_CHUNK = 4 << 20  # small: the last chunk's hash is the only one not overlapped
 
 
 @functools.cache
@@ -63,7 +64,8 @@ class Checkpoint:
     """A committed checkpoint whose files were read and verified against its manifest."""
 
     manifest: Manifest
-    files: dict[str, bytes]
+    files: dict[str, bytes | memoryview]
+    """Small files as bytes; big ones as writable memoryviews (tensors may be views into them)."""
 
 
 @dataclass(frozen=True)
@@ -256,7 +258,7 @@ class CheckpointStore:
                 f"No committed checkpoint at step {step} under {self.safe_url!r} "
                 f"(committed steps: {self.committed_steps() or 'none'})."
             )
-        files: dict[str, bytes] = {}
+        files: dict[str, bytes | memoryview] = {}
         for name, entry in manifest.files.items():
             data = self._read_verified(step, name, entry)
             files[name] = data
@@ -299,15 +301,16 @@ class CheckpointStore:
             f"Checkpoint step {step} under {self.safe_url!r}: file {name!r} {problem}, twice."
         )
 
-    def _read_hashed(self, path: str, entry: FileEntry) -> tuple[bytes | bytearray, str]:
-        """A file's bytes and sha256. A big file is read into one preallocated, writable buffer
-        (loaded tensors are views into it) in chunks, each hashed on another thread while the
-        next is read, so verifying costs max(read, hash), not their sum."""
+    def _read_hashed(self, path: str, entry: FileEntry) -> tuple[bytes | memoryview, str]:
+        """A file's bytes and sha256. A big file is read into one writable buffer (loaded tensors
+        are views into it) in chunks, each hashed on another thread while the next is read, so
+        verifying costs max(read, hash), not their sum. The buffer is an anonymous mapping: its
+        pages are not zeroed up front (a ``bytearray`` would be, costing half a read again)."""
         if entry.size < _PIPELINE_BYTES:
             data = self._backend.read(path)
             return data, sha256_hex(data)
-        buf = bytearray(entry.size)
-        view, hasher, offset, pending = memoryview(buf), hashlib.sha256(), 0, None
+        view = memoryview(mmap.mmap(-1, entry.size))
+        hasher, offset, pending = hashlib.sha256(), 0, None
         with self._backend.open_read(path) as f:
             while offset < entry.size:
                 n = f.readinto(view[offset : offset + _READ_CHUNK])
@@ -321,10 +324,10 @@ class CheckpointStore:
         if pending is not None:
             pending.result()
         if offset < entry.size:
-            return buf[:offset], ""
+            return view[:offset], ""
         if longer:
             return bytes(entry.size + 1), ""  # only its length is looked at: longer than recorded
-        return buf, hasher.hexdigest()
+        return view, hasher.hexdigest()
 
     def open_file(self, step: int, name: str):
         """An unverified, random-access file object for one payload file (for cheap inspection)."""

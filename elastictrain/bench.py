@@ -1,0 +1,340 @@
+"""``python -m elastictrain bench``: what a checkpoint costs on your storage, side by side.
+
+One synthetic state of ``--size`` bytes (a model plus Adam-like moments, float32), measured in one
+run against the same storage, each figure the median of ``--repeats``:
+
+- ``copy_s``: the memcpy floor, a copy of every tensor into warm, preallocated buffers
+- ``raw_write_gbps`` / ``raw_read_gbps``: writing (and fsync) / reading the same number of bytes
+  as one file, with nothing else; local reads start from a cold page cache (``posix_fadvise``)
+- ``torch_save_s``: the tutorial's blocking ``torch.save`` (+ fsync)
+- ``dcp_save_s``, ``dcp_async_blocked_s``: ``torch.distributed.checkpoint`` save / async_save
+- ``elastictrain_blocked_s``: what the training loop waits for (the snapshot into the reused
+  staging buffer); ``elastictrain_persist_s``: the background part (hash, write, manifest)
+- ``load_s``: read, verify and rebuild the state
+- ``step_inflation``: the toy task's step time while a background persist runs, vs without
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import mmap
+import os
+import re
+import statistics
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+import storage
+from elastictrain import snapshot
+from elastictrain.state import from_bytes
+
+_UNITS = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+
+
+def parse_size(text: str) -> int:
+    m = re.fullmatch(r"\s*([\d.]+)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).upper() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"expected a size such as 512MB or 2GB, got {text!r}")
+    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+
+
+def synthetic_state(nbytes: int, tensor_bytes: int = 64 << 20) -> dict[str, Any]:
+    """About ``nbytes`` of float32: weights (1/3) and two Adam moments (2/3), in ~64 MB tensors."""
+    per_kind = max(nbytes // 3 // 4, 1)
+    sizes = [tensor_bytes // 4] * (per_kind // (tensor_bytes // 4)) + [
+        per_kind % (tensor_bytes // 4)
+    ]
+    sizes = [n for n in sizes if n]
+    g = torch.Generator().manual_seed(0)
+    model = {f"layer{i}.weight": torch.randn(n, generator=g) for i, n in enumerate(sizes)}
+    moments = {
+        i: {"exp_avg": torch.randn(n, generator=g), "exp_avg_sq": torch.rand(n, generator=g)}
+        for i, n in enumerate(sizes)
+    }
+    return {"model": model, "optimizer": {"state": moments, "param_groups": [{"lr": 1e-3}]}}
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    if isinstance(tree, dict):
+        return [t for v in tree.values() for t in _tensors(v)]
+    return []
+
+
+def _median(fn: Callable[[], float], repeats: int) -> float:
+    return statistics.median(fn() for _ in range(repeats))
+
+
+def _timed(fn: Callable[[], Any]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def _drop_cache(path: str) -> None:
+    """Evict a local file's pages so the next read comes from the device, not memory."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+class Bench:
+    def __init__(self, url: str, options: dict[str, Any], size: int, repeats: int) -> None:
+        self.root = f"{url.rstrip('/')}/elastictrain-bench-{uuid.uuid4().hex[:8]}"
+        self.options = options
+        self.store = storage.open_store(self.root, storage_options=options)
+        self.local = storage.urls.is_local(url)
+        self.fs, self.fs_root = storage.urls.open_url(self.root, options)
+        self.repeats = repeats
+        self.state = synthetic_state(size)
+        self.nbytes = sum(t.numel() * t.element_size() for t in _tensors(self.state))
+
+    def _path(self, name: str) -> str:
+        return os.path.join(self.fs_root, name) if self.local else f"{self.fs_root}/{name}"
+
+    # -- the floors --------------------------------------------------------------------------
+    def copy_s(self) -> float:
+        src = _tensors(self.state)
+        dst = [torch.empty_like(t) for t in src]
+        for d in dst:
+            d.zero_()  # warm: touched before timing
+        return _median(
+            lambda: _timed(lambda: [d.copy_(s) for d, s in zip(dst, src, strict=True)]),
+            self.repeats,
+        )
+
+    def raw(self) -> tuple[float, float]:
+        blob = bytearray(self.nbytes)
+        path = self._path("raw.bin")
+        if self.local:
+            os.makedirs(self.fs_root, exist_ok=True)
+
+        def write() -> float:
+            with contextlib.suppress(FileNotFoundError):
+                self.fs.rm(path)  # a new file each time, as a checkpoint is: no truncation cost
+            t0 = time.perf_counter()
+            if self.local:
+                with open(path, "wb") as f:
+                    f.write(blob)
+                    f.flush()
+                    os.fsync(f.fileno())
+            else:
+                self.fs.pipe_file(path, bytes(blob))
+            return time.perf_counter() - t0
+
+        def read() -> float:
+            if self.local:
+                _drop_cache(path)
+            t0 = time.perf_counter()
+            if self.local:  # the best plain read: unbuffered, into unzeroed memory, 4 MB at a time
+                view, off = memoryview(mmap.mmap(-1, self.nbytes)), 0
+                with open(path, "rb", buffering=0) as f:
+                    while off < self.nbytes:
+                        off += f.readinto(view[off : off + (4 << 20)])
+            else:
+                self.fs.cat_file(path)
+            return time.perf_counter() - t0
+
+        w = _median(write, self.repeats)
+        r = _median(read, self.repeats)
+        self.fs.rm(path)
+        return w, r
+
+    # -- the alternatives --------------------------------------------------------------------
+    def torch_save_s(self) -> float:
+        path = self._path("torch_save.pt")
+
+        def once() -> float:
+            t0 = time.perf_counter()
+            with self.fs.open(path, "wb") as f:
+                torch.save(self.state, f)
+                if self.local:
+                    f.flush()
+                    os.fsync(f.fileno())
+            return time.perf_counter() - t0
+
+        t = _median(once, self.repeats)
+        self.fs.rm(path)
+        return t
+
+    def dcp(self) -> tuple[float | None, float | None]:
+        """(save_s, async_blocked_s); None where DCP cannot write to this location."""
+        import torch.distributed as dist
+        import torch.distributed.checkpoint as dcp
+
+        if not self.local:
+            return None, None  # DCP's fsspec writer is not a public API; compare on local disk
+        if not dist.is_initialized():
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        state = {"model": self.state["model"], "optim": self.state["optimizer"]["state"]}
+        saves, blocked = [], []
+        for i in range(self.repeats):
+            saves.append(_timed(lambda i=i: dcp.save(state, checkpoint_id=self._path(f"dcp{i}"))))
+            t0 = time.perf_counter()
+            future = dcp.async_save(state, checkpoint_id=self._path(f"dcp-async{i}"))
+            blocked.append(time.perf_counter() - t0)
+            (future.upload_completion if hasattr(future, "upload_completion") else future).result()
+        for i in range(self.repeats):
+            self.fs.rm(self._path(f"dcp{i}"), recursive=True)
+            self.fs.rm(self._path(f"dcp-async{i}"), recursive=True)
+        return statistics.median(saves), statistics.median(blocked)
+
+    # -- elastictrain ------------------------------------------------------------------------
+    def elastictrain(self) -> dict[str, float]:
+        staging = snapshot.Staging()
+        staging.snapshot(self.state)  # first use allocates and touches the buffer, once per run
+        blocked, persist, load = [], [], []
+        for step in range(1, self.repeats + 1):
+            t0 = time.perf_counter()
+            snap = staging.snapshot(self.state)
+            blocked.append(time.perf_counter() - t0)
+            persist.append(
+                _timed(lambda s=step, d=snap.data: self.store.commit(s, {"state.bin": d}, {}))
+            )
+            if self.local:
+                _drop_cache(self._path(f"step-{step:012d}/state.bin"))
+            load.append(_timed(lambda s=step: from_bytes(self.store.read(s).files["state.bin"])))
+            self.store.delete(step)
+        return {
+            "elastictrain_blocked_s": statistics.median(blocked),
+            "elastictrain_persist_s": statistics.median(persist),
+            "load_s": statistics.median(load),
+        }
+
+    def step_inflation(self, step_time: float = 0.02, steps: int = 40) -> float:
+        """Median toy step time while persists run in the background, over the same without."""
+        from elastictrain.toy import ToyModel
+
+        model = ToyModel(hidden=256, layers=2)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        x, y = torch.randn(64, 10), torch.randn(64, 5)
+
+        def one_step() -> float:
+            t0 = time.perf_counter()
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            time.sleep(step_time)
+            return time.perf_counter() - t0
+
+        quiet = statistics.median(one_step() for _ in range(steps))
+        snap = snapshot.Staging().snapshot(self.state)
+        busy, done = [], threading.Event()
+
+        def persist_loop() -> None:
+            for i in range(self.repeats):
+                self.store.commit(1000 + i, {"state.bin": snap.data}, {})
+                self.store.delete(1000 + i)
+            done.set()
+
+        threading.Thread(target=persist_loop, daemon=True).start()
+        while not done.is_set():
+            busy.append(one_step())
+        return statistics.median(busy) / quiet - 1 if busy else 0.0
+
+    def run(self) -> dict[str, Any]:
+        gb = self.nbytes / 1e9
+        raw_w, raw_r = self.raw()
+        copy = self.copy_s()
+        torch_save = self.torch_save_s()
+        dcp_save, dcp_blocked = self.dcp()
+        ours = self.elastictrain()
+        result = {
+            "bytes": self.nbytes,
+            "repeats": self.repeats,
+            "location": storage.redact_url(self.root),
+            "copy_s": copy,
+            "raw_write_s": raw_w,
+            "raw_read_s": raw_r,
+            "raw_write_gbps": gb / raw_w,
+            "raw_read_gbps": gb / raw_r,
+            "torch_save_s": torch_save,
+            "dcp_save_s": dcp_save,
+            "dcp_async_blocked_s": dcp_blocked,
+            **ours,
+            "persist_gbps": gb / ours["elastictrain_persist_s"],
+            "load_gbps": gb / ours["load_s"],
+            "step_inflation": self.step_inflation(),
+        }
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm(self.fs_root, recursive=True)
+        return result
+
+
+def table(r: dict[str, Any]) -> str:
+    copy, gb = r["copy_s"], r["bytes"] / 1e9
+
+    def row(name: str, seconds: float | None, ratio: str) -> str:
+        shown = "n/a" if seconds is None else f"{seconds:8.3f} s"
+        return f"| {name:<44} | {shown:>10} | {ratio:>24} |"
+
+    def vs_copy(s: float | None) -> str:
+        return "" if s is None else f"{s / copy:.1f}x the copy"
+
+    lines = [
+        f"state: {gb:.2f} GB at {r['location']}, median of {r['repeats']}",
+        f"| {'what':<44} | {'time':>10} | {'ratio':>24} |",
+        f"|{'-' * 46}|{'-' * 12}|{'-' * 26}|",
+        row("copy into warm buffers (the floor)", copy, "1.0x"),
+        row(f"raw write + fsync ({r['raw_write_gbps']:.2f} GB/s)", r["raw_write_s"], ""),
+        row(f"raw read ({r['raw_read_gbps']:.2f} GB/s)", r["raw_read_s"], ""),
+        row("torch.save + fsync, blocking", r["torch_save_s"], vs_copy(r["torch_save_s"])),
+        row("DCP save, blocking", r["dcp_save_s"], vs_copy(r["dcp_save_s"])),
+        row(
+            "DCP async_save: loop blocked",
+            r["dcp_async_blocked_s"],
+            vs_copy(r["dcp_async_blocked_s"]),
+        ),
+        row(
+            "elastictrain: loop blocked",
+            r["elastictrain_blocked_s"],
+            vs_copy(r["elastictrain_blocked_s"]),
+        ),
+        row(
+            f"elastictrain: background persist ({r['persist_gbps']:.2f} GB/s)",
+            r["elastictrain_persist_s"],
+            f"{r['persist_gbps'] / r['raw_write_gbps']:.2f}x raw write",
+        ),
+        row(
+            f"elastictrain: load + verify ({r['load_gbps']:.2f} GB/s)",
+            r["load_s"],
+            f"{r['load_gbps'] / r['raw_read_gbps']:.2f}x raw read",
+        ),
+        f"step-time inflation while persisting: {r['step_inflation'] * 100:+.1f}%",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m elastictrain bench", description=__doc__.split("\n\n")[0]
+    )
+    p.add_argument(
+        "--checkpoint-dir",
+        default=tempfile.gettempdir(),
+        metavar="URL",
+        help="where to measure (a scratch folder is made under it and removed)",
+    )
+    p.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument(
+        "--size", type=parse_size, default=parse_size("1GB"), help="state size (default 1GB)"
+    )
+    p.add_argument("--repeats", type=int, default=3, help="each figure is the median of this many")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    options = dict(storage.parse_option(kv) for kv in args.storage_option)
+    torch.set_num_threads(1)  # like a worker under torchrun (OMP_NUM_THREADS=1): fair to everyone
+    result = Bench(args.checkpoint_dir, options, args.size, args.repeats).run()
+    print(json.dumps(result, indent=1) if args.json else table(result))
+    return 0
