@@ -1,0 +1,64 @@
+"""``python -m elastictrain bench`` runs end to end (tiny size: a smoke test, not a measurement)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from elastictrain.bench import parse_size, synthetic_state
+from tests.integration.launcher import REPO_ROOT, job_env
+
+KEYS = {
+    "copy_s",
+    "raw_write_gbps",
+    "raw_read_gbps",
+    "torch_save_s",
+    "dcp_save_s",
+    "dcp_async_blocked_s",
+    "elastictrain_blocked_s",
+    "elastictrain_persist_s",
+    "persist_gbps",
+    "load_s",
+    "load_gbps",
+    "step_inflation",
+}
+
+
+def test_sizes():
+    assert parse_size("2GB") == 2_000_000_000 and parse_size("1.5 MiB") == 1.5 * 2**20
+    with pytest.raises(Exception, match="512MB"):
+        parse_size("lots")
+    state = synthetic_state(30_000_000, tensor_bytes=4 << 20)
+    total = sum(t.numel() * 4 for d in (state["model"],) for t in d.values())
+    assert abs(total * 3 - 30_000_000) < 64  # weights are a third; the moments the rest
+
+
+def test_bench_reports_every_figure_as_json(tmp_path):
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "elastictrain",
+            "bench",
+            "--checkpoint-dir",
+            str(tmp_path),
+            "--size",
+            "8MB",
+            "--repeats",
+            "1",
+            "--json",
+        ],
+        cwd=REPO_ROOT,
+        env=job_env(),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout)
+    assert set(result) >= KEYS
+    assert all(result[k] > 0 for k in KEYS - {"step_inflation"})
+    assert list(tmp_path.iterdir()) == []  # its scratch folder is gone
