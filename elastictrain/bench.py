@@ -332,7 +332,28 @@ def main(argv: list[str]) -> int:
     )
     p.add_argument("--repeats", type=int, default=3, help="each figure is the median of this many")
     p.add_argument("--json", action="store_true")
+    p.add_argument(
+        "--recovery",
+        action="store_true",
+        help="instead: kill a worker of a real torchrun job and break down kill -> first step "
+        "(--size sizes the toy model's state; default 64MB here)",
+    )
+    p.add_argument(
+        "--overhead",
+        action="store_true",
+        help="instead: the runner's per-step cost against a plain DDP loop on the same task",
+    )
+    p.add_argument("--steps", type=int, default=2000, help="steps per run for --overhead")
     args = p.parse_args(argv)
+    if args.overhead:
+        from elastictrain import overhead_bench
+
+        return overhead_bench.main(args.steps, args.repeats, args.json)
+    if args.recovery:
+        from elastictrain import recovery_bench
+
+        size = args.size if "--size" in argv else parse_size("64MB")
+        return recovery_bench.main(size, args.json)
     options = dict(storage.parse_option(kv) for kv in args.storage_option)
     torch.set_num_threads(1)  # like a worker under torchrun (OMP_NUM_THREADS=1): fair to everyone
     result = Bench(args.checkpoint_dir, options, args.size, args.repeats).run()

@@ -224,13 +224,6 @@ def broadcast_int(value: int, group: dist.ProcessGroup) -> int:
     return int(t.item())
 
 
-def any_rank_flags(flags: list[bool], device: torch.device) -> list[bool]:
-    """Element-wise OR of per-rank flags over the default group: a decision every rank shares."""
-    t = torch.tensor([1 if f else 0 for f in flags], dtype=torch.int32, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return [bool(v) for v in t.tolist()]
-
-
 def shutdown() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()

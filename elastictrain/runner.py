@@ -21,6 +21,7 @@ from elastictrain import dist as edist
 from elastictrain import stragglers
 from elastictrain.checkpointing import Checkpointer, CheckpointSchedule
 from elastictrain.config import RunConfig
+from elastictrain.control import Control
 from elastictrain.data import GlobalBatchSampler
 from elastictrain.env import DistEnv, read_env
 from elastictrain.errors import EXIT_PREEMPTED, CollectiveTimeoutError
@@ -170,15 +171,21 @@ class _Attempt:
 
     def train(self) -> int:
         cfg, env = self.cfg, self.env
+        startup: dict[str, float] = {}  # where a (re)start's time goes, for the first_step event
         with _named_timeout("--checkpoint-timeout", cfg.checkpoint_timeout, "resume"):
+            t0 = time.monotonic()
             self.ckpt.preflight()
+            t1 = time.monotonic()
             self.model = self.task.model.to(self.device)
+            # The first optimizer construction imports torch._dynamo (about 1.5 s here).
             self.optimizer = self.task.make_optimizer(self.model.parameters())
             self.scheduler = (
                 self.task.make_scheduler(self.optimizer) if self.task.make_scheduler else None
             )
+            t2 = time.monotonic()
             resumed = self.ckpt.resume(self.model, self.optimizer, self.scheduler, self.fingerprint)
             self.ckpt.claim()
+            startup.update(probe_s=t1 - t0, build_s=t2 - t1, resume_s=time.monotonic() - t2)
         ddp = DDP(
             self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None
         )
@@ -217,6 +224,9 @@ class _Attempt:
 
         loss = torch.zeros(())
         t_loop = time.monotonic()
+        startup["ddp_s"] = t_loop - t2 - startup["resume_s"]  # DDP wrap + bucket priming
+        control = Control(self.device, is_rank0=env.is_rank0)
+        t_first = t_done = t_loop
         for step in range(resumed.step, cfg.max_steps):
             CONTEXT.step = step
             with _named_timeout(
@@ -226,19 +236,24 @@ class _Attempt:
                 done = step + 1
                 CONTEXT.step = done
                 self.watchdog.beat(done)
-                # One small all-reduce per step turns local opinions into decisions all ranks share.
-                stop, by_time, report, persist_failed = edist.any_rank_flags(
-                    [
-                        self.signals.requested,
-                        env.is_rank0 and self.schedule.due_by_time(),
-                        env.is_rank0 and self.progress.due(),
-                        self.ckpt.failure is not None,
-                    ],
-                    self.device,
+                t_done = time.monotonic()
+                if step == resumed.step:  # how long a (re)start took to get back to training
+                    t_first = t_done
+                    startup["step_s"] = t_done - t_loop
+                    self.events.emit(
+                        "first_step", step=done, **{k: round(v, 4) for k, v in startup.items()}
+                    )
+                decided = control.agree(
+                    done,
+                    stop=self.signals.requested,
+                    by_time=env.is_rank0 and self.schedule.due_by_time(),
+                    report=env.is_rank0 and self.progress.due(),
+                    persist_failed=self.ckpt.failure is not None,
                 )
-                if persist_failed:
+                stop, by_time = decided.stop, decided.checkpoint_by_time
+                if decided.persist_failed:
                     self.ckpt.raise_failure()
-                if report:
+                if decided.report:
                     self.progress.last_checkpoint = self.ckpt.last_committed
                     self.progress.report(
                         done, loss, stragglers.gather(trainer.timer, self.groups.control)
@@ -269,6 +284,8 @@ class _Attempt:
             step=max(cfg.max_steps, resumed.step),
             steps_this_attempt=trained,
             seconds=round(elapsed, 3),
+            # Steady-state training time: from the first step's end to the last step's end.
+            after_first_step_s=round(t_done - t_first, 6) if trained > 1 else None,
             skipped_checkpoints=self.ckpt.skipped,
         )
         return 0

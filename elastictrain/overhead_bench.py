@@ -1,0 +1,120 @@
+"""``python -m elastictrain bench --overhead``: the runner's per-step cost, with no checkpoint due.
+
+Runs the same 2-worker toy task under ``torchrun --standalone`` two ways, alternating, ``--repeats``
+times each: the full runner (``-m elastictrain --checkpoint-every-steps 0``), and a plain DDP loop
+that calls the very same ``Trainer.step`` and nothing else (no per-step flag all-reduce, watchdog,
+progress or checkpoint checks). Both time the steps after the first, the same way, and the result
+is the median ratio of their mean step times.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+TASK_OPTIONS = {"hidden": "512", "layers": "4", "batch_size": "64", "step_time": "0"}
+
+
+def plain_loop(steps: int, out: str) -> None:
+    """The plain DDP loop, run by each torchrun worker."""
+    from elastictrain.data import GlobalBatchSampler
+    from elastictrain.loop import Trainer
+    from elastictrain.task import build_task
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    task = build_task("elastictrain.toy:make_task", TASK_OPTIONS)
+    sampler = GlobalBatchSampler(len(task.dataset), task.batch_size, 0)
+    model = DDP(task.model)
+    optimizer = task.make_optimizer(task.model.parameters())
+    trainer = Trainer(
+        task=task, model=model, optimizer=optimizer, scheduler=None, sampler=sampler,
+        device=torch.device("cpu"), rank=rank, world_size=world, seed=0,
+    )  # fmt: skip
+    trainer.prime_buckets(0)
+    trainer.step(0)
+    t0 = time.perf_counter()
+    for step in range(1, steps):
+        trainer.step(step)
+    mean = (time.perf_counter() - t0) / (steps - 1)
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump({"step_s": mean}, f)
+    dist.destroy_process_group()
+
+
+def _torchrun(args: list[str], workdir: str) -> None:
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
+    }
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    with open(os.path.join(workdir, "torchrun.log"), "ab") as log:
+        subprocess.run(
+            [*cmd, *args], env=env, stdout=log, stderr=subprocess.STDOUT, check=True, timeout=600
+        )
+
+
+def _elastictrain_step_s(steps: int, workdir: str, i: int) -> float:
+    from elastictrain.events import read_events
+
+    ev = os.path.join(workdir, f"ev{i}.jsonl")
+    options = [a for k, v in TASK_OPTIONS.items() for a in ("--task-option", f"{k}={v}")]
+    _torchrun(
+        ["-m", "elastictrain", "--checkpoint-dir", os.path.join(workdir, f"c{i}"),
+         "--checkpoint-every-steps", "0", "--max-steps", str(steps), "--event-log", ev,
+         "--log-every-seconds", "1000", *options],
+        workdir,
+    )  # fmt: skip
+    (end,) = [e for e in read_events(ev) if e["event"] == "end"]
+    return end["after_first_step_s"] / (steps - 1)
+
+
+def run(steps: int, repeats: int) -> dict[str, float]:
+    ratios, ours, plain = [], [], []
+    with tempfile.TemporaryDirectory() as workdir:
+        for i in range(repeats):
+            out = os.path.join(workdir, f"plain{i}.json")
+            _torchrun(["-m", "elastictrain.overhead_bench", "--plain", str(steps), out], workdir)
+            with open(out) as f:
+                plain.append(json.load(f)["step_s"])
+            ours.append(_elastictrain_step_s(steps, workdir, i))
+            ratios.append(ours[-1] / plain[-1])
+    return {
+        "steps": steps,
+        "plain_step_s": statistics.median(plain),
+        "elastictrain_step_s": statistics.median(ours),
+        "runner_overhead": statistics.median(ratios) - 1,
+    }
+
+
+def main(steps: int, repeats: int, as_json: bool) -> int:
+    r = run(steps, repeats)
+    if as_json:
+        print(json.dumps(r, indent=1))
+    else:
+        print(
+            f"toy task {TASK_OPTIONS}, 2 workers, {steps} steps, median of {repeats}:\n"
+            f"plain DDP loop   {r['plain_step_s'] * 1e3:8.3f} ms/step\n"
+            f"elastictrain     {r['elastictrain_step_s'] * 1e3:8.3f} ms/step\n"
+            f"runner overhead  {r['runner_overhead'] * 100:+.1f}% (target <= 2%)"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--plain"]:
+        plain_loop(int(sys.argv[2]), sys.argv[3])

@@ -1,0 +1,261 @@
+"""``python -m elastictrain bench --recovery``: where the time goes from a kill to training again.
+
+Launches a real 2-worker ``torchrun --standalone`` job of the toy task (its state sized by
+``--size``), waits for a checkpoint, SIGKILLs worker 1, and splits kill -> first step after resume:
+
+- detect: until torchrun logs the failed worker
+- restart: until the new worker process exists (torchrun stops the others and respawns)
+- startup: the new worker's Python, torch import and task build, until process-group init
+- init: process-group creation and the startup handshake
+- probe, build, load: the storage probe, the model and optimizer build, the checkpoint load
+- first step: the DDP wrap and the first training step
+
+In the same run it measures a bare torchrun restart of a no-op script that only imports torch,
+and the cold read bandwidth of the checkpoint file, for the target
+``total <= 1.2 x (bare restart + checkpoint bytes / read bandwidth)``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+_FAILED_LINE = re.compile(r"^[EW]\d{4} (\d\d:\d\d:\d\d\.\d+) .*failed \(exitcode", re.M)
+_NOOP = """import os, time
+import torch, torch.distributed  # what any training script pays at start
+with open(os.environ["ET_READY"], "a") as f:
+    f.write(f"{os.environ['TORCHELASTIC_RESTART_COUNT']} {time.time()}\\n")
+while True:
+    time.sleep(1)
+"""
+
+
+def _env() -> dict[str, str]:
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
+    }
+
+
+class _Torchrun:
+    """One torchrun agent; only it and its descendants are ever signalled."""
+
+    def __init__(self, args: list[str], log: str, env: dict[str, str]) -> None:
+        self.log_path = log
+        with open(log, "wb") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                 "--nproc_per_node=2", "--max-restarts=3", *args],
+                stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+            )  # fmt: skip
+
+    def workers(self) -> dict[int, int]:
+        out, todo = {}, [self.proc.pid]
+        children: dict[int, list[int]] = {}
+        for entry in filter(str.isdigit, os.listdir("/proc")):
+            with contextlib.suppress(OSError):
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+                children.setdefault(ppid, []).append(int(entry))
+        while todo:
+            for child in children.get(todo.pop(), []):
+                todo.append(child)
+                with contextlib.suppress(OSError):
+                    with open(f"/proc/{child}/environ", "rb") as f:
+                        env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+                    if b"RANK" in env and b"TORCHELASTIC_RUN_ID" in env:
+                        out[int(env[b"RANK"])] = child
+        return out
+
+    def log(self) -> str:
+        with open(self.log_path, errors="replace") as f:
+            return f.read()
+
+    def stop(self) -> None:
+        for pid in [*self.workers().values(), self.proc.pid]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
+
+def _failure_logged(log: str, after: float) -> float | None:
+    today = datetime.date.today()
+    for m in _FAILED_LINE.finditer(log):
+        t = datetime.datetime.combine(today, datetime.time.fromisoformat(m.group(1))).timestamp()
+        if t >= after - 1:
+            return t
+    return None
+
+
+def _wait(predicate, timeout: float, what: str, job: _Torchrun):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        if job.proc.poll() is not None:
+            raise RuntimeError(f"torchrun exited waiting for {what}:\n{job.log()[-3000:]}")
+        time.sleep(0.01)
+    raise RuntimeError(f"{what} not seen within {timeout}s:\n{job.log()[-3000:]}")
+
+
+def _events(path: str) -> list[dict[str, Any]]:
+    from elastictrain.events import read_events
+
+    return read_events(path) if os.path.exists(path) else []
+
+
+def _new_worker(job: _Torchrun, old: set[int]) -> int | None:
+    pid = job.workers().get(1)
+    return pid if pid is not None and pid not in old else None
+
+
+def measure_elastictrain(workdir: str, size: int) -> dict[str, Any]:
+    layers = max(1, round(size / (8 * 1024 * 1024)))  # weights + momentum of 1024x1024 fp32 layers
+    ckpt, ev = os.path.join(workdir, "ckpt"), os.path.join(workdir, "events.jsonl")
+    args = ["-m", "elastictrain", "--checkpoint-dir", ckpt, "--event-log", ev,
+            "--max-steps", "1000000", "--checkpoint-every-steps", "20",
+            "--task-option", "hidden=1024", "--task-option", f"layers={layers}",
+            "--task-option", "batch_size=32"]  # fmt: skip
+    job = _Torchrun(args, os.path.join(workdir, "job.log"), _env())
+    try:
+        _wait(
+            lambda: any(e["event"] == "checkpoint" for e in _events(ev)), 180, "a checkpoint", job
+        )
+        old = set(job.workers().values())
+        t_kill = time.time()
+        os.kill(job.workers()[1], signal.SIGKILL)
+        _wait(lambda: _new_worker(job, old), 120, "a new worker", job)
+        spawned = time.time()  # /proc's start time is only as exact as the boot time (1 s)
+        first = _wait(
+            lambda: [e for e in _events(ev) if e["event"] == "first_step" and e["time"] > t_kill],
+            180, "the first step after resume", job,
+        )[0]  # fmt: skip
+        after = [e for e in _events(ev) if e["time"] > t_kill]
+        start = next(e for e in after if e["event"] == "start")
+        resume = next(e for e in after if e["event"] == "resume")
+        detected = _failure_logged(job.log(), t_kill) or spawned
+        ckpt_bytes = resume["bytes"]
+    finally:
+        job.stop()
+    init_begin = start["time"] - start["init_s"]
+    return {
+        "checkpoint_bytes": ckpt_bytes,
+        "detect_s": detected - t_kill,
+        "restart_s": spawned - detected,
+        "startup_s": init_begin - spawned,
+        "init_s": start["init_s"],
+        "probe_s": first["probe_s"],
+        "build_s": first["build_s"],
+        "load_s": first["resume_s"],
+        "first_step_s": first["ddp_s"] + first["step_s"],
+        "total_s": first["time"] - t_kill,
+        "read_gbps": _cold_read_gbps(ckpt),
+    }
+
+
+def _cold_read_gbps(ckpt: str) -> float:
+    from elastictrain.bench import _drop_cache
+
+    paths = [
+        os.path.join(d, f) for d, _, files in os.walk(ckpt) for f in files if f.startswith("state-")
+    ]
+    path = max(paths, key=os.path.getsize)
+    _drop_cache(path)
+    t0 = time.perf_counter()
+    with open(path, "rb", buffering=0) as f:
+        while f.read(4 << 20):
+            pass
+    return os.path.getsize(path) / (time.perf_counter() - t0) / 1e9
+
+
+def measure_bare(workdir: str) -> dict[str, float]:
+    script, ready = os.path.join(workdir, "noop.py"), os.path.join(workdir, "ready.txt")
+    with open(script, "w") as f:
+        f.write(_NOOP)
+    job = _Torchrun([script], os.path.join(workdir, "noop.log"), {**_env(), "ET_READY": ready})
+
+    def ready_lines() -> list[list[str]]:
+        with contextlib.suppress(FileNotFoundError), open(ready) as f:
+            return [line.split() for line in f]
+        return []
+
+    try:
+        _wait(lambda: len(ready_lines()) >= 2, 120, "the no-op workers", job)
+        old = set(job.workers().values())
+        t_kill = time.time()
+        os.kill(job.workers()[1], signal.SIGKILL)
+        _wait(lambda: _new_worker(job, old), 120, "a new no-op worker", job)
+        spawned = time.time()
+        lines = _wait(
+            lambda: [ln for ln in ready_lines() if ln[0] != "0" and float(ln[1]) > t_kill],
+            120, "the restarted no-op workers", job,
+        )  # fmt: skip
+        detected = _failure_logged(job.log(), t_kill) or spawned
+    finally:
+        job.stop()
+    return {
+        "detect_s": detected - t_kill,
+        "restart_s": spawned - detected,
+        "total_s": max(float(ln[1]) for ln in lines) - t_kill,
+    }
+
+
+def run(size: int) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as workdir:
+        ours = measure_elastictrain(workdir, size)
+        bare = measure_bare(workdir)
+    budget = bare["total_s"] + ours["checkpoint_bytes"] / (ours["read_gbps"] * 1e9)
+    return {
+        "elastictrain": ours,
+        "bare_torchrun": bare,
+        "target_s": 1.2 * budget,
+        "ratio_to_bare_plus_read": ours["total_s"] / budget,
+    }
+
+
+def table(r: dict[str, Any]) -> str:
+    ours, bare = r["elastictrain"], r["bare_torchrun"]
+    rows = [
+        ("detect (torchrun logs the failed worker)", ours["detect_s"], bare["detect_s"]),
+        ("restart (stop the others, respawn)", ours["restart_s"], bare["restart_s"]),
+        ("startup (python, torch import, task build)", ours["startup_s"], None),
+        ("process-group init", ours["init_s"], None),
+        ("storage probe", ours["probe_s"], None),
+        ("model + optimizer build (imports torch._dynamo)", ours["build_s"], None),
+        ("checkpoint load (read, broadcast, restore)", ours["load_s"], None),
+        ("DDP wrap + first step", ours["first_step_s"], None),
+        ("total: kill -> first step / no-op ready", ours["total_s"], bare["total_s"]),
+    ]
+    lines = [
+        f"checkpoint {ours['checkpoint_bytes'] / 1e6:.1f} MB, cold read {ours['read_gbps']:.2f} GB/s",
+        f"| {'phase':<46} | {'elastictrain':>12} | {'bare torchrun':>13} |",
+        f"|{'-' * 48}|{'-' * 14}|{'-' * 15}|",
+    ]
+    for name, a, b in rows:
+        shown_b = "" if b is None else f"{b:.3f} s"
+        lines.append(f"| {name:<46} | {a:>10.3f} s | {shown_b:>13} |")
+    lines.append(
+        f"total / (bare restart + checkpoint / read bandwidth) = "
+        f"{r['ratio_to_bare_plus_read']:.2f} (target <= 1.2)"
+    )
+    return "\n".join(lines)
+
+
+def main(size: int, as_json: bool) -> int:
+    result = run(size)
+    print(json.dumps(result, indent=1) if as_json else table(result))
+    return 0

@@ -1,0 +1,36 @@
+"""The per-step decisions: agreed at rank 0's proposed cadence, never lost in between."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from elastictrain.control import Control
+
+
+@pytest.fixture
+def one_rank_group():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_cadence_follows_step_time_and_a_late_flag_is_still_seen(one_rank_group):
+    control = Control(torch.device("cpu"), is_rank0=True, interval_s=0.05)
+    flags = {"stop": False, "by_time": False, "report": False, "persist_failed": False}
+    agreed_at = []
+    for done in range(1, 200):
+        time.sleep(0.002)  # ~2 ms steps: about every 25th step should agree
+        if done == 150:
+            flags["stop"] = True  # a signal arrives between agreements...
+        if done >= control._next:  # this step is an agreed one
+            agreed_at.append(done)
+        decided = control.agree(done, **flags)
+        if decided.stop:
+            break
+    assert decided.stop and 150 <= done <= 150 + 60  # ...and is acted on at the next one
+    gaps = [b - a for a, b in zip(agreed_at[1:], agreed_at[2:])]
+    assert gaps and 5 <= sorted(gaps)[len(gaps) // 2] <= 40  # not every step, not never
