@@ -23,6 +23,7 @@ import mmap
 import os
 import re
 import statistics
+import sys
 import tempfile
 import threading
 import time
@@ -175,6 +176,13 @@ class Bench:
 
         if not self.local:
             return None, None  # DCP's fsspec writer is not a public API; compare on local disk
+        try:
+            import numpy  # noqa: F401 - DCP's file writer needs it; torch does not depend on it
+        except ImportError:
+            print(
+                "DCP figures skipped: its writer needs numpy (pip install numpy)", file=sys.stderr
+            )
+            return None, None
         if not dist.is_initialized():
             dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
         state = {"model": self.state["model"], "optim": self.state["optimizer"]["state"]}

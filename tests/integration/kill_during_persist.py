@@ -7,6 +7,9 @@ manifest), SIGKILLs rank 0 at a random moment inside that window, and then check
   (no committed-but-incomplete checkpoint, ever);
 - torchrun's restart resumes from the newest committed checkpoint.
 
+Scheduled checkpoints are persisted in the background (the default), so every kill lands while
+rank 0's persist thread is writing and its training thread has moved on.
+
 A kill that lands after the manifest was written is not counted as "during persist"; the loop goes
 on until ``trials`` kills landed inside the window. Used by the test suite, and runnable by hand:
 

@@ -161,23 +161,23 @@ def test_storage_down_stops_the_job_when_it_must(launch, tmp_path, s3_bucket, po
 def test_async_persist_on_slow_storage_waits_and_the_final_checkpoint_lands(
     launch, tmp_path, s3_bucket
 ):
-    """Every request 0.1 s late: persists overlap the next checkpoint, which waits for them (never
+    """Every request 0.05 s late: persists overlap the next checkpoint, which waits for them (never
     skips), the final checkpoint is committed before exit, and the result is bitwise the same as
     with --no-async-checkpoint."""
     from tests.integration.launcher import assert_bitwise_equal, final_state
 
     bucket_url, options = s3_bucket
     runs = {}
-    with FaultProxy(options["endpoint_url"], delay_s=0.1) as proxy:
+    with FaultProxy(options["endpoint_url"], delay_s=0.05) as proxy:
         for mode in ("--async-checkpoint", "--no-async-checkpoint"):
             url, ev = f"{bucket_url}/{mode.strip('-')}", str(tmp_path / f"{mode}.jsonl")
-            args = s3_args(url, ev, proxy.url, mode, max_steps=30, every=5, step_time=0.01)
+            args = s3_args(url, ev, proxy.url, mode, max_steps=20, every=5, step_time=0.01)
             job = launch(args, nproc=2, max_restarts=0, name=mode.strip("-"))
             assert job.wait(240) == 0, job.log()[-4000:]
             runs[mode] = (url, ev, job.log())
     url, ev, log = runs["--async-checkpoint"]
     checkpoints = _events(ev, "checkpoint")
-    assert [e["step"] for e in checkpoints] == list(range(5, 31, 5))
+    assert [e["step"] for e in checkpoints] == list(range(5, 21, 5))
     assert any(e["waited_s"] > 0 for e in checkpoints) and "waited" in log
     assert checkpoints[-1]["reason"] == "final"
     sync = _events(runs["--no-async-checkpoint"][1], "checkpoint")

@@ -60,5 +60,12 @@ def test_bench_reports_every_figure_as_json(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout)
     assert set(result) >= KEYS
-    assert all(result[k] > 0 for k in KEYS - {"step_inflation"})
+    dcp = {"dcp_save_s", "dcp_async_blocked_s"}
+    assert all(result[k] > 0 for k in KEYS - {"step_inflation"} - dcp)
+    try:
+        import numpy  # noqa: F401
+    except ImportError:  # DCP's writer needs numpy, which torch does not depend on
+        assert all(result[k] is None for k in dcp)
+    else:
+        assert all(result[k] > 0 for k in dcp)
     assert list(tmp_path.iterdir()) == []  # its scratch folder is gone
