@@ -100,6 +100,8 @@ class Bench:
         self.repeats = repeats
         self.state = synthetic_state(size)
         self.nbytes = sum(t.numel() * t.element_size() for t in _tensors(self.state))
+        if self.local:
+            os.makedirs(self.fs_root, exist_ok=True)
 
     def _path(self, name: str) -> str:
         return os.path.join(self.fs_root, name) if self.local else f"{self.fs_root}/{name}"
@@ -115,42 +117,31 @@ class Bench:
             self.repeats,
         )
 
-    def raw(self) -> tuple[float, float]:
-        blob = bytearray(self.nbytes)
-        path = self._path("raw.bin")
+    def _raw_write(self, path: str, data: memoryview) -> float:
+        """Write ``data`` as one new file, and nothing else (plus fsync on a local disk)."""
+        t0 = time.perf_counter()
         if self.local:
-            os.makedirs(self.fs_root, exist_ok=True)
+            with open(path, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+        else:
+            self.fs.pipe_file(path, bytes(data))
+        return time.perf_counter() - t0
 
-        def write() -> float:
-            with contextlib.suppress(FileNotFoundError):
-                self.fs.rm(path)  # a new file each time, as a checkpoint is: no truncation cost
-            t0 = time.perf_counter()
-            if self.local:
-                with open(path, "wb") as f:
-                    f.write(blob)
-                    f.flush()
-                    os.fsync(f.fileno())
-            else:
-                self.fs.pipe_file(path, bytes(blob))
-            return time.perf_counter() - t0
-
-        def read() -> float:
-            if self.local:
-                _drop_cache(path)
-            t0 = time.perf_counter()
-            if self.local:  # the best plain read: unbuffered, into unzeroed memory, 4 MB at a time
-                view, off = memoryview(mmap.mmap(-1, self.nbytes)), 0
-                with open(path, "rb", buffering=0) as f:
-                    while off < self.nbytes:
-                        off += f.readinto(view[off : off + (4 << 20)])
-            else:
-                self.fs.cat_file(path)
-            return time.perf_counter() - t0
-
-        w = _median(write, self.repeats)
-        r = _median(read, self.repeats)
-        self.fs.rm(path)
-        return w, r
+    def _raw_read(self, path: str) -> float:
+        """Read one file, and nothing else: unbuffered, into unzeroed memory, 4 MB at a time."""
+        if self.local:
+            _drop_cache(path)
+        t0 = time.perf_counter()
+        if self.local:
+            view, off = memoryview(mmap.mmap(-1, os.path.getsize(path))), 0
+            with open(path, "rb", buffering=0) as f:
+                while n := f.readinto(view[off : off + (4 << 20)]):
+                    off += n
+        else:
+            self.fs.cat_file(path)
+        return time.perf_counter() - t0
 
     # -- the alternatives --------------------------------------------------------------------
     def torch_save_s(self) -> float:
@@ -202,19 +193,29 @@ class Bench:
     def elastictrain(self) -> dict[str, float]:
         staging = snapshot.Staging()
         staging.snapshot(self.state)  # first use allocates and touches the buffer, once per run
-        blocked, persist, load = [], [], []
+        blocked, persist, load, raw_write, raw_read = [], [], [], [], []
+        # Side by side, on the same bytes: a raw write of them to a new file, then elastictrain's
+        # persist; a raw read of the committed payload file, then elastictrain's load of it.
         for step in range(1, self.repeats + 1):
             t0 = time.perf_counter()
             snap = staging.snapshot(self.state)
             blocked.append(time.perf_counter() - t0)
+            raw = self._path(f"raw-{step}.bin")
+            raw_write.append(self._raw_write(raw, snap.data))
             persist.append(
                 _timed(lambda s=step, d=snap.data: self.store.commit(s, {"state.bin": d}, {}))
             )
+            payload = self._path(f"step-{step:012d}/state.bin")
+            raw_read.append(self._raw_read(payload))
             if self.local:
-                _drop_cache(self._path(f"step-{step:012d}/state.bin"))
+                _drop_cache(payload)
             load.append(_timed(lambda s=step: from_bytes(self.store.read(s).files["state.bin"])))
+        for step in range(1, self.repeats + 1):
             self.store.delete(step)
+            self.fs.rm(self._path(f"raw-{step}.bin"))
         return {
+            "raw_write_s": statistics.median(raw_write),
+            "raw_read_s": statistics.median(raw_read),
             "elastictrain_blocked_s": statistics.median(blocked),
             "elastictrain_persist_s": statistics.median(persist),
             "load_s": statistics.median(load),
@@ -253,7 +254,6 @@ class Bench:
 
     def run(self) -> dict[str, Any]:
         gb = self.nbytes / 1e9
-        raw_w, raw_r = self.raw()
         copy = self.copy_s()
         torch_save = self.torch_save_s()
         dcp_save, dcp_blocked = self.dcp()
@@ -263,10 +263,8 @@ class Bench:
             "repeats": self.repeats,
             "location": storage.redact_url(self.root),
             "copy_s": copy,
-            "raw_write_s": raw_w,
-            "raw_read_s": raw_r,
-            "raw_write_gbps": gb / raw_w,
-            "raw_read_gbps": gb / raw_r,
+            "raw_write_gbps": gb / ours["raw_write_s"],
+            "raw_read_gbps": gb / ours["raw_read_s"],
             "torch_save_s": torch_save,
             "dcp_save_s": dcp_save,
             "dcp_async_blocked_s": dcp_blocked,
