@@ -225,7 +225,9 @@ class _Attempt:
         loss = torch.zeros(())
         t_loop = time.monotonic()
         startup["ddp_s"] = t_loop - t2 - startup["resume_s"]  # DDP wrap + bucket priming
-        control = Control(self.device, is_rank0=env.is_rank0)
+        # Diagnostic knob (0 = agree every step), for `bench --overhead` comparisons.
+        interval = float(os.environ.get("ELASTICTRAIN_CONTROL_INTERVAL_S", "0.2"))
+        control = Control(self.device, is_rank0=env.is_rank0, interval_s=interval)
         t_first = t_done = t_loop
         for step in range(resumed.step, cfg.max_steps):
             CONTEXT.step = step
