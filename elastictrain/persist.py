@@ -43,6 +43,20 @@ MUST_COMMIT = ("final", "preempt")
 
 
 @dataclass(frozen=True)
+class _Job:
+    """One checkpoint on its way to storage."""
+
+    step: int
+    epoch: int
+    reason: str
+    snap: Snapshot
+    blocked: float
+    """What the loop has waited so far: the wait for the previous persist, plus the snapshot."""
+    waited: float
+    background: bool
+
+
+@dataclass(frozen=True)
 class Failure:
     step: int
     reason: str
@@ -107,14 +121,12 @@ class Persister:
             )
         t0 = time.monotonic()
         snap = self.staging.snapshot(state())
-        blocked = waited + time.monotonic() - t0
+        job = _Job(step, epoch, reason, snap, waited + time.monotonic() - t0, waited, background)
         if not background:
-            return self._persist(step, epoch, reason, snap, blocked, waited, background=False)
+            return self._persist(job)
 
         def run() -> None:
-            outcome, error = self._persist(
-                step, epoch, reason, snap, blocked, waited, background=True
-            )
+            outcome, error = self._persist(job)
             if outcome == FAILED:
                 self.failure = Failure(step, reason, error)
 
@@ -123,44 +135,29 @@ class Persister:
         self._thread.start()
         return COMMITTED, None  # not yet: a failure surfaces through ``self.failure``
 
-    def _persist(
-        self,
-        step: int,
-        epoch: int,
-        reason: str,
-        snap: Snapshot,
-        blocked: float,
-        waited: float,
-        *,
-        background: bool,
-    ) -> tuple[int, BaseException | None]:
+    def _persist(self, job: _Job) -> tuple[int, BaseException | None]:
         try:
-            self._commit(step, epoch, reason, snap, blocked, waited, background)
+            self._commit(job)
             return COMMITTED, None
         except storage.StorageError as e:
-            return self._on_failure(step, reason, e), e
+            return self._on_failure(job.step, job.reason, e), e
         except Exception as e:
-            if threading.current_thread() is threading.main_thread():
+            if not job.background:
                 raise
             # In the background nothing else would see it: report it and stop the run.
-            logger.exception("CHECKPOINT FAILED at step %d (%s): %s", step, reason, e)
+            logger.exception("CHECKPOINT FAILED at step %d (%s): %s", job.step, job.reason, e)
             self.events.emit(
-                "checkpoint_failed", step=step, reason=reason, error=f"{type(e).__name__}: {e}"
+                "checkpoint_failed",
+                step=job.step,
+                reason=job.reason,
+                error=f"{type(e).__name__}: {e}",
             )
             return FAILED, e
 
-    def _commit(
-        self,
-        step: int,
-        epoch: int,
-        reason: str,
-        snap: Snapshot,
-        blocked: float,
-        waited: float,
-        background: bool,
-    ) -> None:
+    def _commit(self, job: _Job) -> None:
+        step, reason, blocked = job.step, job.reason, job.blocked
         t0 = time.monotonic()
-        snap.wait()  # CUDA: the device-to-host copies have landed
+        job.snap.wait()  # CUDA: the device-to-host copies have landed
         if self._already_committed(step):
             self.last_committed = step
             return
@@ -169,8 +166,8 @@ class Persister:
         generation = self.generation()
         manifest = self.store.commit(
             step,
-            {tstate.state_file_name(generation): snap.data},
-            self._metadata(step, epoch, generation),
+            {tstate.state_file_name(generation): job.snap.data},
+            self._metadata(step, job.epoch, generation),
             generation=generation,
         )
         self.last_committed = step
@@ -178,7 +175,7 @@ class Persister:
         deleted = self.store.apply_retention(
             self.keep_last, newest_good=step, keep_every=self.keep_every
         )
-        if not background:  # the loop waited for all of it
+        if not job.background:  # the loop waited for all of it
             blocked += time.monotonic() - t0
         logger.info(
             "checkpoint step %d committed (%s): %d bytes, loop blocked %.3fs, persist %.3fs "
@@ -196,9 +193,9 @@ class Persister:
             reason=reason,
             bytes=manifest.total_bytes,
             blocked_s=round(blocked, 4),
-            waited_s=round(waited, 4),
+            waited_s=round(job.waited, 4),
             persist_s=round(persist, 4),
-            background=background,
+            background=job.background,
             deleted=deleted,
         )
 
