@@ -18,6 +18,10 @@ def main(argv: list[str] | None = None) -> int:
         from elastictrain import bench
 
         return bench.main(argv[1:])
+    if argv and argv[0] == "report":
+        from elastictrain import report
+
+        return report.main(argv[1:])
     if argv and argv[0] in ("ls", "verify", "inspect", "prune"):
         from elastictrain import cli
 
@@ -64,6 +68,6 @@ def _exit_now(code: int) -> None:
 
 if __name__ == "__main__":
     code = main()
-    if len(sys.argv) > 1 and sys.argv[1] in ("ls", "verify", "inspect", "prune", "bench"):
+    if len(sys.argv) > 1 and sys.argv[1] in ("ls", "verify", "inspect", "prune", "bench", "report"):
         sys.exit(code)
     _exit_now(code)

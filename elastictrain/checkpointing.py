@@ -55,6 +55,8 @@ class Resumed:
     step: int
     """Completed steps held by the checkpoint; training continues at this step index."""
     checkpoint_step: int | None
+    extra: dict[str, Any] | None = None
+    """The ``extra`` state saved with the checkpoint (library mode), or None."""
 
 
 class Checkpointer:
@@ -72,7 +74,7 @@ class Checkpointer:
         rank: int,
         world_size: int,
         generation: int,
-        control: dist.ProcessGroup,
+        control: dist.ProcessGroup | None,
         device: torch.device,
         events: EventLog,
         keep_last: int,
@@ -147,13 +149,13 @@ class Checkpointer:
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
         scheduler: Any,
-        fingerprint: tstate.DataFingerprint,
+        fingerprint: tstate.DataFingerprint | None,
     ) -> Resumed:
         """Rank 0 picks the latest good checkpoint; its bytes reach every rank (``read_mode``)."""
         t0 = time.monotonic()
         data, manifest, where = self._fetch_latest()
         if not data:
-            dist.barrier(group=self.control)
+            edist.barrier(self.control)
             logger.info("no committed checkpoint found: starting fresh")
             self.events.emit("resume", fresh=True, step=0, world_size=self.world_size)
             return Resumed(step=0, checkpoint_step=None)
@@ -162,7 +164,7 @@ class Checkpointer:
         step = tstate.restore(model, optimizer, scheduler, state)
         self.last_committed = step
         seconds = time.monotonic() - t0
-        dist.barrier(group=self.control)
+        edist.barrier(self.control)
         logger.info("resumed from checkpoint step %d (%d bytes, %.2fs)", step, len(data), seconds)
         saved_world = manifest.metadata.get("world_size") if manifest else None
         self.events.emit(
@@ -186,7 +188,7 @@ class Checkpointer:
             self.events.emit(
                 "membership", old_world_size=saved_world, new_world_size=self.world_size, step=step
             )
-        return Resumed(step=step, checkpoint_step=step)
+        return Resumed(step=step, checkpoint_step=step, extra=state.get("extra"))
 
     def _fetch_latest(self) -> tuple[bytes | bytearray, storage.Manifest | None, str]:
         """The chosen checkpoint's state bytes on every rank (empty when there is none).
@@ -218,8 +220,9 @@ class Checkpointer:
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
         scheduler: Any,
-        fingerprint: tstate.DataFingerprint,
+        fingerprint: tstate.DataFingerprint | None,
         reason: str,
+        extra: dict[str, Any] | None = None,
     ) -> bool:
         """Checkpoint ``step``. Rank 0 snapshots the state; other ranks do not wait for it.
 
@@ -242,7 +245,7 @@ class Checkpointer:
                 epoch,
                 reason,
                 lambda: tstate.capture(
-                    model, optimizer, scheduler, step=step, fingerprint=fingerprint
+                    model, optimizer, scheduler, step=step, fingerprint=fingerprint, extra=extra
                 ),
                 background=not wait_for_commit,
             )

@@ -65,6 +65,9 @@ class RunConfig:
     """Rank 0 appends JSON lines (start, resume, checkpoint, progress, end) to this local file."""
     log_every_seconds: float = 10.0
     """Seconds between rank 0's progress lines and progress events."""
+    progress: str = "auto"
+    """Rank 0's display: ``live`` redraws one status line in place, ``plain`` prints a line every
+    ``log_every_seconds``, ``auto`` is live on an interactive terminal and plain otherwise."""
 
     def __post_init__(self) -> None:
         def positive(name: str, allow_none: bool = False) -> None:
@@ -252,6 +255,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         metavar="SECONDS",
         help="progress line interval (default: 10)",
+    )
+    add(
+        "progress",
+        choices=["auto", "live", "plain"],
+        help="rank 0's display: live status line, plain periodic lines, or auto: live on a "
+        "terminal (default: auto)",
     )
     return p
 

@@ -31,8 +31,20 @@ class Decisions:
 
 
 class Control:
-    def __init__(self, device: torch.device, *, is_rank0: bool, interval_s: float = 0.2) -> None:
+    def __init__(
+        self,
+        device: torch.device,
+        *,
+        is_rank0: bool,
+        interval_s: float = 0.2,
+        group: dist.ProcessGroup | None = None,
+        alone: bool = False,
+    ) -> None:
+        """``group``: the process group to agree in (None: the default one); ``alone``: a single
+        process without torch.distributed, whose opinions are already the decisions."""
         self.device = device
+        self.group = group
+        self.alone = alone
         self.is_rank0 = is_rank0
         self.interval_s = interval_s
         self._next = 0  # the first completed step agrees at once
@@ -52,7 +64,8 @@ class Control:
         self._last = (done, now)
         values = [int(stop), int(by_time), int(report), int(persist_failed), proposal]
         t = torch.tensor(values, dtype=torch.int32, device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        if not self.alone:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         agreed = t.tolist()
         self._next = done + agreed[4]
         return Decisions(*(bool(v) for v in agreed[:4]))

@@ -19,6 +19,7 @@ import threading
 import time
 import uuid
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -43,7 +44,13 @@ class Attempt:
     """Rank 0's start time in ns: increases across attempts; stored in every checkpoint."""
 
 
-def pick_device(env: DistEnv) -> torch.device:
+def pick_device(env: DistEnv, model_devices: Sequence[torch.device] | None = None) -> torch.device:
+    """This rank's device: the first of a model-parallel task's devices, else ``cuda:LOCAL_RANK``
+    when CUDA is present, else the CPU."""
+    if model_devices:
+        if model_devices[0].type == "cuda":
+            torch.cuda.set_device(model_devices[0])
+        return model_devices[0]
     if torch.cuda.is_available():
         torch.cuda.set_device(env.local_rank)
         return torch.device("cuda", env.local_rank)
@@ -197,11 +204,19 @@ def init_process_groups(
     return ProcessGroups(attempt=attempt, control=control)
 
 
-def broadcast_bytes(data: bytes | None, group: dist.ProcessGroup) -> bytes | bytearray:
+def barrier(group: dist.ProcessGroup | None) -> None:
+    """``group=None`` means a process alone, without torch.distributed (library mode)."""
+    if group is not None:
+        dist.barrier(group=group)
+
+
+def broadcast_bytes(data: bytes | None, group: dist.ProcessGroup | None) -> bytes | bytearray:
     """Rank 0's ``data`` on every rank (empty for None): storage is read once per job, not per rank.
 
     No copies beyond the receive buffer, and no numpy (torch does not depend on it).
     """
+    if group is None:
+        return data or b""
     length = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64)
     dist.broadcast(length, src=0, group=group)
     n = int(length.item())
@@ -218,7 +233,9 @@ def broadcast_bytes(data: bytes | None, group: dist.ProcessGroup) -> bytes | byt
     return out
 
 
-def broadcast_int(value: int, group: dist.ProcessGroup) -> int:
+def broadcast_int(value: int, group: dist.ProcessGroup | None) -> int:
+    if group is None:
+        return value
     t = torch.tensor([value], dtype=torch.int64)
     dist.broadcast(t, src=0, group=group)
     return int(t.item())

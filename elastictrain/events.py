@@ -9,7 +9,7 @@ import sys
 import time
 from typing import Any
 
-import torch
+from elastictrain.progress import STATUS
 
 logger = logging.getLogger(__name__)
 
@@ -29,14 +29,22 @@ class _PrefixFilter(logging.Filter):
         return True
 
 
+class _Handler(logging.StreamHandler):
+    """Prints records above rank 0's live status line, when there is one."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        STATUS.around_log(lambda: super(_Handler, self).emit(record))
+
+
 def setup_logging(rank: int, level: str | None = None) -> None:
-    """Idempotent; ELASTICTRAIN_LOG_LEVEL overrides the level."""
+    """Idempotent. Rank 0 logs at INFO; the others only warnings and errors, so N ranks do not
+    print N copies of the same story. ELASTICTRAIN_LOG_LEVEL overrides the level on every rank."""
     CONTEXT.rank = rank
     root = logging.getLogger()
     for h in list(root.handlers):
         if getattr(h, "_elastictrain", False):
             root.removeHandler(h)
-    handler = logging.StreamHandler(sys.stderr)
+    handler = _Handler(sys.stderr)
     handler._elastictrain = True  # type: ignore[attr-defined]
     handler.addFilter(_PrefixFilter())
     handler.setFormatter(
@@ -45,7 +53,8 @@ def setup_logging(rank: int, level: str | None = None) -> None:
         )
     )
     root.addHandler(handler)
-    root.setLevel(level or os.environ.get("ELASTICTRAIN_LOG_LEVEL", "INFO"))
+    default = "INFO" if rank in (0, "-") else "WARNING"
+    root.setLevel(level or os.environ.get("ELASTICTRAIN_LOG_LEVEL", default))
 
 
 class EventLog:
@@ -142,68 +151,3 @@ def read_events(path: str) -> list[dict[str, Any]]:
             except json.JSONDecodeError:
                 continue
     return out
-
-
-class Progress:
-    """Rank 0's periodic progress line and event."""
-
-    def __init__(
-        self,
-        *,
-        world_size: int,
-        start_step: int,
-        max_steps: int,
-        every_s: float,
-        events: EventLog,
-        enabled: bool,
-    ):
-        self.world_size = world_size
-        self.max_steps = max_steps
-        self.every_s = every_s
-        self.events = events
-        self.enabled = enabled
-        self._last_t = time.monotonic()
-        self._last_step = start_step
-        self.last_checkpoint: int | None = None
-
-    def due(self) -> bool:
-        """Rank 0's clock says a report is due; the loop makes it everyone's decision."""
-        return self.enabled and time.monotonic() - self._last_t >= self.every_s
-
-    def report(self, step: int, loss: torch.Tensor, stragglers: Any = None) -> None:
-        """Log and record progress (rank 0 only); ``stragglers`` is a StragglerReport or None."""
-        if not self.enabled:
-            return
-        now = time.monotonic()
-        rate = (step - self._last_step) / max(now - self._last_t, 1e-9)
-        eta = (self.max_steps - step) / rate if rate > 0 else float("inf")
-        value = float(loss.item())
-        logger.info(
-            "progress %d/%d loss %.5f %.1f steps/s eta %s last checkpoint %s world size %d",
-            step,
-            self.max_steps,
-            value,
-            rate,
-            _fmt_eta(eta),
-            self.last_checkpoint,
-            self.world_size,
-        )
-        self.events.emit(
-            "progress",
-            step=step,
-            loss=value,
-            steps_per_s=round(rate, 3),
-            world_size=self.world_size,
-        )
-        if stragglers is not None and self.world_size > 1:
-            logger.info("%s", stragglers.describe())
-            self.events.emit("stragglers", step=step, **stragglers.as_event())
-        self._last_t, self._last_step = now, step
-
-
-def _fmt_eta(seconds: float) -> str:
-    if seconds == float("inf"):
-        return "?"
-    m, s = divmod(int(seconds), 60)
-    h, m = divmod(m, 60)
-    return f"{h}:{m:02d}:{s:02d}"

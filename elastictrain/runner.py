@@ -11,6 +11,7 @@ import contextlib
 import logging
 import os
 import socket
+import sys
 import time
 from collections.abc import Callable, Iterator
 
@@ -25,8 +26,9 @@ from elastictrain.control import Control
 from elastictrain.data import GlobalBatchSampler
 from elastictrain.env import DistEnv, read_env
 from elastictrain.errors import EXIT_PREEMPTED, CollectiveTimeoutError
-from elastictrain.events import CONTEXT, EventLog, Progress, SampleLog, setup_logging
+from elastictrain.events import CONTEXT, EventLog, SampleLog, setup_logging
 from elastictrain.loop import Trainer
+from elastictrain.progress import STATUS, Progress, live_terminal
 from elastictrain.state import DataFingerprint
 from elastictrain.task import Task, build_task
 from elastictrain.watchdog import HangWatchdog, StopSignals, parse_signal
@@ -45,7 +47,7 @@ def run(cfg: RunConfig) -> int:
     task = build_task(cfg.task, cfg.task_options)
     sampler = GlobalBatchSampler(len(task.dataset), task.batch_size, cfg.seed)
     sampler.share(0, env.rank, env.world_size)  # validates world size against the batch
-    device = edist.pick_device(env)
+    device = edist.pick_device(env, task.model_devices)
     # Started before init: an orphan (agent gone) must exit even while it waits in init or resume.
     # The startup budget covers init + resume + the first step; init keeps its own hard bound.
     watchdog = HangWatchdog(
@@ -81,13 +83,20 @@ def run(cfg: RunConfig) -> int:
             max_steps=cfg.max_steps,
             init_s=round(init_s, 4),
         )
+        watchdog.last_words = lambda cause, detail: events.emit("exit", cause=cause, detail=detail)
         attached = (
             (lambda: os.getppid() == agent_pid) if env.launched_by_torchrun else (lambda: True)
         )
-        return _Attempt(
-            cfg, env, task, sampler, device, groups, events, watchdog, signals, attached
-        ).train()
+        try:
+            return _Attempt(
+                cfg, env, task, sampler, device, groups, events, watchdog, signals, attached
+            ).train()
+        except Exception as e:
+            # Last words for the run report: why this attempt ended (it may also be a peer's death).
+            events.emit("exit", cause=type(e).__name__, detail=str(e).splitlines()[0][:300])
+            raise
     finally:
+        STATUS.close()  # never leave a terminal on a half-drawn line
         watchdog.stop()
         edist.shutdown()
 
@@ -176,7 +185,10 @@ class _Attempt:
             t0 = time.monotonic()
             self.ckpt.preflight()
             t1 = time.monotonic()
-            self.model = self.task.model.to(self.device)
+            # A model-parallel task placed its own layers; otherwise the whole model goes here.
+            self.model = (
+                self.task.model if self.task.model_devices else self.task.model.to(self.device)
+            )
             # The first optimizer construction imports torch._dynamo (about 1.5 s here).
             self.optimizer = self.task.make_optimizer(self.model.parameters())
             self.scheduler = (
@@ -186,9 +198,9 @@ class _Attempt:
             resumed = self.ckpt.resume(self.model, self.optimizer, self.scheduler, self.fingerprint)
             self.ckpt.claim()
             startup.update(probe_s=t1 - t0, build_s=t2 - t1, resume_s=time.monotonic() - t2)
-        ddp = DDP(
-            self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None
-        )
+        # device_ids=None for a CPU model and for a module that spans devices (the tutorial's MP-DDP).
+        single_gpu = self.device.type == "cuda" and not self.task.model_devices
+        ddp = DDP(self.model, device_ids=[self.device.index] if single_gpu else None)
         sample_log = SampleLog(
             cfg.sample_log,
             rank=env.rank,
@@ -214,6 +226,8 @@ class _Attempt:
             every_s=cfg.log_every_seconds,
             events=self.events,
             enabled=env.is_rank0,
+            restarts=env.restart_count,
+            live=live_terminal(cfg.progress, sys.stderr),
         )
         self.progress.last_checkpoint = resumed.checkpoint_step
         if resumed.step < cfg.max_steps:
@@ -238,12 +252,18 @@ class _Attempt:
                 done = step + 1
                 CONTEXT.step = done
                 self.watchdog.beat(done)
+                if self.progress.live:
+                    self.progress.last_checkpoint = self.ckpt.last_committed
+                    self.progress.tick(done, loss)
                 t_done = time.monotonic()
                 if step == resumed.step:  # how long a (re)start took to get back to training
                     t_first = t_done
                     startup["step_s"] = t_done - t_loop
                     self.events.emit(
-                        "first_step", step=done, **{k: round(v, 4) for k, v in startup.items()}
+                        "first_step",
+                        step=done,
+                        loss=float(loss.item()) if env.is_rank0 else None,
+                        **{k: round(v, 4) for k, v in startup.items()},
                     )
                 decided = control.agree(
                     done,
@@ -276,6 +296,7 @@ class _Attempt:
             self.save(cfg.max_steps, "final")
         if resumed.step < cfg.max_steps:
             self.progress.report(cfg.max_steps, loss)
+        self.progress.close()
         elapsed = time.monotonic() - t_loop
         trained = max(cfg.max_steps - resumed.step, 0)
         logger.info(

@@ -53,17 +53,22 @@ def capture(
     scheduler: Any,
     *,
     step: int,
-    fingerprint: DataFingerprint,
+    fingerprint: DataFingerprint | None,
+    extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """References to the live state (serialize before the next optimizer step)."""
-    return {
+    """References to the live state (serialize before the next optimizer step). ``extra`` is the
+    library user's own state: tensors and plain Python values."""
+    state = {
         "version": STATE_VERSION,
         "model": model.state_dict(),
         "optimizer": optimizer.state_dict(),
         "scheduler": scheduler.state_dict() if scheduler is not None else None,
         "progress": {"step": step},
-        "data": fingerprint.as_dict(),
+        "data": fingerprint.as_dict() if fingerprint is not None else {},
     }
+    if extra is not None:
+        state["extra"] = extra
+    return state
 
 
 def to_bytes(state: dict[str, Any]) -> bytes:
@@ -105,7 +110,7 @@ def _refuse_unsafe():
 
 
 def check_compatible(
-    model: nn.Module, state: dict[str, Any], fingerprint: DataFingerprint, where: str
+    model: nn.Module, state: dict[str, Any], fingerprint: DataFingerprint | None, where: str
 ) -> None:
     """Raise CheckpointMismatchError naming the first offending keys before anything is loaded."""
     saved = state.get("model")
@@ -129,7 +134,7 @@ def check_compatible(
     if shapes:
         problems.append(f"shape mismatch {shapes[:5]}{' ...' if len(shapes) > 5 else ''}")
     saved_data = state.get("data", {})
-    for name, value in fingerprint.as_dict().items():
+    for name, value in (fingerprint.as_dict() if fingerprint else {}).items():
         if name in saved_data and saved_data[name] != value:
             problems.append(f"{name} was {saved_data[name]} when saved, is {value} now")
     if problems:

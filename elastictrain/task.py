@@ -5,7 +5,7 @@ checkpoints and resume; a Task only says *what* to train.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,8 +37,16 @@ class Task:
     make_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None
     """Optional LR scheduler factory; stepped once per optimizer step."""
     collate_fn: Callable[[list[Any]], Any] = default_collate
+    model_devices: Sequence[torch.device] | None = None
+    """Model parallel: the devices the task already spread the model over (two GPUs per process,
+    say). The runner then leaves placement alone, wraps DDP with ``device_ids=None`` and sends each
+    batch to the first of them. Default: the runner places the model on ``cuda:LOCAL_RANK`` or CPU."""
 
     def __post_init__(self) -> None:
+        if self.model_devices is not None:
+            if not self.model_devices:
+                raise ConfigError("Task.model_devices is empty; leave it None for one device.")
+            self.model_devices = [torch.device(d) for d in self.model_devices]
         if not isinstance(self.model, nn.Module):
             raise ConfigError(
                 f"Task.model must be a torch.nn.Module, got {type(self.model).__name__}."

@@ -81,6 +81,9 @@ class HangWatchdog:
         self._phase, self._budget = "startup", startup_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="elastictrain-watchdog", daemon=True)
+        self.last_words: Callable[[str, str], None] = lambda cause, detail: None
+        """Called with (cause, detail) just before the process exits: rank 0 records it in the
+        event log, so the run report can say why the attempt ended."""
 
     def start(self) -> HangWatchdog:
         self._thread.start()
@@ -109,16 +112,23 @@ class HangWatchdog:
     def check(self) -> bool:
         """True (and the handler called) on a hang or a dead agent; used by the thread."""
         if self._agent_pid is not None and self._parent_pid() != self._agent_pid:
+            self._say("orphaned", f"the torchrun agent (pid {self._agent_pid}) is gone")
             _orphaned_exit(self._agent_pid)
             return True
         idle = self._clock() - self._last
         if idle <= self._budget:
             return False
-        self._on_hang(
+        reason = (
             f"no progress for {idle:.1f}s in phase '{self._phase}' after step {self._step} "
             f"(budget {self._budget:.0f}s, from --{'hang' if self._phase == 'training' else 'checkpoint'}-timeout)"
         )
+        self._say("hang", reason)
+        self._on_hang(reason)
         return True
+
+    def _say(self, cause: str, detail: str) -> None:
+        with contextlib.suppress(Exception):  # last words must never stop the exit
+            self.last_words(cause, detail)
 
     def _run(self) -> None:
         while not self._stop.wait(self._poll_s):

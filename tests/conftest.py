@@ -149,6 +149,7 @@ def launch(tmp_path):
         torchrun_args=None,
         env=None,
         name: str = "job",
+        entry: tuple[str, ...] = ("-m", "elastictrain"),
     ) -> Job:
         targs = torchrun_args or [
             "--standalone",
@@ -156,7 +157,12 @@ def launch(tmp_path):
             f"--max-restarts={max_restarts}",
         ]
         job = Job(
-            targs, app_args, str(tmp_path / f"{name}-{len(jobs)}.log"), cwd=str(tmp_path), env=env
+            targs,
+            app_args,
+            str(tmp_path / f"{name}-{len(jobs)}.log"),
+            cwd=str(tmp_path),
+            env=env,
+            entry=entry,
         )
         jobs.append(job)
         return job

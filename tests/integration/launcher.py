@@ -78,7 +78,9 @@ class Job:
         log_path: str,
         cwd: str,
         env: dict[str, str] | None = None,
+        entry: tuple[str, ...] = ("-m", "elastictrain"),
     ) -> None:
+        """``entry``: what torchrun runs (default the runner; a script path for library mode)."""
         self.log_path = log_path
         self._log = open(log_path, "ab")  # noqa: SIM115 - closed in kill()/wait()
         cmd = [
@@ -86,8 +88,7 @@ class Job:
             "-m",
             "torch.distributed.run",
             *torchrun_args,
-            "-m",
-            "elastictrain",
+            *entry,
             *app_args,
         ]
         self.proc = subprocess.Popen(

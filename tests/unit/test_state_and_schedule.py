@@ -105,7 +105,7 @@ def test_event_log_appends_and_tolerates_torn_line(tmp_path):
 def test_progress_reports_rate_eta_and_last_checkpoint(tmp_path, caplog):
     import logging
 
-    from elastictrain.events import Progress
+    from elastictrain.progress import Progress
 
     path = str(tmp_path / "e.jsonl")
     progress = Progress(
@@ -117,7 +117,7 @@ def test_progress_reports_rate_eta_and_last_checkpoint(tmp_path, caplog):
         enabled=True,
     )
     progress.last_checkpoint = 40
-    with caplog.at_level(logging.INFO, logger="elastictrain.events"):
+    with caplog.at_level(logging.INFO, logger="elastictrain.progress"):
         assert not progress.due()  # inside the interval
         progress.report(50, torch.tensor(0.25))
     (event,) = read_events(path)

@@ -1,0 +1,179 @@
+"""Rank 0's progress: a live status line on a terminal, periodic plain lines in logs.
+
+On a TTY the status line is redrawn in place (at most ``_REDRAW_S`` apart, from the loop, with no
+collective) and log records are printed above it: the logging handler clears the line, prints the
+record and redraws it. Everywhere else (a log file, a pipe, ``--progress plain``) rank 0 writes one
+``progress`` line every ``--log-every-seconds``. Either way a ``progress`` event is recorded.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import sys
+import threading
+import time
+from typing import IO, TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from elastictrain.events import EventLog
+
+logger = logging.getLogger(__name__)
+
+_REDRAW_S = 0.25
+
+
+class StatusLine:
+    """The one line at the bottom of a terminal that is rewritten in place."""
+
+    def __init__(self) -> None:
+        self.stream: IO[str] | None = None
+        self._text = ""
+        self._lock = threading.Lock()  # the persist thread logs too
+
+    def attach(self, stream: IO[str]) -> None:
+        self.stream = stream
+
+    def show(self, text: str) -> None:
+        if self.stream is None:
+            return
+        width = max(shutil.get_terminal_size((120, 20)).columns - 1, 20)
+        with self._lock:
+            self._text = text[:width]
+            self.stream.write("\r\x1b[K" + self._text)
+            self.stream.flush()
+
+    def around_log(self, write) -> None:
+        """Print a log record above the status line (called by the logging handler)."""
+        if self.stream is None or not self._text:
+            write()
+            return
+        with self._lock:
+            self.stream.write("\r\x1b[K")
+            write()
+            self.stream.write(self._text)
+            self.stream.flush()
+
+    def close(self) -> None:
+        """Leave the last status on screen and move below it."""
+        with self._lock:
+            if self.stream is not None and self._text:
+                self.stream.write("\n")
+                self.stream.flush()
+            self.stream, self._text = None, ""
+
+
+STATUS = StatusLine()
+
+
+def live_terminal(mode: str, stream: IO[str]) -> bool:
+    """``--progress``: ``auto`` is live on an interactive terminal, plain lines otherwise."""
+    if mode != "auto":
+        return mode == "live"
+    is_tty = getattr(stream, "isatty", lambda: False)()
+    return bool(is_tty) and os.environ.get("TERM", "") != "dumb"
+
+
+class Progress:
+    """Rank 0's progress display and ``progress`` events; a no-op elsewhere."""
+
+    def __init__(
+        self,
+        *,
+        world_size: int,
+        start_step: int,
+        max_steps: int,
+        every_s: float,
+        events: EventLog,
+        enabled: bool,
+        restarts: int = 0,
+        live: bool = False,
+        stream: IO[str] | None = None,
+        clock=time.monotonic,
+    ):
+        self.world_size = world_size
+        self.max_steps = max_steps
+        self.every_s = every_s
+        self.events = events
+        self.enabled = enabled
+        self.restarts = restarts
+        self._clock = clock
+        self._last_t = clock()
+        self._last_step = start_step
+        self.last_checkpoint: int | None = None
+        self.live = enabled and live
+        if self.live:
+            STATUS.attach(stream or sys.stderr)
+        self._drawn_t, self._drawn_step, self._rate = self._last_t, start_step, 0.0
+
+    def due(self) -> bool:
+        """Rank 0's clock says a report is due; the loop makes it everyone's decision."""
+        return self.enabled and self._clock() - self._last_t >= self.every_s
+
+    def tick(self, step: int, loss: torch.Tensor) -> None:
+        """Every step on every rank; redraws the live line now and then (rank 0, TTY only)."""
+        if not self.live:
+            return
+        now = self._clock()
+        if now - self._drawn_t < _REDRAW_S and step < self.max_steps:
+            return
+        rate = (step - self._drawn_step) / max(now - self._drawn_t, 1e-9)
+        self._rate = rate if self._rate == 0 else 0.7 * self._rate + 0.3 * rate  # smooth the ETA
+        self._drawn_t, self._drawn_step = now, step
+        STATUS.show(self.status_text(step, float(loss.item()), self._rate))
+
+    def status_text(self, step: int, loss: float, rate: float) -> str:
+        frac = min(step / self.max_steps, 1.0) if self.max_steps else 1.0
+        bar = "#" * int(10 * frac) + "." * (10 - int(10 * frac))
+        eta = (self.max_steps - step) / rate if rate > 0 else float("inf")
+        return (
+            f"step {step}/{self.max_steps} [{bar}] {100 * frac:5.1f}% | loss {loss:.5f} | "
+            f"{rate:.1f} steps/s | ETA {fmt_eta(eta)} | ckpt {self.last_checkpoint} | "
+            f"world {self.world_size} | restarts {self.restarts}"
+        )
+
+    def report(self, step: int, loss: torch.Tensor, stragglers: Any = None) -> None:
+        """Log and record progress (rank 0 only); ``stragglers`` is a StragglerReport or None."""
+        if not self.enabled:
+            return
+        now = self._clock()
+        rate = (step - self._last_step) / max(now - self._last_t, 1e-9)
+        eta = (self.max_steps - step) / rate if rate > 0 else float("inf")
+        value = float(loss.item())
+        if not self.live:  # on a terminal the status line already says all of this
+            logger.info(
+                "progress %d/%d loss %.5f %.1f steps/s eta %s last checkpoint %s world size %d",
+                step,
+                self.max_steps,
+                value,
+                rate,
+                fmt_eta(eta),
+                self.last_checkpoint,
+                self.world_size,
+            )
+        self.events.emit(
+            "progress",
+            step=step,
+            loss=value,
+            steps_per_s=round(rate, 3),
+            world_size=self.world_size,
+        )
+        if stragglers is not None and self.world_size > 1:
+            logger.info("%s", stragglers.describe())
+            self.events.emit("stragglers", step=step, **stragglers.as_event())
+        self._last_t, self._last_step = now, step
+
+    def close(self) -> None:
+        if self.live:
+            STATUS.close()
+
+
+def fmt_eta(seconds: float) -> str:
+    if seconds == float("inf"):
+        return "?"
+    m, s = divmod(int(seconds), 60)
+    h, m = divmod(m, 60)
+    return f"{h}:{m:02d}:{s:02d}"

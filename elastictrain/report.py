@@ -1,0 +1,182 @@
+"""``python -m elastictrain report EVENTS.jsonl -o report.png|.html``: one picture of a run's life.
+
+This module reads rank 0's event log into a timeline of attempts (each ``start`` event begins one)
+and says why each attempt ended; ``report_plot`` draws it. Nothing here needs matplotlib, so the
+timeline and its text summary are available (and tested) without the ``[report]`` extra.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+from elastictrain.errors import EXIT_USER_ERROR
+from elastictrain.events import read_events
+
+# Why an attempt ended, from its last words (the events rank 0 wrote before it went away).
+FINISHED, PREEMPTION, HANG, MEMBERSHIP, KILL, RUNNING, STOPPED = (
+    "finished",
+    "preemption",
+    "hang",
+    "membership change",
+    "kill",
+    "running or killed",
+    "stopped",
+)
+
+
+@dataclass
+class Attempt:
+    index: int
+    start: float
+    world_size: int
+    restart_count: int
+    generation: int
+    resumed_step: int = 0
+    end: float | None = None
+    """Time of the attempt's last event."""
+    trained_at: float | None = None
+    """Time its first step completed: the end of the downtime a restart costs."""
+    outcome: str = RUNNING
+    detail: str = ""
+    points: list[tuple[float, int]] = field(default_factory=list)
+    """(time, completed steps) from every event that names a step."""
+    losses: list[tuple[int, float]] = field(default_factory=list)
+    checkpoints: list[dict[str, Any]] = field(default_factory=list)
+    skipped: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def last_step(self) -> int:
+        return max((s for _, s in self.points), default=self.resumed_step)
+
+
+@dataclass
+class Timeline:
+    attempts: list[Attempt]
+    t0: float
+    max_steps: int | None
+
+    @property
+    def restarts(self) -> list[tuple[Attempt, Attempt]]:
+        return list(zip(self.attempts, self.attempts[1:], strict=False))
+
+
+def build_timeline(events: list[dict[str, Any]]) -> Timeline:
+    """Group events into attempts and classify how each one ended."""
+    attempts: list[Attempt] = []
+    max_steps = None
+    for e in sorted(events, key=lambda e: e.get("time", 0.0)):
+        kind, t = e.get("event"), float(e.get("time", 0.0))
+        if kind == "start":
+            attempts.append(
+                Attempt(
+                    index=len(attempts),
+                    start=t,
+                    world_size=int(e.get("world_size", 0)),
+                    restart_count=int(e.get("restart_count", 0)),
+                    generation=int(e.get("generation", 0)),
+                )
+            )
+            max_steps = e.get("max_steps", max_steps)
+            continue
+        if not attempts:  # events before any start (a truncated log): nothing to hang them on
+            continue
+        a = attempts[-1]
+        a.end = t
+        step = e.get("step")
+        if kind == "resume":
+            a.resumed_step = int(step or 0)
+            a.points.append((t, a.resumed_step))
+        elif isinstance(step, int) and kind in ("first_step", "progress", "checkpoint", "end"):
+            a.points.append((t, step))
+        if kind == "first_step":
+            a.trained_at = t
+        if kind in ("progress", "first_step") and e.get("loss") is not None:
+            a.losses.append((step, float(e["loss"])))
+        elif kind == "checkpoint":
+            a.checkpoints.append(e)
+        elif kind == "checkpoint_skipped":
+            a.skipped.append(e)
+        elif kind == "end":
+            a.outcome, a.detail = FINISHED, f"step {step}"
+        elif kind == "preempted":
+            a.outcome, a.detail = PREEMPTION, f"{e.get('signal')} at step {step}"
+        elif kind == "exit":
+            a.outcome, a.detail = _exit_cause(e), str(e.get("detail", ""))[:160]
+    for a, nxt in zip(attempts, attempts[1:], strict=False):
+        if nxt.world_size != a.world_size:
+            # A node left or joined: the agents re-rendezvoused at another size. Whatever rank 0
+            # saw (SIGTERM from its agent, a dead peer) was the symptom of that.
+            a.detail = f"world size {a.world_size} -> {nxt.world_size}; {a.outcome} {a.detail}"
+            a.outcome = MEMBERSHIP
+        elif a.outcome == RUNNING:
+            # Rank 0 wrote nothing about its end: it, or a peer, was killed outright.
+            a.outcome, a.detail = KILL, "a worker or node died without a word (SIGKILL, OOM, crash)"
+    return Timeline(attempts, attempts[0].start if attempts else 0.0, max_steps)
+
+
+def _exit_cause(e: dict[str, Any]) -> str:
+    cause = e.get("cause", "")
+    if cause in ("hang", "CollectiveTimeoutError"):
+        return HANG  # this rank, or a peer it waited on, made no progress within its budget
+    if cause in ("orphaned", "RuntimeError", "DistBackendError"):
+        return KILL  # a peer or our agent vanished under us
+    return STOPPED
+
+
+def summary(timeline: Timeline) -> str:
+    lines = []
+    for a in timeline.attempts:
+        ckpts = ", ".join(str(c["step"]) for c in a.checkpoints) or "none"
+        lines.append(
+            f"attempt {a.index} at +{a.start - timeline.t0:.1f}s: world size {a.world_size}, "
+            f"steps {a.resumed_step}->{a.last_step}, checkpoints {ckpts}; "
+            f"ended: {a.outcome}{' (' + a.detail + ')' if a.detail else ''}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m elastictrain report",
+        description="Draw a run's life (steps, restarts and causes, checkpoints, world size, loss) "
+        "from the JSONL event log that --event-log writes.",
+    )
+    parser.add_argument("events", help="the --event-log file")
+    parser.add_argument("-o", "--output", required=True, help="report.png or report.html")
+    args = parser.parse_args(argv)
+    ext = os.path.splitext(args.output)[1].lower()
+    if ext not in (".png", ".html", ".svg", ".pdf"):
+        print(f"error: -o {args.output!r}: use a .png, .svg, .pdf or .html name", file=sys.stderr)
+        return EXIT_USER_ERROR
+    if not os.path.isfile(args.events):
+        print(
+            f"error: no event log at {args.events!r}; training writes one with --event-log PATH",
+            file=sys.stderr,
+        )
+        return EXIT_USER_ERROR
+    timeline = build_timeline(read_events(args.events))
+    if not timeline.attempts:
+        print(
+            f"error: {args.events!r} holds no 'start' event: not an elastictrain event log?",
+            file=sys.stderr,
+        )
+        return EXIT_USER_ERROR
+    if importlib.util.find_spec("matplotlib") is None:
+        print(
+            "error: drawing the report needs matplotlib, which is not installed. Install it with "
+            "pip install 'elastictrain[report]'. The text summary follows.",
+            file=sys.stderr,
+        )
+        print(summary(timeline))
+        return EXIT_USER_ERROR
+    from elastictrain import report_plot
+
+    report_plot.render(timeline, args.output, title=os.path.basename(args.events))
+    print(summary(timeline))
+    print(f"wrote {args.output}")
+    return 0

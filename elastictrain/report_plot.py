@@ -1,0 +1,136 @@
+"""Draws a ``report.Timeline`` with matplotlib (the ``[report]`` extra): PNG/SVG/PDF, or HTML with
+the picture embedded and the attempts and checkpoints as tables.
+
+Uses ``matplotlib.figure.Figure`` directly, not pyplot: no global state, no display needed.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+
+from matplotlib.figure import Figure
+
+from elastictrain.report import FINISHED, Timeline
+
+_CAUSE_COLOURS = {
+    "kill": "tab:red",
+    "hang": "tab:purple",
+    "preemption": "tab:orange",
+    "membership change": "tab:brown",
+}
+
+
+def draw(timeline: Timeline, title: str) -> Figure:
+    fig = Figure(figsize=(11, 10), layout="constrained")
+    steps, ckpt, world, loss = fig.subplots(4, 1, height_ratios=[3, 2, 1, 2])
+    t0 = timeline.t0
+    colours = [f"C{i % 10}" for i in range(len(timeline.attempts))]
+
+    for a, colour in zip(timeline.attempts, colours, strict=True):
+        label = f"attempt {a.index} (world {a.world_size})"
+        if a.points:
+            ts, ss = zip(*sorted(a.points), strict=True)
+            steps.plot([t - t0 for t in ts], ss, color=colour, marker=".", ms=3, label=label)
+        for c in a.checkpoints:
+            steps.plot(c["time"] - t0, c["step"], "v", color=colour, ms=7, mec="black", mew=0.5)
+        for s in a.skipped:
+            steps.plot(s["time"] - t0, s["step"], "x", color="red", ms=9, mew=2)
+        if a.losses:
+            ls, lv = zip(*sorted(a.losses), strict=True)
+            loss.plot(ls, lv, color=colour, marker=".", ms=3, label=label)
+        end = a.end if a.end is not None else a.start
+        world.hlines(a.world_size, a.start - t0, end - t0, color=colour, lw=4)
+    for prev, nxt in timeline.restarts:
+        # The restart line says why the previous attempt ended; grey is downtime, from the last
+        # word of one attempt to the first trained step of the next.
+        colour = _CAUSE_COLOURS.get(prev.outcome, "grey")
+        back = (nxt.trained_at or nxt.start) - t0
+        for ax in (steps, ckpt, world):
+            ax.axvline(nxt.start - t0, color=colour, ls="--", lw=1)
+            if prev.end is not None:
+                ax.axvspan(prev.end - t0, back, color="grey", alpha=0.15, lw=0)
+        steps.annotate(
+            prev.outcome,
+            (nxt.start - t0, nxt.resumed_step),
+            xytext=(4, 8),
+            textcoords="offset points",
+            color=colour,
+            fontsize=9,
+            rotation=90,
+            va="bottom",
+        )
+        loss.axvline(nxt.resumed_step, color=colour, ls="--", lw=1)
+    if timeline.max_steps:
+        steps.axhline(timeline.max_steps, color="black", lw=0.5, ls=":")
+    steps.set(ylabel="completed steps", title=f"{title}: steps over time (v = checkpoint)")
+    steps.legend(loc="upper left", fontsize=8)
+
+    checkpoints = [c for a in timeline.attempts for c in a.checkpoints]
+    if checkpoints:
+        times = [c["time"] - t0 for c in checkpoints]
+        ckpt.plot(
+            times, [max(c["blocked_s"], 1e-4) for c in checkpoints], "o", label="loop blocked"
+        )
+        ckpt.plot(times, [max(c["persist_s"], 1e-4) for c in checkpoints], "s", label="persist")
+        for t, c in zip(times, checkpoints, strict=True):
+            ckpt.annotate(
+                str(c["step"]),
+                (t, max(c["persist_s"], 1e-4)),
+                fontsize=7,
+                xytext=(2, 3),
+                textcoords="offset points",
+            )
+        ckpt.set_yscale("log")
+        ckpt.legend(loc="upper left", fontsize=8)
+    ckpt.set(
+        ylabel="seconds (log)", title="checkpoints: time the loop was blocked, time to persist"
+    )
+    world.set(
+        ylabel="world size",
+        xlabel="seconds since the first start",
+        title="world size (grey: downtime between attempts)",
+    )
+    world.set_ylim(0, max((a.world_size for a in timeline.attempts), default=1) + 1)
+    for ax in (ckpt, world):
+        ax.sharex(steps)
+    loss.set(xlabel="step", ylabel="loss (rank 0)", title="loss across restarts (dashed: resume)")
+    return fig
+
+
+def render(timeline: Timeline, path: str, title: str) -> None:
+    fig = draw(timeline, title)
+    if not path.lower().endswith(".html"):
+        fig.savefig(path, dpi=100)
+        return
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=100)
+    with open(path, "w") as f:
+        f.write(_html(timeline, title, base64.b64encode(png.getvalue()).decode()))
+
+
+def _html(timeline: Timeline, title: str, png_b64: str) -> str:
+    e = html.escape
+    rows = "".join(
+        f"<tr><td>{a.index}</td><td>{a.start - timeline.t0:.1f}</td><td>{a.world_size}</td>"
+        f"<td>{a.resumed_step}</td><td>{a.last_step}</td><td>{len(a.checkpoints)}</td>"
+        f"<td{'' if a.outcome == FINISHED else ' class=bad'}>{e(a.outcome)}</td>"
+        f"<td>{e(a.detail)}</td></tr>"
+        for a in timeline.attempts
+    )
+    ckpts = "".join(
+        f"<tr><td>{c['step']}</td><td>{c['time'] - timeline.t0:.1f}</td><td>{e(str(c.get('reason')))}"
+        f"</td><td>{c.get('bytes')}</td><td>{c['blocked_s']:.4f}</td><td>{c['persist_s']:.4f}</td></tr>"
+        for a in timeline.attempts
+        for c in a.checkpoints
+    )
+    return f"""<!doctype html><html><head><meta charset="utf-8"><title>{e(title)}</title>
+<style>body{{font-family:sans-serif;margin:2em}}table{{border-collapse:collapse}}
+td,th{{border:1px solid #ccc;padding:2px 8px;text-align:right}}.bad{{color:#b00}}</style></head>
+<body><h1>{e(title)}</h1><img alt="run report" src="data:image/png;base64,{png_b64}">
+<h2>Attempts</h2><table><tr><th>#</th><th>start (s)</th><th>world</th><th>from step</th>
+<th>to step</th><th>checkpoints</th><th>ended</th><th>detail</th></tr>{rows}</table>
+<h2>Checkpoints</h2><table><tr><th>step</th><th>at (s)</th><th>reason</th><th>bytes</th>
+<th>blocked (s)</th><th>persist (s)</th></tr>{ckpts}</table></body></html>
+"""

@@ -1,0 +1,80 @@
+"""Library mode: your own training loop, elastictrain's checkpoints (elastictrain.CheckpointManager).
+
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc_per_node=2 --max-restarts=3 \
+        examples/custom_loop.py --checkpoint-dir ./checkpoints-custom --steps 2000
+
+Kill a worker (kill -9) while it runs: torchrun restarts both, resume() loads the newest checkpoint
+and the loop carries on, ending bit for bit where an uninterrupted run ends. Also runs without
+torchrun, as one process: python examples/custom_loop.py.
+
+TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 matters for any script that calls init_process_group itself:
+without it, a restarted group can connect to the dead workers' addresses (README, "Restarts that
+never hang"). The runner has its own fix; a custom loop needs this switch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from elastictrain import CheckpointManager
+from elastictrain.toy import ToyModel, synthetic_dataset
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--checkpoint-dir", default="./checkpoints-custom")
+    p.add_argument("--steps", type=int, default=2000)
+    p.add_argument("--every-steps", type=int, default=100)
+    p.add_argument("--batch-size", type=int, default=64, help="global")
+    p.add_argument("--step-time", type=float, default=0.0, help="simulated compute, seconds")
+    p.add_argument("--event-log", default=None)
+    args = p.parse_args()
+
+    distributed = "RANK" in os.environ  # launched by torchrun
+    if distributed:
+        dist.init_process_group("gloo")
+    rank = dist.get_rank() if distributed else 0
+    world = dist.get_world_size() if distributed else 1
+
+    torch.manual_seed(0)  # identical initial weights on every rank
+    model = ToyModel()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=200, gamma=0.5)
+    data = synthetic_dataset(4096)
+    mse = nn.MSELoss()
+
+    with CheckpointManager(
+        args.checkpoint_dir, every_steps=args.every_steps, keep_last=2, event_log=args.event_log
+    ) as ckpt:
+        start = ckpt.resume(model, optimizer, scheduler)  # before DDP: it broadcasts from rank 0
+        if rank == 0:
+            print(f"starting at step {start} (world size {world}); saved extra: {ckpt.extra}")
+        net = DDP(model) if distributed else model
+        loss = torch.zeros(())
+        for step in range(start, args.steps):
+            # The batch is a function of the step alone: a resumed run sees exactly the same data.
+            order = torch.randperm(len(data), generator=torch.Generator().manual_seed(step))
+            x, y = data[order[: args.batch_size][rank::world]]
+            optimizer.zero_grad(set_to_none=True)
+            loss = mse(net(x), y)
+            loss.backward()
+            optimizer.step()
+            scheduler.step()
+            time.sleep(args.step_time)
+            ckpt.step(step + 1, model, optimizer, scheduler, extra={"loss": loss.item()})
+        ckpt.save(args.steps, model, optimizer, scheduler, {"loss": loss.item()}, final=True)
+    if rank == 0:
+        print(f"finished {args.steps} steps, loss {loss.item():.5f}")
+    if distributed:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

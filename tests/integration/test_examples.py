@@ -1,0 +1,135 @@
+"""Every example runs for real: digits to >= 95% with and without kills (and the run report drawn
+from the killed run's event log), the toy script, model-parallel DDP on CPU, and library mode."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+
+from elastictrain import report
+from elastictrain.events import read_events
+from tests.integration.launcher import (
+    REPO_ROOT,
+    assert_bitwise_equal,
+    final_state,
+    job_env,
+    wait_for_event,
+)
+
+DIGITS_STEPS = 300
+
+
+def digits_args(ckpt: str, events: str, step_time: float = 0.01) -> list[str]:
+    args = ["--task", "examples.digits.task:make_task", "--checkpoint-dir", ckpt]
+    args += ["--event-log", events, "--max-steps", str(DIGITS_STEPS)]
+    args += ["--checkpoint-every-steps", "50", "--log-every-seconds", "0.5"]
+    # Slowed down only so the kills land mid-run on a fast machine; the arithmetic is unchanged.
+    return [*args, "--task-option", f"step_time={step_time}"]
+
+
+def test_digits_trains_to_95_percent_through_a_kill_and_report_draws_it(launch, tmp_path, capsys):
+    from examples.digits.task import accuracy
+
+    clean = launch(
+        digits_args(str(tmp_path / "clean"), str(tmp_path / "clean.jsonl")), name="clean"
+    )
+    assert clean.wait(180) == 0, clean.log()[-3000:]
+
+    ckpt, ev = str(tmp_path / "killed"), str(tmp_path / "killed.jsonl")
+    job = launch(digits_args(ckpt, ev), max_restarts=3, name="killed")
+    wait_for_event(ev, lambda e: e["event"] == "checkpoint" and e["step"] >= 100, 90, job)
+    job.kill_worker(0)  # SIGKILL rank 0, the writer, mid-run
+    assert job.wait(180) == 0, job.log()[-3000:]
+
+    ref, got = final_state(str(tmp_path / "clean")), final_state(ckpt)
+    ref_acc, got_acc = accuracy(ref["model"]), accuracy(got["model"])
+    print(f"digits test accuracy: uninterrupted {ref_acc:.4f}, killed mid-run {got_acc:.4f}")
+    assert ref_acc >= 0.95 and got_acc >= 0.95
+    assert_bitwise_equal(ref, got)  # so the accuracy is not just as good: it is the same model
+    resumes = [e for e in read_events(ev) if e["event"] == "resume"]
+    assert [r["fresh"] for r in resumes] == [True, False] and resumes[1]["step"] >= 100
+
+    # The report: drawn from this real event log with a kill in it (in-process: no extra startup).
+    capsys.readouterr()
+    for name in ("report.png", "report.html"):
+        assert report.main([ev, "-o", str(tmp_path / name)]) == 0
+        assert (tmp_path / name).stat().st_size > 20_000, f"{name} is suspiciously small"
+        # The summary names the restart as a kill and the last attempt as finished.
+        stdout = capsys.readouterr().out
+        assert stdout.count("ended: kill") == 1 and "ended: finished" in stdout, stdout
+    assert (tmp_path / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    html = (tmp_path / "report.html").read_text()
+    assert "data:image/png;base64," in html and html.count("<tr>") >= 1 + 2
+    keep = os.environ.get("ELASTICTRAIN_KEEP_REPORT")
+    if keep:  # e.g. to look at it, or to refresh docs/report-example.png
+        shutil.copy(tmp_path / "report.png", keep)
+
+
+def test_toy_example_script_runs_and_draws_its_report(tmp_path):
+    env = job_env(OUT=str(tmp_path / "out"), NPROC="2")
+    done = subprocess.run(
+        ["bash", os.path.join(REPO_ROOT, "examples", "toy", "run.sh"), "--max-steps", "60"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        start_new_session=True,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (tmp_path / "out" / "report.png").stat().st_size > 20_000
+    assert "attempt 0" in done.stdout and "ended: finished (step 60)" in done.stdout
+    assert final_state(str(tmp_path / "out" / "checkpoints"))["progress"]["step"] == 60
+
+
+def test_model_parallel_example_falls_back_to_cpu_with_a_note(launch, tmp_path):
+    ckpt = str(tmp_path / "mp")
+    args = ["--task", "examples.model_parallel.task:make_task", "--checkpoint-dir", ckpt]
+    job = launch([*args, "--max-steps", "40", "--checkpoint-every-steps", "20"])
+    assert job.wait(180) == 0, job.log()[-3000:]
+    log = job.log()
+    assert "running both halves of ToyMpModel on the CPU" in log
+    state = final_state(ckpt)
+    assert state["progress"]["step"] == 40 and set(state["model"]) == {
+        "net1.weight",
+        "net1.bias",
+        "net2.weight",
+        "net2.bias",
+    }
+
+
+def custom_loop_args(ckpt: str, events: str) -> list[str]:
+    return [
+        "--checkpoint-dir",
+        ckpt,
+        "--event-log",
+        events,
+        "--steps",
+        "160",
+        "--every-steps",
+        "20",
+        "--step-time",
+        "0.01",
+    ]
+
+
+def test_library_mode_custom_loop_killed_mid_run_resumes_exactly(launch, tmp_path):
+    script = (os.path.join(REPO_ROOT, "examples", "custom_loop.py"),)
+    env = job_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    ref_dir = str(tmp_path / "ref")
+    ref = launch(custom_loop_args(ref_dir, str(tmp_path / "ref.jsonl")), entry=script, env=env)
+    assert ref.wait(180) == 0, ref.log()[-3000:]
+
+    ckpt, ev = str(tmp_path / "run"), str(tmp_path / "run.jsonl")
+    job = launch(custom_loop_args(ckpt, ev), entry=script, env=env, name="killed")
+    wait_for_event(ev, lambda e: e["event"] == "checkpoint" and e["step"] >= 60, 90, job)
+    job.kill_worker(0)  # rank 0: the writer, possibly mid-persist
+    assert job.wait(180) == 0, job.log()[-3000:]
+
+    resumes = [e for e in read_events(ev) if e["event"] == "resume"]
+    assert [r["fresh"] for r in resumes] == [True, False] and resumes[1]["step"] >= 60
+    assert "starting at step 0 " in job.log() and "saved extra: {'loss':" in job.log()
+    ref_state, got = final_state(ref_dir), final_state(ckpt)
+    assert_bitwise_equal(ref_state, got)
+    assert got["extra"] == ref_state["extra"]  # the user's own state round-trips too

@@ -1,0 +1,106 @@
+"""Library mode (CheckpointManager) in one process: schedule, resume, extra state, retention,
+map_location and the errors. The killed multi-process custom loop is in test_examples."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from elastictrain import CheckpointManager, load_checkpoint
+from elastictrain.errors import CheckpointMismatchError, ConfigError
+
+
+def build(seed: int = 0, width: int = 8):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(4, width), nn.ReLU(), nn.Linear(width, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.5)
+    return model, opt, sched
+
+
+def train(model, opt, sched, step: int) -> float:
+    g = torch.Generator().manual_seed(step)
+    x = torch.randn(16, 4, generator=g)
+    opt.zero_grad()
+    loss = (model(x) - x.sum(dim=1, keepdim=True)).pow(2).mean()
+    loss.backward()
+    opt.step()
+    sched.step()
+    return loss.item()
+
+
+def run(url: str, steps: int, **kw) -> tuple[nn.Module, CheckpointManager]:
+    model, opt, sched = build()
+    with CheckpointManager(url, every_steps=4, keep_last=2, **kw) as ckpt:
+        start = ckpt.resume(model, opt, sched)
+        for step in range(start, steps):
+            loss = train(model, opt, sched, step)
+            ckpt.step(step + 1, model, opt, sched, extra={"loss": loss, "seen": step + 1})
+        ckpt.save(steps, model, opt, sched, extra={"done": True}, final=True)
+    return model, ckpt
+
+
+@pytest.mark.parametrize("async_save", [True, False])
+def test_custom_loop_stopped_and_resumed_equals_one_straight_run(tmp_path, async_save):
+    straight, _ = run(str(tmp_path / "straight"), 20, async_save=async_save)
+    url = str(tmp_path / "split")
+    model, opt, sched = build()
+    with CheckpointManager(url, every_steps=4, keep_last=2, async_save=async_save) as ckpt:
+        assert ckpt.resume(model, opt, sched) == 0 and ckpt.extra is None
+        for step in range(10):  # then "crash": steps 9 and 10 are lost, 8 is the newest checkpoint
+            train(model, opt, sched, step)
+            ckpt.step(step + 1, model, opt, sched, extra={"seen": step + 1})
+    resumed, ckpt = run(url, 20)
+    for a, b in zip(straight.state_dict().values(), resumed.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+    state = load_checkpoint(url)
+    # Step 20 was committed by step(); the final save of the same step is not written twice.
+    assert state["progress"]["step"] == 20 and state["extra"]["seen"] == 20
+    assert ckpt.last_committed == 20
+    # Retention: keep_last=2 of 4, 8, 12, 16, 20 (and the final).
+    import storage
+
+    assert storage.open_store(url).committed_steps() == [16, 20]
+
+
+def test_resume_hands_back_extra_and_maps_to_the_requested_device(tmp_path):
+    url = str(tmp_path / "c")
+    run(url, 6)  # final extra {"done": True}; the step-4 one held {"loss": ..., "seen": 4}
+    model, opt, sched = build(seed=1)
+    ckpt = CheckpointManager(url, map_location="cpu")
+    assert ckpt.resume(model, opt, sched) == 6 and ckpt.extra == {"done": True}
+    assert sched.last_epoch == 6 and all(p.device.type == "cpu" for p in model.parameters())
+
+
+def test_a_checkpoint_of_another_model_is_refused_and_kept(tmp_path):
+    url = str(tmp_path / "c")
+    run(url, 4)
+    model, opt, sched = build(width=16)
+    with pytest.raises(CheckpointMismatchError, match="shape mismatch"):
+        CheckpointManager(url).resume(model, opt, sched)
+    assert load_checkpoint(url)["progress"]["step"] == 4  # untouched
+
+
+def test_misuse_gets_errors_that_name_the_fix(tmp_path):
+    model, opt, sched = build()
+    ckpt = CheckpointManager(str(tmp_path / "c"))
+    with pytest.raises(ConfigError, match=r"call resume\(model, optimizer\) once"):
+        ckpt.save(1, model, opt)
+    with pytest.raises(ConfigError, match="every_steps=0"):
+        CheckpointManager(str(tmp_path / "c"), every_steps=0)
+    with pytest.raises(ConfigError, match="keep at least 1"):
+        CheckpointManager(str(tmp_path / "c"), keep_last=0)
+    with pytest.raises(ConfigError, match="'warn' or 'fail'"):
+        CheckpointManager(str(tmp_path / "c"), on_storage_failure="ignore")
+
+
+def test_time_schedule_saves_on_rank0s_clock(tmp_path):
+    model, opt, sched = build()
+    ckpt = CheckpointManager(str(tmp_path / "c"), every_seconds=3600, async_save=False)
+    ckpt.resume(model, opt, sched)
+    assert not ckpt.step(1, model, opt, sched)  # an hour has not passed
+    ckpt._schedule._last -= 7200  # now it has
+    train(model, opt, sched, 1)
+    assert ckpt.step(2, model, opt, sched) and ckpt.last_committed == 2
+    ckpt.close()

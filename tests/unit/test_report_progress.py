@@ -1,0 +1,160 @@
+"""The run report's timeline and causes, its CLI errors, and rank 0's live progress line."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+
+import torch
+
+from elastictrain import report
+from elastictrain.events import EventLog, setup_logging
+from elastictrain.progress import STATUS, Progress, live_terminal
+
+
+def ev(event: str, t: float, **fields) -> dict:
+    return {"event": event, "time": t, **fields}
+
+
+def attempt(t: float, world: int, restart: int, resumed: int) -> list[dict]:
+    return [
+        ev("start", t, world_size=world, restart_count=restart, generation=int(t), max_steps=100),
+        ev("resume", t + 1, step=resumed, fresh=resumed == 0, world_size=world),
+        ev("first_step", t + 2, step=resumed + 1),
+    ]
+
+
+def test_timeline_names_each_restart_cause():
+    events = [
+        *attempt(0, 2, 0, 0),
+        ev("progress", 3, step=10, loss=1.0),
+        ev("checkpoint", 4, step=20, blocked_s=0.01, persist_s=0.1, reason="steps"),
+        # attempt 0 ends without a word: a kill
+        *attempt(10, 2, 1, 20),
+        ev("exit", 14, cause="hang", detail="no progress for 5.0s"),
+        *attempt(20, 2, 2, 20),
+        ev("preempted", 22, step=30, signal="SIGTERM"),
+        *attempt(30, 2, 0, 30),
+        ev("exit", 33, cause="DistBackendError", detail="Connection closed by peer"),
+        *attempt(40, 1, 1, 30),  # came back smaller: a node was lost
+        ev("progress", 42, step=60, loss=0.5),
+        ev("end", 45, step=100),
+    ]
+    tl = report.build_timeline(events)
+    outcomes = [a.outcome for a in tl.attempts]
+    assert outcomes == ["kill", "hang", "preemption", "membership change", "finished"]
+    assert "world size 2 -> 1" in tl.attempts[3].detail
+    assert tl.attempts[0].checkpoints[0]["step"] == 20
+    assert tl.attempts[4].losses == [(60, 0.5)] and tl.attempts[4].last_step == 100
+    text = report.summary(tl)
+    assert text.count("\n") == 4 and "ended: hang (no progress for 5.0s)" in text
+
+
+def test_timeline_of_a_run_still_going_says_so():
+    tl = report.build_timeline([*attempt(0, 2, 0, 0), ev("progress", 5, step=10, loss=1.0)])
+    assert tl.attempts[0].outcome == "running or killed" and tl.attempts[0].last_step == 10
+
+
+def write_log(tmp_path, events, name: str = "events.jsonl") -> str:
+    path = tmp_path / name
+    path.write_text("".join(json.dumps(e) + "\n" for e in events))
+    return str(path)
+
+
+def test_report_cli_errors_name_the_fix(tmp_path, capsys, monkeypatch):
+    path = write_log(tmp_path, [*attempt(0, 2, 0, 0), ev("end", 5, step=100)])
+    assert report.main([path, "-o", str(tmp_path / "r.jpg")]) == 2
+    assert "use a .png" in capsys.readouterr().err
+    assert report.main([str(tmp_path / "missing.jsonl"), "-o", "r.png"]) == 2
+    assert "--event-log" in capsys.readouterr().err
+    empty = write_log(tmp_path, [ev("progress", 1, step=1, loss=1.0)], "no-start.jsonl")
+    assert report.main([empty, "-o", str(tmp_path / "r.png")]) == 2
+    assert "no 'start' event" in capsys.readouterr().err
+    # matplotlib missing: the fix is named, and the text summary is still printed.
+    monkeypatch.setattr(report.importlib.util, "find_spec", lambda name: None)
+    assert report.main([path, "-o", str(tmp_path / "r.png")]) == 2
+    out = capsys.readouterr()
+    assert "pip install 'elastictrain[report]'" in out.err and "ended: finished" in out.out
+    assert not (tmp_path / "r.png").exists()
+
+
+def test_report_renders_svg_from_a_synthetic_log(tmp_path):
+    path = write_log(
+        tmp_path, [*attempt(0, 2, 0, 0), *attempt(10, 1, 1, 0), ev("end", 15, step=100)]
+    )
+    assert report.main([path, "-o", str(tmp_path / "r.svg")]) == 0
+    assert (tmp_path / "r.svg").read_text().lstrip().startswith("<?xml")
+
+
+class FakeTTY(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_live_terminal_only_on_a_tty(monkeypatch):
+    monkeypatch.setenv("TERM", "xterm")
+    assert live_terminal("auto", FakeTTY()) and not live_terminal("auto", io.StringIO())
+    assert live_terminal("live", io.StringIO()) and not live_terminal("plain", FakeTTY())
+    monkeypatch.setenv("TERM", "dumb")
+    assert not live_terminal("auto", FakeTTY())
+
+
+def test_live_status_line_redraws_in_place_and_logs_print_above_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")  # the line is cut to the terminal's width
+    now = [0.0]
+    tty = FakeTTY()
+    progress = Progress(
+        world_size=2,
+        start_step=0,
+        max_steps=100,
+        every_s=10,
+        events=EventLog(str(tmp_path / "e.jsonl"), enabled=True),
+        enabled=True,
+        restarts=1,
+        live=True,
+        stream=tty,
+        clock=lambda: now[0],
+    )
+    setup_logging(0)
+    try:
+        progress.last_checkpoint = 40
+        now[0] = 0.1
+        progress.tick(5, torch.tensor(0.5))  # too soon after the last draw: nothing
+        assert tty.getvalue() == ""
+        now[0] = 1.0
+        progress.tick(50, torch.tensor(0.25))
+        line = tty.getvalue()
+        assert line.startswith("\r\x1b[K") and "step 50/100" in line and "50.0%" in line
+        assert "loss 0.25000" in line and "50.0 steps/s" in line and "ETA 0:00:01" in line
+        assert "ckpt 40" in line and "world 2" in line and "restarts 1" in line
+        # A log record is printed on its own line, then the status is drawn again below it.
+        handler = logging.getLogger().handlers[-1]
+        handler.stream = tty
+        logging.getLogger("elastictrain.test").warning("storage is slow")
+        tail = tty.getvalue()[len(line) :]
+        assert tail.startswith("\r\x1b[K") and "storage is slow\n" in tail
+        assert tail.endswith(line[len("\r\x1b[K") :])
+        # On a terminal the periodic plain progress line is not printed (the status says it all).
+        before = tty.getvalue()
+        progress.report(60, torch.tensor(0.2))
+        assert "progress 60/100" not in tty.getvalue()[len(before) :]
+    finally:
+        progress.close()
+        setup_logging(0)
+    assert tty.getvalue().endswith("\n") and STATUS.stream is None
+
+
+def test_other_ranks_log_only_warnings(monkeypatch):
+    monkeypatch.delenv("ELASTICTRAIN_LOG_LEVEL", raising=False)
+    try:
+        setup_logging(1)
+        assert logging.getLogger().level == logging.WARNING
+        setup_logging(0)
+        assert logging.getLogger().level == logging.INFO
+        monkeypatch.setenv("ELASTICTRAIN_LOG_LEVEL", "DEBUG")
+        setup_logging(3)
+        assert logging.getLogger().level == logging.DEBUG
+    finally:
+        monkeypatch.delenv("ELASTICTRAIN_LOG_LEVEL")
+        setup_logging(0)
