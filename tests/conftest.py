@@ -19,6 +19,18 @@ import pytest
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def pytest_collection_modifyitems(config, items):
+    """Longest tests first. The suite runs on two xdist workers (pyproject addopts); started last,
+    a 100 s test would run alone at the end while the other worker idles."""
+
+    def weight(item) -> int:
+        if item.get_closest_marker("slow"):
+            return 0
+        return 1 if "/integration/" in item.nodeid.replace("\\", "/") else 2
+
+    items.sort(key=weight)  # stable: file order is kept within each group
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -7,6 +7,7 @@ import os
 import time
 import uuid
 
+import pytest
 import torch
 
 from elastictrain.events import read_events, read_sample_log
@@ -46,6 +47,7 @@ def _relative_error(a: dict, b: dict) -> float:
     return (num / den) ** 0.5
 
 
+@pytest.mark.slow
 def test_node_loss_then_rejoin_trains_every_sample_once(launch, tmp_path):
     # Reference: a fixed world size of 2, same global batch.
     ref = launch([*app_args(tmp_path, "ref", step_time=0)], nproc=2, name="ref")
@@ -124,6 +126,7 @@ def test_node_loss_then_rejoin_trains_every_sample_once(launch, tmp_path):
     )
 
 
+@pytest.mark.slow
 def test_losing_the_rendezvous_host_ends_the_job_and_a_relaunch_resumes(launch, tmp_path):
     """torchrun's c10d store lives in the host agent: when that node dies, the survivors cannot
     re-rendezvous. They exit non-zero, and a relaunch (the scheduler's job) resumes from the last

@@ -7,6 +7,8 @@ import os
 import shutil
 import subprocess
 
+import pytest
+
 from elastictrain import report
 from elastictrain.events import read_events
 from tests.integration.launcher import (
@@ -28,6 +30,7 @@ def digits_args(ckpt: str, events: str, step_time: float = 0.01) -> list[str]:
     return [*args, "--task-option", f"step_time={step_time}"]
 
 
+@pytest.mark.slow
 def test_digits_trains_to_95_percent_through_a_kill_and_report_draws_it(launch, tmp_path, capsys):
     from examples.digits.task import accuracy
 

@@ -6,6 +6,8 @@ import os
 import signal
 import time
 
+import pytest
+
 from elastictrain.events import read_events
 from tests.integration.launcher import assert_bitwise_equal, final_state, wait_for_event
 from tests.integration.test_kill_resume import toy_args
@@ -68,6 +70,7 @@ def test_preempt_signal_is_configurable(launch, tmp_path):
     assert preempted["signal"] == "SIGUSR1"
 
 
+@pytest.mark.slow
 def test_sigstopped_rank_is_detected_and_the_job_recovers(launch, tmp_path):
     ev = str(tmp_path / "ev.jsonl")
     args = [
@@ -101,6 +104,7 @@ def test_sigstopped_rank_is_detected_and_the_job_recovers(launch, tmp_path):
     print(f"\nSIGSTOP detected in {detect_s:.1f}s (--hang-timeout 5); job finished after restart")
 
 
+@pytest.mark.slow
 def test_slow_and_late_rank_within_budget_completes(launch, tmp_path):
     ev = str(tmp_path / "ev.jsonl")
     args = [

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from tests.integration.kill_during_persist import run_trials
 
 TRIALS = 20
 
 
+@pytest.mark.slow
 def test_kill_rank0_during_persist_never_leaves_a_bad_commit(tmp_path):
     result = run_trials(str(tmp_path), TRIALS, seed=3)
     print(json.dumps({k: v for k, v in result.items() if k != "trials"}))

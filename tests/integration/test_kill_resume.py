@@ -37,6 +37,7 @@ def toy_args(
     ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("nproc", [2, 3])
 def test_sigkill_workers_resume_bitwise(launch, tmp_path, nproc):
     ref_dir, ref_ev = str(tmp_path / "ref"), str(tmp_path / "ref.jsonl")

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 
+import pytest
+
 from tests.integration.restart_loop import run_cycles
 
 # CI runs 10 cycles (about 30 s) to stay inside its time budget; the README's 30-cycle figure comes
@@ -12,6 +14,7 @@ from tests.integration.restart_loop import run_cycles
 CYCLES = int(os.environ.get("ELASTICTRAIN_RESTART_CYCLES", "10"))
 
 
+@pytest.mark.slow
 def test_every_kill_restart_cycle_resumes(tmp_path):
     result = run_cycles(str(tmp_path), CYCLES, seed=7)
     print(json.dumps({k: v for k, v in result.items() if k != "restarts"}))
