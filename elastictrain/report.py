@@ -105,8 +105,10 @@ def build_timeline(events: list[dict[str, Any]]) -> Timeline:
             a.outcome, a.detail = FINISHED, f"step {step}"
         elif kind == "preempted":
             a.outcome, a.detail = PREEMPTION, f"{e.get('signal')} at step {step}"
-        elif kind == "exit":
-            a.outcome, a.detail = _exit_cause(e), str(e.get("detail", ""))[:160]
+        elif kind == "exit" and a.outcome != HANG:
+            # Every rank may leave last words; a hang seen by anyone explains the others' errors.
+            a.outcome = _exit_cause(e)
+            a.detail = f"rank {e.get('rank', 0)}: {str(e.get('detail', ''))[:160]}"
     for a, nxt in zip(attempts, attempts[1:], strict=False):
         if nxt.world_size != a.world_size:
             # A node left or joined: the agents re-rendezvoused at another size. Whatever rank 0

@@ -90,12 +90,14 @@ def draw(timeline: Timeline, title: str) -> Figure:
     world.set(
         ylabel="world size",
         xlabel="seconds since the first start",
-        title="world size (grey: downtime between attempts)",
+        title="world size (grey: downtime, from an attempt's last event to the next one's first step)",
     )
     world.set_ylim(0, max((a.world_size for a in timeline.attempts), default=1) + 1)
     for ax in (ckpt, world):
         ax.sharex(steps)
     loss.set(xlabel="step", ylabel="loss (rank 0)", title="loss across restarts (dashed: resume)")
+    if all(v > 0 for a in timeline.attempts for _, v in a.losses):
+        loss.set_yscale("log")  # early losses are orders of magnitude above the rest
     return fig
 
 

@@ -83,7 +83,8 @@ def run(cfg: RunConfig) -> int:
             max_steps=cfg.max_steps,
             init_s=round(init_s, 4),
         )
-        watchdog.last_words = lambda cause, detail: events.emit("exit", cause=cause, detail=detail)
+        last_words = _LastWords(cfg.event_log, env.rank)
+        watchdog.last_words = last_words
         attached = (
             (lambda: os.getppid() == agent_pid) if env.launched_by_torchrun else (lambda: True)
         )
@@ -93,12 +94,30 @@ def run(cfg: RunConfig) -> int:
             ).train()
         except Exception as e:
             # Last words for the run report: why this attempt ended (it may also be a peer's death).
-            events.emit("exit", cause=type(e).__name__, detail=str(e).splitlines()[0][:300])
+            last_words(type(e).__name__, str(e).splitlines()[0][:300])
             raise
     finally:
         STATUS.close()  # never leave a terminal on a half-drawn line
         watchdog.stop()
         edist.shutdown()
+
+
+class _LastWords:
+    """Why this process is about to end early, as an ``exit`` event, from *any* rank.
+
+    Only rank 0 writes the event log otherwise, but rank 0 may be the one that was stopped or
+    killed, and then only a peer knows that the attempt died of a hang. Each rank appends to the
+    ``--event-log`` path on its own host: on one node that is the same file; on others it is a
+    file of last words only. Opened lazily, so healthy ranks never touch it.
+    """
+
+    def __init__(self, path: str | None, rank: int) -> None:
+        self.path, self.rank = path, rank
+
+    def __call__(self, cause: str, detail: str) -> None:
+        EventLog(self.path, enabled=bool(self.path)).emit(
+            "exit", cause=cause, detail=detail, rank=self.rank
+        )
 
 
 @contextlib.contextmanager

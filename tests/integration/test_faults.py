@@ -9,6 +9,7 @@ import time
 import pytest
 
 from elastictrain.events import read_events
+from elastictrain.report import build_timeline
 from tests.integration.launcher import assert_bitwise_equal, final_state, wait_for_event
 from tests.integration.test_kill_resume import toy_args
 
@@ -101,6 +102,9 @@ def test_sigstopped_rank_is_detected_and_the_job_recovers(launch, tmp_path):
     assert "HANG DETECTED" in log and "(most recent call first)" in log  # stacks dumped
     resumes = [e for e in read_events(ev) if e["event"] == "resume"]
     assert len(resumes) == 2 and resumes[1]["step"] >= 100
+    # The run report names the cause from the watchdog's last words.
+    outcomes = [a.outcome for a in build_timeline(read_events(ev)).attempts]
+    assert outcomes == ["hang", "finished"], outcomes
     print(f"\nSIGSTOP detected in {detect_s:.1f}s (--hang-timeout 5); job finished after restart")
 
 

@@ -32,11 +32,13 @@ def test_timeline_names_each_restart_cause():
         ev("checkpoint", 4, step=20, blocked_s=0.01, persist_s=0.1, reason="steps"),
         # attempt 0 ends without a word: a kill
         *attempt(10, 2, 1, 20),
-        ev("exit", 14, cause="hang", detail="no progress for 5.0s"),
+        # rank 0 was SIGSTOPped: rank 1's watchdog saw the hang; rank 0 never speaks again
+        ev("exit", 14, cause="hang", detail="no progress for 5.0s", rank=1),
         *attempt(20, 2, 2, 20),
         ev("preempted", 22, step=30, signal="SIGTERM"),
         *attempt(30, 2, 0, 30),
         ev("exit", 33, cause="DistBackendError", detail="Connection closed by peer"),
+        ev("exit", 33.5, cause="DistBackendError", detail="Connection reset", rank=1),
         *attempt(40, 1, 1, 30),  # came back smaller: a node was lost
         ev("progress", 42, step=60, loss=0.5),
         ev("end", 45, step=100),
@@ -47,8 +49,12 @@ def test_timeline_names_each_restart_cause():
     assert "world size 2 -> 1" in tl.attempts[3].detail
     assert tl.attempts[0].checkpoints[0]["step"] == 20
     assert tl.attempts[4].losses == [(60, 0.5)] and tl.attempts[4].last_step == 100
+    # A peer's hang explains the other ranks' errors in the same attempt, in either order.
+    both = [*attempt(0, 2, 0, 0), ev("exit", 3, cause="DistBackendError", detail="reset")]
+    both.append(ev("exit", 4, cause="hang", detail="no progress", rank=1))
+    assert report.build_timeline(both).attempts[0].outcome == "hang"
     text = report.summary(tl)
-    assert text.count("\n") == 4 and "ended: hang (no progress for 5.0s)" in text
+    assert text.count("\n") == 4 and "ended: hang (rank 1: no progress for 5.0s)" in text
 
 
 def test_timeline_of_a_run_still_going_says_so():
