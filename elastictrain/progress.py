@@ -108,6 +108,7 @@ class Progress:
         if self.live:
             STATUS.attach(stream or sys.stderr)
         self._drawn_t, self._drawn_step, self._rate = self._last_t, start_step, 0.0
+        self._shown: tuple[int, float] | None = None
 
     def due(self) -> bool:
         """Rank 0's clock says a report is due; the loop makes it everyone's decision."""
@@ -123,7 +124,8 @@ class Progress:
         rate = (step - self._drawn_step) / max(now - self._drawn_t, 1e-9)
         self._rate = rate if self._rate == 0 else 0.7 * self._rate + 0.3 * rate  # smooth the ETA
         self._drawn_t, self._drawn_step = now, step
-        STATUS.show(self.status_text(step, float(loss.item()), self._rate))
+        self._shown = (step, float(loss.item()))
+        STATUS.show(self.status_text(*self._shown, self._rate))
 
     def status_text(self, step: int, loss: float, rate: float) -> str:
         frac = min(step / self.max_steps, 1.0) if self.max_steps else 1.0
@@ -167,7 +169,10 @@ class Progress:
         self._last_t, self._last_step = now, step
 
     def close(self) -> None:
+        """Draw the status once more (the final checkpoint has landed since) and leave it."""
         if self.live:
+            if self._shown is not None:
+                STATUS.show(self.status_text(*self._shown, self._rate))
             STATUS.close()
 
 

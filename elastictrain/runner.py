@@ -315,6 +315,7 @@ class _Attempt:
             self.save(cfg.max_steps, "final")
         if resumed.step < cfg.max_steps:
             self.progress.report(cfg.max_steps, loss)
+        self.progress.last_checkpoint = self.ckpt.last_committed
         self.progress.close()
         elapsed = time.monotonic() - t_loop
         trained = max(cfg.max_steps - resumed.step, 0)

@@ -145,10 +145,11 @@ def test_live_status_line_redraws_in_place_and_logs_print_above_it(tmp_path, mon
         before = tty.getvalue()
         progress.report(60, torch.tensor(0.2))
         assert "progress 60/100" not in tty.getvalue()[len(before) :]
+        progress.last_checkpoint = 100  # the final checkpoint landed after the last draw
     finally:
         progress.close()
         setup_logging(0)
-    assert tty.getvalue().endswith("\n") and STATUS.stream is None
+    assert tty.getvalue().endswith("ckpt 100 | world 2 | restarts 1\n") and STATUS.stream is None
 
 
 def test_other_ranks_log_only_warnings(monkeypatch):
