@@ -5,15 +5,11 @@ Knows nothing of torch or ranks: payloads are named byte strings, metadata is JS
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import dataclasses
 import errno
-import functools
-import hashlib
 import json
 import logging
-import mmap
 import threading
 import time
 import uuid
@@ -31,6 +27,7 @@ from storage.errors import (
     StorageNotUsableError,
     StorageUnavailableError,
 )
+from storage.hashing import hash_in_background, read_hashed, sha256_hex
 from storage.layout import (
     FENCE_NAME,
     MANIFEST_NAME,
@@ -46,14 +43,6 @@ from storage.urls import redact_url
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
-
-_PIPELINE_BYTES = 8 << 20  # payloads from this size on are hashed while being written or read
-_READ_CHUNK = 4 << 20  # small: the last chunk's hash is the only one not overlapped
-
-
-@functools.cache
-def _hasher() -> concurrent.futures.ThreadPoolExecutor:
-    return concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="storage-hash")
 
 
 class CheckpointExistsError(StorageError, FileExistsError):
@@ -80,10 +69,6 @@ class ListedCheckpoint:
     @property
     def ok(self) -> bool:
         return self.error is None
-
-
-def sha256_hex(data: bytes | memoryview) -> str:
-    return hashlib.sha256(data).hexdigest()
 
 
 class CheckpointStore:
@@ -161,7 +146,7 @@ class CheckpointStore:
             check_file_name(name)
             path = self._backend.join(step_dir, name)
             # Hash while writing: both release the GIL, so a big payload costs max(write, hash).
-            digest = _hasher().submit(sha256_hex, data) if len(data) >= _PIPELINE_BYTES else None
+            digest = hash_in_background(data)
             try:
                 self._call(
                     f"write {step_dir_name(step)}/{name}",
@@ -301,7 +286,8 @@ class CheckpointStore:
         for attempt in range(2):
             try:
                 data, digest = self._call(
-                    f"read {step_dir_name(step)}/{name}", lambda: self._read_hashed(path, entry)
+                    f"read {step_dir_name(step)}/{name}",
+                    lambda: read_hashed(self._backend, path, entry.size),
                 )
             except FileNotFoundError as e:
                 raise CheckpointCorruptError(
@@ -328,34 +314,6 @@ class CheckpointStore:
         raise CheckpointCorruptError(
             f"Checkpoint step {step} under {self.safe_url!r}: file {name!r} {problem}, twice."
         )
-
-    def _read_hashed(self, path: str, entry: FileEntry) -> tuple[bytes | memoryview, str]:
-        """A file's bytes and sha256. A big file is read into one writable buffer (loaded tensors
-        are views into it) in chunks, each hashed on another thread while the next is read, so
-        verifying costs max(read, hash), not their sum. The buffer is an anonymous mapping: its
-        pages are not zeroed up front (a ``bytearray`` would be, costing half a read again)."""
-        if entry.size < _PIPELINE_BYTES:
-            data = self._backend.read(path)
-            return data, sha256_hex(data)
-        view = memoryview(mmap.mmap(-1, entry.size))
-        hasher, offset, pending = hashlib.sha256(), 0, None
-        with self._backend.open_read(path) as f:
-            while offset < entry.size:
-                n = f.readinto(view[offset : offset + _READ_CHUNK])
-                if not n:
-                    break
-                if pending is not None:
-                    pending.result()
-                pending = _hasher().submit(hasher.update, view[offset : offset + n])
-                offset += n
-            longer = bool(f.read(1))
-        if pending is not None:
-            pending.result()
-        if offset < entry.size:
-            return view[:offset], ""
-        if longer:
-            return bytes(entry.size + 1), ""  # only its length is looked at: longer than recorded
-        return view, hasher.hexdigest()
 
     def open_file(self, step: int, name: str):
         """An unverified, random-access file object for one payload file (for cheap inspection)."""
