@@ -162,7 +162,13 @@ def launch(tmp_path):
         env=None,
         name: str = "job",
         entry: tuple[str, ...] = ("-m", "elastictrain"),
+        script: list[str] | None = None,
     ) -> Job:
+        """``script``: a launch script run (with ``app_args`` after it) instead of torchrun."""
+        log = str(tmp_path / f"{name}-{len(jobs)}.log")
+        if script is not None:
+            jobs.append(Job.wrapping([*script, *app_args], log, cwd=str(tmp_path), env=env))
+            return jobs[-1]
         targs = torchrun_args or [
             "--standalone",
             f"--nproc_per_node={nproc}",
@@ -171,7 +177,7 @@ def launch(tmp_path):
         job = Job(
             targs,
             app_args,
-            str(tmp_path / f"{name}-{len(jobs)}.log"),
+            log,
             cwd=str(tmp_path),
             env=env,
             entry=entry,

@@ -81,16 +81,21 @@ class Job:
         entry: tuple[str, ...] = ("-m", "elastictrain"),
     ) -> None:
         """``entry``: what torchrun runs (default the runner; a script path for library mode)."""
+        cmd = [sys.executable, "-m", "torch.distributed.run", *torchrun_args, *entry, *app_args]
+        self._start(cmd, log_path, cwd, env)
+
+    @classmethod
+    def wrapping(
+        cls, command: list[str], log_path: str, cwd: str, env: dict[str, str] | None = None
+    ) -> Job:
+        """A launch script (an sbatch file, a shell recipe) that starts torchrun itself."""
+        job = cls.__new__(cls)
+        job._start(command, log_path, cwd, env)
+        return job
+
+    def _start(self, cmd: list[str], log_path: str, cwd: str, env: dict[str, str] | None) -> None:
         self.log_path = log_path
         self._log = open(log_path, "ab")  # noqa: SIM115 - closed in kill()/wait()
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            *torchrun_args,
-            *entry,
-            *app_args,
-        ]
         self.proc = subprocess.Popen(
             cmd,
             cwd=cwd,
