@@ -31,6 +31,16 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=weight)  # stable: file order is kept within each group
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _children_tmpdir(tmp_path_factory):
+    """torchrun leaves a ``torchelastic_*`` log directory in TMPDIR for every run and never removes
+    it. Point the processes the tests start at pytest's own temp tree, which pytest prunes, so a
+    suite run leaves nothing behind in /tmp."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TMPDIR", str(tmp_path_factory.mktemp("children-tmp")))
+        yield
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
