@@ -36,7 +36,12 @@ class Attempt:
     world_size: int
     restart_count: int
     generation: int
+    local_world_size: int | None = None
+    """Ranks on rank 0's node: the ones whose last words reach this event log."""
+    resumed: bool = False
+    """False when the attempt ended before its resume completed (killed during startup)."""
     resumed_step: int = 0
+    """The step it resumed from; for one that never resumed, the step the run had reached."""
     end: float | None = None
     """Time of the attempt's last event."""
     trained_at: float | None = None
@@ -48,6 +53,8 @@ class Attempt:
     losses: list[tuple[int, float]] = field(default_factory=list)
     checkpoints: list[dict[str, Any]] = field(default_factory=list)
     skipped: list[dict[str, Any]] = field(default_factory=list)
+    last_words: dict[int, dict[str, Any]] = field(default_factory=dict)
+    """The ``exit`` event of each rank that left one, by rank."""
 
     @property
     def last_step(self) -> int:
@@ -77,6 +84,8 @@ def build_timeline(events: list[dict[str, Any]]) -> Timeline:
                     index=len(attempts),
                     start=t,
                     world_size=int(e.get("world_size", 0)),
+                    local_world_size=e.get("local_world_size"),
+                    resumed_step=attempts[-1].last_step if attempts else 0,
                     restart_count=int(e.get("restart_count", 0)),
                     generation=int(e.get("generation", 0)),
                 )
@@ -89,7 +98,7 @@ def build_timeline(events: list[dict[str, Any]]) -> Timeline:
         a.end = t
         step = e.get("step")
         if kind == "resume":
-            a.resumed_step = int(step or 0)
+            a.resumed, a.resumed_step = True, int(step or 0)
             a.points.append((t, a.resumed_step))
         elif isinstance(step, int) and kind in ("first_step", "progress", "checkpoint", "end"):
             a.points.append((t, step))
@@ -105,10 +114,20 @@ def build_timeline(events: list[dict[str, Any]]) -> Timeline:
             a.outcome, a.detail = FINISHED, f"step {step}"
         elif kind == "preempted":
             a.outcome, a.detail = PREEMPTION, f"{e.get('signal')} at step {step}"
-        elif kind == "exit" and a.outcome != HANG:
-            # Every rank may leave last words; a hang seen by anyone explains the others' errors.
-            a.outcome = _exit_cause(e)
-            a.detail = f"rank {e.get('rank', 0)}: {str(e.get('detail', ''))[:160]}"
+        elif kind == "exit":
+            a.last_words[int(e.get("rank", 0))] = e
+            if a.outcome != HANG:
+                # Every rank may leave last words; a hang seen by anyone explains the others' errors.
+                a.outcome = _exit_cause(e)
+                a.detail = f"rank {e.get('rank', 0)}: {_gist(str(e.get('detail', '')))}"
+    for a in attempts:
+        if a.outcome == KILL and a.local_world_size:
+            # A SIGKILLed rank says nothing; its peers only see the connection drop. Name the
+            # silent ones (on rank 0's node, whose last words reach this log) as the likely victims.
+            silent = sorted(set(range(a.local_world_size)) - set(a.last_words))
+            if silent:
+                who = f"rank{'s' * (len(silent) > 1)} {', '.join(map(str, silent))}"
+                a.detail = f"{who} died without a word; {a.detail}"
     for a, nxt in zip(attempts, attempts[1:], strict=False):
         if nxt.world_size != a.world_size:
             # A node left or joined: the agents re-rendezvoused at another size. Whatever rank 0
@@ -119,6 +138,14 @@ def build_timeline(events: list[dict[str, Any]]) -> Timeline:
             # Rank 0 wrote nothing about its end: it, or a peer, was killed outright.
             a.outcome, a.detail = KILL, "a worker or node died without a word (SIGKILL, OOM, crash)"
     return Timeline(attempts, attempts[0].start if attempts else 0.0, max_steps)
+
+
+def _gist(message: str) -> str:
+    """The part of an error a person needs: gloo's messages start with its source location and end
+    with generic advice."""
+    if message.startswith("[") and "] " in message:
+        message = message.split("] ", 1)[1]
+    return message.split(". This is typically", 1)[0][:160]
 
 
 def _exit_cause(e: dict[str, Any]) -> str:
@@ -133,10 +160,14 @@ def _exit_cause(e: dict[str, Any]) -> str:
 def summary(timeline: Timeline) -> str:
     lines = []
     for a in timeline.attempts:
-        ckpts = ", ".join(str(c["step"]) for c in a.checkpoints) or "none"
+        steps = [str(c["step"]) for c in a.checkpoints]
+        if len(steps) > 6:
+            steps = [f"{len(steps)}: {steps[0]}", steps[1], "...", steps[-1]]
+        ckpts = ", ".join(steps) or "none"
         lines.append(
             f"attempt {a.index} at +{a.start - timeline.t0:.1f}s: world size {a.world_size}, "
-            f"steps {a.resumed_step}->{a.last_step}, checkpoints {ckpts}; "
+            f"{f'steps {a.resumed_step}->{a.last_step}' if a.resumed else 'ended before resuming'}"
+            f", checkpoints {ckpts}; "
             f"ended: {a.outcome}{' (' + a.detail + ')' if a.detail else ''}"
         )
     return "\n".join(lines)

@@ -116,7 +116,7 @@ def _html(timeline: Timeline, title: str, png_b64: str) -> str:
     e = html.escape
     rows = "".join(
         f"<tr><td>{a.index}</td><td>{a.start - timeline.t0:.1f}</td><td>{a.world_size}</td>"
-        f"<td>{a.resumed_step}</td><td>{a.last_step}</td><td>{len(a.checkpoints)}</td>"
+        f"<td>{a.resumed_step if a.resumed else '-'}</td><td>{a.last_step}</td><td>{len(a.checkpoints)}</td>"
         f"<td{'' if a.outcome == FINISHED else ' class=bad'}>{e(a.outcome)}</td>"
         f"<td>{e(a.detail)}</td></tr>"
         for a in timeline.attempts

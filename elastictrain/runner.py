@@ -77,6 +77,7 @@ def run(cfg: RunConfig) -> int:
         events.emit(
             "start",
             world_size=env.world_size,
+            local_world_size=env.local_world_size,
             restart_count=env.restart_count,
             generation=groups.attempt.generation,
             host=socket.gethostname(),

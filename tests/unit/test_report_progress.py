@@ -57,6 +57,28 @@ def test_timeline_names_each_restart_cause():
     assert text.count("\n") == 4 and "ended: hang (rank 1: no progress for 5.0s)" in text
 
 
+def test_a_kill_names_the_silent_rank_and_the_gist_of_what_its_peer_saw():
+    gloo = (
+        "[/__w/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error "
+        "[127.0.0.1]:28848: Connection reset by peer. This is typically caused by a remote worker"
+    )
+    start = ev("start", 0, world_size=4, local_world_size=2, restart_count=0, generation=1)
+    events = [start, ev("resume", 1, step=0, fresh=True), ev("progress", 2, step=10)]
+    events.append(ev("exit", 3, cause="RuntimeError", detail=gloo, rank=1))
+    # A restart killed during its own startup: it never resumed, so it trained no steps.
+    events.append(ev("start", 5, world_size=4, local_world_size=2, restart_count=1, generation=2))
+    tl = report.build_timeline(events)
+    (first, second) = tl.attempts
+    # Only ranks 0 and 1 are on rank 0's node: rank 0 is the silent one, ranks 2-3 are not guessed.
+    assert first.outcome == "kill"
+    assert first.detail == (
+        "rank 0 died without a word; rank 1: Read error [127.0.0.1]:28848: Connection reset by peer"
+    )
+    assert not second.resumed and second.resumed_step == 10  # drawn where the run had got to
+    text = report.summary(tl)
+    assert "steps 0->10" in text and "ended before resuming" in text and "steps 10->" not in text
+
+
 def test_timeline_of_a_run_still_going_says_so():
     tl = report.build_timeline([*attempt(0, 2, 0, 0), ev("progress", 5, step=10, loss=1.0)])
     assert tl.attempts[0].outcome == "running or killed" and tl.attempts[0].last_step == 10
