@@ -54,6 +54,8 @@ class Control:
         self, done: int, *, stop: bool, by_time: bool, report: bool, persist_failed: bool
     ) -> Decisions:
         """Called by every rank after every step; collective only at agreed steps."""
+        if self.alone:  # no collective to amortise: the opinions are the decisions, every step
+            return Decisions(stop, by_time, report, persist_failed)
         if done < self._next:
             return Decisions()
         proposal = 1

@@ -11,13 +11,21 @@
 It is the runner's own machinery (``Checkpointer``, ``Persister``, ``Control``): rank 0 writes
 through the same commit protocol, with background persists, retention, fencing of older writers and
 storage retries; every rank resumes from the newest checkpoint that verifies, read once by rank 0
-and broadcast, with tensors mapped to this rank's device. What the runner does beyond this (data
-sharding, per-step seeding, hang watchdog, preemption) stays your loop's business.
+and broadcast, with tensors mapped to this rank's device.
+
+Preemption works as in the runner: a SIGTERM (``preempt_signals``) only sets a flag; at the next
+agreed step :meth:`CheckpointManager.step` commits a checkpoint of that exact step on every rank and
+raises :class:`Preempted`, a ``SystemExit(75)``, so an unmodified loop stops with nothing lost.
+What the runner does beyond this (data sharding, per-step seeding, the hang watchdog) stays your
+loop's business.
 """
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -27,8 +35,24 @@ from torch import nn
 
 from elastictrain.checkpointing import Checkpointer, CheckpointSchedule
 from elastictrain.control import Control
-from elastictrain.errors import ConfigError
+from elastictrain.errors import EXIT_PREEMPTED, ConfigError
 from elastictrain.events import EventLog
+from elastictrain.watchdog import StopSignals, parse_signal
+
+logger = logging.getLogger(__name__)
+
+
+class Preempted(SystemExit):
+    """Raised by :meth:`CheckpointManager.step` on every rank once a preemption signal has been
+    agreed and the checkpoint of that step committed. Exit code 75, as the runner's: relaunch to
+    continue. Catch it to clean up first; it is a ``SystemExit``, so ``except Exception`` will not."""
+
+    def __init__(self, step: int, signal_name: str) -> None:
+        super().__init__(EXIT_PREEMPTED)
+        self.step, self.signal_name = step, signal_name
+
+    def __str__(self) -> str:
+        return f"preempted ({self.signal_name}) at step {self.step}: checkpoint committed"
 
 
 class CheckpointManager:
@@ -50,6 +74,7 @@ class CheckpointManager:
         timeout_s: float = 1800.0,
         map_location: str | torch.device | None = None,
         event_log: str | None = None,
+        preempt_signals: Sequence[str] = ("SIGTERM",),
     ) -> None:
         """
         url: a local path or any fsspec URL (``s3://bucket/prefix``).
@@ -61,6 +86,8 @@ class CheckpointManager:
         timeout_s: budget for the barriers around resume and saves.
         map_location: where resumed tensors go; default the device of the model's first parameter.
         event_log: rank 0 appends checkpoint and resume events (JSON lines) to this local file.
+        preempt_signals: signals that mean "checkpoint this step and stop" (see :class:`Preempted`);
+            ``()`` leaves the process's signal handlers alone. :meth:`close` restores them.
         """
         for name, value in (("every_steps", every_steps), ("keep_every_steps", keep_every_steps)):
             if value is not None and (not isinstance(value, int) or value < 1):
@@ -103,6 +130,18 @@ class CheckpointManager:
         self._control = Control(
             torch.device("cpu"), is_rank0=self.rank == 0, group=self._group, alone=self.alone
         )
+        self._signals: StopSignals | None = None
+        if preempt_signals:
+            parsed = [parse_signal(name) for name in preempt_signals]
+            if threading.current_thread() is threading.main_thread():
+                self._signals = StopSignals(parsed)
+            else:  # Python only lets the main thread install signal handlers
+                logger.warning(
+                    "CheckpointManager built outside the main thread: %s will not checkpoint "
+                    "before stopping; build it in the main thread, or pass preempt_signals=()",
+                    "/".join(sig.name for sig in parsed),
+                )
+        self._events = self._ckpt.events
         self._resumed = False
         self.extra: dict[str, Any] | None = None
         """The ``extra`` dict saved with the checkpoint :meth:`resume` loaded, else None."""
@@ -141,19 +180,22 @@ class CheckpointManager:
         """Call on every rank after every optimizer step, with the number of completed steps.
 
         Saves when ``every_steps`` divides ``step`` or ``every_seconds`` passed on rank 0's clock.
-        Rank 0's clock and a failed background persist become everyone's decision through one tiny
-        all-reduce every ~0.2 s worth of steps, so every rank must call this at every step.
-        Returns True when a checkpoint of ``step`` was taken.
+        Rank 0's clock, a preemption signal and a failed background persist become everyone's
+        decision through one tiny all-reduce every ~0.2 s worth of steps, so every rank must call
+        this at every step. Returns True when a checkpoint of ``step`` was taken; raises
+        :class:`Preempted` after committing one when a preemption signal arrived.
         """
         decided = self._control.agree(
             step,
-            stop=False,
+            stop=self._signals is not None and self._signals.requested,
             by_time=self.rank == 0 and self._schedule.due_by_time(),
             report=False,
             persist_failed=self._ckpt.failure is not None,
         )
         if decided.persist_failed:
             self._ckpt.raise_failure()
+        if decided.stop:
+            self._preempted(step, model, optimizer, scheduler, extra)
         if self._schedule.due_by_steps(step) or decided.checkpoint_by_time:
             return self.save(step, model, optimizer, scheduler, extra)
         return False
@@ -179,6 +221,11 @@ class CheckpointManager:
                 "CheckpointManager.save() before resume(): call resume(model, optimizer) once "
                 "first; it verifies the location and claims it for this run."
             )
+        return self._save(step, model, optimizer, scheduler, extra, "final" if final else "steps")
+
+    def _save(
+        self, step: int, model: nn.Module, optimizer: Any, scheduler: Any, extra: Any, reason: str
+    ) -> bool:
         saved = self._ckpt.save(
             step=step,
             epoch=0,
@@ -186,15 +233,43 @@ class CheckpointManager:
             optimizer=optimizer,
             scheduler=scheduler,
             fingerprint=None,
-            reason="final" if final else "steps",
+            reason=reason,  # "final" and "preempt" commit before this returns, async or not
             extra=extra,
         )
         self._schedule.mark_saved()
         return saved
 
+    def _preempted(
+        self, step: int, model: nn.Module, optimizer: Any, scheduler: Any, extra: Any
+    ) -> None:
+        signals = self._signals
+        received = signals.received if signals is not None else None
+        name = received.name if received is not None else "a peer's signal"
+        t0 = time.monotonic()
+        self._save(step, model, optimizer, scheduler, extra, "preempt")
+        logger.warning(
+            "PREEMPTED (%s) at step %d: checkpoint committed in %.2fs; exit %d",
+            name,
+            step,
+            time.monotonic() - t0,
+            EXIT_PREEMPTED,
+        )
+        since = signals.received_at if signals is not None else None
+        self._events.emit(
+            "preempted",
+            step=step,
+            signal=name,
+            save_s=round(time.monotonic() - t0, 4),
+            signal_to_commit_s=round(time.monotonic() - since, 4) if since else None,
+        )
+        raise Preempted(step, name)
+
     def close(self) -> None:
         """Wait for a background persist still in flight; call it before the process exits. Rank 0
         raises if that persist failed for good (nothing else would report it)."""
+        if self._signals is not None:
+            self._signals.restore()
+            self._signals = None
         self._ckpt.finish()
         if self._group is not None and dist.is_initialized():
             # Our gloo group's threads must not outlive the loop: one torn down only at interpreter

@@ -40,8 +40,13 @@ class StopSignals:
     def __init__(self, signals: Sequence[signal.Signals]) -> None:
         self.received: signal.Signals | None = None
         self.received_at: float | None = None
-        for sig in signals:
-            signal.signal(sig, self._handle)
+        self._previous = {sig: signal.signal(sig, self._handle) for sig in signals}
+
+    def restore(self) -> None:
+        """Put back the handlers that were there before (library mode hands the process back)."""
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
 
     def _handle(self, signum: int, frame) -> None:
         if self.received is None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 
 import pytest
@@ -110,7 +111,7 @@ def custom_loop_args(ckpt: str, events: str) -> list[str]:
         "--event-log",
         events,
         "--steps",
-        "160",
+        "240",
         "--every-steps",
         "20",
         "--step-time",
@@ -118,7 +119,7 @@ def custom_loop_args(ckpt: str, events: str) -> list[str]:
     ]
 
 
-def test_library_mode_custom_loop_killed_mid_run_resumes_exactly(launch, tmp_path):
+def test_library_mode_custom_loop_killed_and_preempted_resumes_exactly(launch, tmp_path):
     script = (os.path.join(REPO_ROOT, "examples", "custom_loop.py"),)
     env = job_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
     ref_dir = str(tmp_path / "ref")
@@ -129,10 +130,21 @@ def test_library_mode_custom_loop_killed_mid_run_resumes_exactly(launch, tmp_pat
     job = launch(custom_loop_args(ckpt, ev), entry=script, env=env, name="killed")
     wait_for_event(ev, lambda e: e["event"] == "checkpoint" and e["step"] >= 60, 90, job)
     job.kill_worker(0)  # rank 0: the writer, possibly mid-persist
-    assert job.wait(180) == 0, job.log()[-3000:]
+    # torchrun restarts the pair; once they resumed, preempt them as a scheduler does.
+    wait_for_event(ev, lambda e: e["event"] == "resume" and not e["fresh"], 90, job)
+    job.proc.send_signal(signal.SIGTERM)
+    assert job.wait(60) != 0, job.log()[-3000:]  # torchrun re-raises the signal: exit 1
+    (preempted,) = [e for e in read_events(ev) if e["event"] == "preempted"]
+    assert preempted["signal"] == "SIGTERM" and preempted["step"] < 240, job.log()[-3000:]
+    assert final_state(ckpt)["progress"]["step"] == preempted["step"]
+    # Both ranks stopped at the same step, after the commit (each logs it before raising).
+    assert job.log().count(f"PREEMPTED (SIGTERM) at step {preempted['step']}:") == 2, job.log()
 
+    again = launch(custom_loop_args(ckpt, ev), entry=script, env=env, name="relaunched")
+    assert again.wait(180) == 0, again.log()[-3000:]
     resumes = [e for e in read_events(ev) if e["event"] == "resume"]
-    assert [r["fresh"] for r in resumes] == [True, False] and resumes[1]["step"] >= 60
+    assert [r["fresh"] for r in resumes] == [True, False, False] and resumes[1]["step"] >= 60
+    assert resumes[2]["step"] == preempted["step"]  # not a step lost to the preemption
     assert "starting at step 0 " in job.log() and "saved extra: {'loss':" in job.log()
     ref_state, got = final_state(ref_dir), final_state(ckpt)
     assert_bitwise_equal(ref_state, got)

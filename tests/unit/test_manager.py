@@ -3,12 +3,16 @@ map_location and the errors. The killed multi-process custom loop is in test_exa
 
 from __future__ import annotations
 
+import os
+import signal
+
 import pytest
 import torch
 from torch import nn
 
-from elastictrain import CheckpointManager, load_checkpoint
+from elastictrain import CheckpointManager, Preempted, load_checkpoint
 from elastictrain.errors import CheckpointMismatchError, ConfigError
+from elastictrain.events import read_events
 
 
 def build(seed: int = 0, width: int = 8):
@@ -93,6 +97,35 @@ def test_misuse_gets_errors_that_name_the_fix(tmp_path):
         CheckpointManager(str(tmp_path / "c"), keep_last=0)
     with pytest.raises(ConfigError, match="'warn' or 'fail'"):
         CheckpointManager(str(tmp_path / "c"), on_storage_failure="ignore")
+    with pytest.raises(ConfigError, match="'SIGNOPE' is not a signal name"):
+        CheckpointManager(str(tmp_path / "c"), preempt_signals=["SIGNOPE"])
+    ckpt.close()
+
+
+def test_sigterm_commits_the_current_step_then_stops_with_75(tmp_path):
+    url = str(tmp_path / "p")
+    before = signal.getsignal(signal.SIGTERM)
+    model, opt, sched = build()
+    ckpt = CheckpointManager(url, every_steps=100, async_save=True, event_log=str(tmp_path / "e"))
+    assert signal.getsignal(signal.SIGTERM) != before  # ours: a flag, not the default death
+    ckpt.resume(model, opt, sched)
+    with pytest.raises(Preempted) as stopped, ckpt:
+        for step in range(50):
+            train(model, opt, sched, step)
+            if step == 6:
+                os.kill(os.getpid(), signal.SIGTERM)  # the preemption, mid-loop
+            ckpt.step(step + 1, model, opt, sched, extra={"seen": step + 1})
+    assert stopped.value.code == 75 and 7 <= stopped.value.step < 50
+    state = load_checkpoint(url)  # committed, although async_save: the process is about to go
+    assert state["progress"]["step"] == stopped.value.step == state["extra"]["seen"]
+    for a, b in zip(model.state_dict().values(), state["model"].values(), strict=True):
+        assert torch.equal(a, b)
+    (event,) = [e for e in read_events(str(tmp_path / "e")) if e["event"] == "preempted"]
+    assert event["signal"] == "SIGTERM" and event["step"] == stopped.value.step
+    assert signal.getsignal(signal.SIGTERM) == before  # close() handed the process back
+    # Opting out leaves the handlers alone.
+    CheckpointManager(url, preempt_signals=()).close()
+    assert signal.getsignal(signal.SIGTERM) == before
 
 
 def test_time_schedule_saves_on_rank0s_clock(tmp_path):
