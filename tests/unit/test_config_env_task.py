@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from elastictrain.config import parse_args
@@ -134,3 +136,33 @@ def test_fault_flags():
         parse_args(["--hang-timeout", "0"])
     with pytest.raises(ConfigError, match="not a signal name"):
         parse_args(["--preempt-signal", "SIGBOGUS"])
+
+
+def test_readme_flag_table_lists_every_flag_with_its_real_default():
+    """The README is the user's manual: its Flags table must name every flag and its default."""
+    import re
+
+    from elastictrain.config import RunConfig, build_parser
+
+    with open(os.path.join(os.path.dirname(__file__), "..", "..", "README.md")) as f:
+        readme = f.read()
+    table = readme[readme.index("## Flags") : readme.index("**Exit codes.**")]
+    documented = {}
+    for row in re.findall(r"^\| `(--[^`]+)`(?: / `[^`]+`)? \|\s*([^|]*?)\s*\|", table, re.M):
+        documented[row[0].split()[0]] = row[1].strip().strip("`")
+    defaults = RunConfig()
+    for action in build_parser()._actions:
+        flag = next((o for o in action.option_strings if o.startswith("--")), None)
+        if flag in (None, "--help", "--no-async-checkpoint"):
+            continue
+        assert flag in documented, f"README's Flags table lacks {flag}"
+        value = getattr(defaults, action.dest)
+        if value is None:
+            want: tuple[str, ...] = ("off", "none")
+        elif isinstance(value, bool):
+            want = ("on",) if value else ("off",)
+        elif isinstance(value, (list, dict)):
+            want = (", ".join(value),)  # repeatable flags: empty, or the defaults they start with
+        else:
+            want = (f"{value:g}",) if isinstance(value, float) else (str(value),)
+        assert documented[flag] in want, f"README says {flag} defaults to {documented[flag]!r}"
