@@ -1,4 +1,5 @@
-"""``torchrun ... -m elastictrain [flags]`` trains; ``python -m elastictrain ls URL`` inspects."""
+"""``torchrun ... -m elastictrain [flags]`` trains; ``python -m elastictrain ls|verify|inspect|prune
+URL``, ``report EVENTS`` and ``bench`` are the tools."""
 
 from __future__ import annotations
 

@@ -131,7 +131,9 @@ def build_parser() -> argparse.ArgumentParser:
     defaults = RunConfig()
     p = argparse.ArgumentParser(
         prog="torchrun ... -m elastictrain",
-        description="Fault-tolerant elastic training. Subcommands: 'ls URL' lists checkpoints.",
+        description="Fault-tolerant elastic training. Without torchrun, 'python -m elastictrain "
+        "SUBCOMMAND' runs a tool: ls|verify|inspect|prune URL (checkpoints), report EVENTS.jsonl "
+        "-o report.png|.html (a run's life), bench (checkpoint speed).",
     )
 
     def add(name: str, **kw) -> None:
