@@ -151,3 +151,21 @@ def read_events(path: str) -> list[dict[str, Any]]:
             except json.JSONDecodeError:
                 continue
     return out
+
+
+class LastWords:
+    """Why this process is about to end early, as an ``exit`` event, from *any* rank.
+
+    Only rank 0 writes the event log otherwise, but rank 0 may be the one that was stopped or
+    killed, and then only a peer knows that the attempt died of a hang. Each rank appends to the
+    ``--event-log`` path on its own host: on one node that is the same file; on others it is a
+    file of last words only. Opened lazily, so healthy ranks never touch it.
+    """
+
+    def __init__(self, path: str | None, rank: int) -> None:
+        self.path, self.rank = path, rank
+
+    def __call__(self, cause: str, detail: str) -> None:
+        EventLog(self.path, enabled=bool(self.path)).emit(
+            "exit", cause=cause, detail=detail, rank=self.rank
+        )

@@ -16,13 +16,16 @@ and broadcast, with tensors mapped to this rank's device.
 Preemption works as in the runner: a SIGTERM (``preempt_signals``) only sets a flag; at the next
 agreed step :meth:`CheckpointManager.step` commits a checkpoint of that exact step on every rank and
 raises :class:`Preempted`, a ``SystemExit(75)``, so an unmodified loop stops with nothing lost.
-What the runner does beyond this (data sharding, per-step seeding, the hang watchdog) stays your
-loop's business.
+With ``hang_timeout`` set, the runner's hang watchdog guards the loop too. What the runner does
+beyond this (data sharding, per-step seeding) stays your loop's business.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import socket
 import threading
 import time
 from collections.abc import Sequence
@@ -36,8 +39,8 @@ from torch import nn
 from elastictrain.checkpointing import Checkpointer, CheckpointSchedule
 from elastictrain.control import Control
 from elastictrain.errors import EXIT_PREEMPTED, ConfigError
-from elastictrain.events import EventLog
-from elastictrain.watchdog import StopSignals, parse_signal
+from elastictrain.events import EventLog, LastWords
+from elastictrain.watchdog import HangWatchdog, StopSignals, parse_signal
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +78,7 @@ class CheckpointManager:
         map_location: str | torch.device | None = None,
         event_log: str | None = None,
         preempt_signals: Sequence[str] = ("SIGTERM",),
+        hang_timeout: float | None = None,
     ) -> None:
         """
         url: a local path or any fsspec URL (``s3://bucket/prefix``).
@@ -88,6 +92,11 @@ class CheckpointManager:
         event_log: rank 0 appends checkpoint and resume events (JSON lines) to this local file.
         preempt_signals: signals that mean "checkpoint this step and stop" (see :class:`Preempted`);
             ``()`` leaves the process's signal handlers alone. :meth:`close` restores them.
+        hang_timeout: seconds between two :meth:`step` calls after which this rank is hung: it
+            dumps every thread's Python stack and exits 4, so torchrun restarts the group instead
+            of every rank waiting out the process group's timeout. Before the first step, and
+            during resume and saves, ``timeout_s`` applies instead. Off (None) by default, since
+            it ends the process. Under torchrun it also exits (6) when the agent is gone.
         """
         for name, value in (("every_steps", every_steps), ("keep_every_steps", keep_every_steps)):
             if value is not None and (not isinstance(value, int) or value < 1):
@@ -96,6 +105,8 @@ class CheckpointManager:
                 )
         if every_seconds is not None and every_seconds <= 0:
             raise ConfigError(f"CheckpointManager(every_seconds={every_seconds!r}): must be > 0.")
+        if hang_timeout is not None and hang_timeout <= 0:
+            raise ConfigError(f"CheckpointManager(hang_timeout={hang_timeout!r}): must be > 0.")
         if keep_last < 1:
             raise ConfigError(f"CheckpointManager(keep_last={keep_last!r}): keep at least 1.")
         if on_storage_failure not in ("warn", "fail"):
@@ -142,6 +153,18 @@ class CheckpointManager:
                     "/".join(sig.name for sig in parsed),
                 )
         self._events = self._ckpt.events
+        self._timeout_s = timeout_s
+        self._watchdog: HangWatchdog | None = None
+        if hang_timeout is not None:
+            under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ  # our parent is the agent
+            self._watchdog = HangWatchdog(
+                hang_timeout,
+                startup_s=timeout_s,
+                agent_pid=os.getppid() if under_torchrun else None,
+                budget_names=("hang_timeout", "timeout_s"),
+            ).start()
+            # Any rank's last words, so the run report can tell a hang from a kill.
+            self._watchdog.last_words = LastWords(event_log, self.rank)
         self._resumed = False
         self.extra: dict[str, Any] | None = None
         """The ``extra`` dict saved with the checkpoint :meth:`resume` loaded, else None."""
@@ -163,9 +186,19 @@ class CheckpointManager:
         """
         model = _unwrap(model)
         self._ckpt.device = torch.device(self.map_location or _first_device(model))
-        self._ckpt.preflight()
-        resumed = self._ckpt.resume(model, optimizer, scheduler, None)
-        self._ckpt.claim()
+        # The same start event as the runner's: `python -m elastictrain report` draws either log.
+        self._events.emit(
+            "start",
+            world_size=self._ckpt.world_size,
+            local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
+            restart_count=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
+            generation=self._ckpt.generation,
+            host=socket.gethostname(),
+        )
+        with self._phase("resume"):
+            self._ckpt.preflight()
+            resumed = self._ckpt.resume(model, optimizer, scheduler, None)
+            self._ckpt.claim()
         self._resumed, self.extra = True, resumed.extra
         return resumed.step
 
@@ -185,6 +218,8 @@ class CheckpointManager:
         this at every step. Returns True when a checkpoint of ``step`` was taken; raises
         :class:`Preempted` after committing one when a preemption signal arrived.
         """
+        if self._watchdog is not None:
+            self._watchdog.beat(step)
         decided = self._control.agree(
             step,
             stop=self._signals is not None and self._signals.requested,
@@ -221,23 +256,33 @@ class CheckpointManager:
                 "CheckpointManager.save() before resume(): call resume(model, optimizer) once "
                 "first; it verifies the location and claims it for this run."
             )
-        return self._save(step, model, optimizer, scheduler, extra, "final" if final else "steps")
+        saved = self._save(step, model, optimizer, scheduler, extra, "final" if final else "steps")
+        if final:
+            self._events.emit("end", step=step)
+        return saved
 
     def _save(
         self, step: int, model: nn.Module, optimizer: Any, scheduler: Any, extra: Any, reason: str
     ) -> bool:
-        saved = self._ckpt.save(
-            step=step,
-            epoch=0,
-            model=_unwrap(model),
-            optimizer=optimizer,
-            scheduler=scheduler,
-            fingerprint=None,
-            reason=reason,  # "final" and "preempt" commit before this returns, async or not
-            extra=extra,
-        )
+        with self._phase("checkpoint"):
+            saved = self._ckpt.save(
+                step=step,
+                epoch=0,
+                model=_unwrap(model),
+                optimizer=optimizer,
+                scheduler=scheduler,
+                fingerprint=None,
+                reason=reason,  # "final" and "preempt" commit before this returns, async or not
+                extra=extra,
+            )
         self._schedule.mark_saved()
         return saved
+
+    def _phase(self, name: str) -> contextlib.AbstractContextManager[None]:
+        """Storage-bound work is judged by ``timeout_s``, not by the step budget."""
+        if self._watchdog is None:
+            return contextlib.nullcontext()
+        return self._watchdog.phase(name, self._timeout_s)
 
     def _preempted(
         self, step: int, model: nn.Module, optimizer: Any, scheduler: Any, extra: Any
@@ -270,7 +315,11 @@ class CheckpointManager:
         if self._signals is not None:
             self._signals.restore()
             self._signals = None
-        self._ckpt.finish()
+        with self._phase("close"):
+            self._ckpt.finish()
+        if self._watchdog is not None:
+            self._watchdog.stop()
+            self._watchdog = None
         if self._group is not None and dist.is_initialized():
             # Our gloo group's threads must not outlive the loop: one torn down only at interpreter
             # exit can abort the process ("terminate called without an active exception"), which

@@ -26,7 +26,7 @@ from elastictrain.control import Control
 from elastictrain.data import GlobalBatchSampler
 from elastictrain.env import DistEnv, read_env
 from elastictrain.errors import EXIT_PREEMPTED, CollectiveTimeoutError
-from elastictrain.events import CONTEXT, EventLog, SampleLog, setup_logging
+from elastictrain.events import CONTEXT, EventLog, LastWords, SampleLog, setup_logging
 from elastictrain.loop import Trainer
 from elastictrain.progress import STATUS, Progress, live_terminal
 from elastictrain.state import DataFingerprint
@@ -84,7 +84,7 @@ def run(cfg: RunConfig) -> int:
             max_steps=cfg.max_steps,
             init_s=round(init_s, 4),
         )
-        last_words = _LastWords(cfg.event_log, env.rank)
+        last_words = LastWords(cfg.event_log, env.rank)
         watchdog.last_words = last_words
         attached = (
             (lambda: os.getppid() == agent_pid) if env.launched_by_torchrun else (lambda: True)
@@ -101,24 +101,6 @@ def run(cfg: RunConfig) -> int:
         STATUS.close()  # never leave a terminal on a half-drawn line
         watchdog.stop()
         edist.shutdown()
-
-
-class _LastWords:
-    """Why this process is about to end early, as an ``exit`` event, from *any* rank.
-
-    Only rank 0 writes the event log otherwise, but rank 0 may be the one that was stopped or
-    killed, and then only a peer knows that the attempt died of a hang. Each rank appends to the
-    ``--event-log`` path on its own host: on one node that is the same file; on others it is a
-    file of last words only. Opened lazily, so healthy ranks never touch it.
-    """
-
-    def __init__(self, path: str | None, rank: int) -> None:
-        self.path, self.rank = path, rank
-
-    def __call__(self, cause: str, detail: str) -> None:
-        EventLog(self.path, enabled=bool(self.path)).emit(
-            "exit", cause=cause, detail=detail, rank=self.rank
-        )
 
 
 @contextlib.contextmanager

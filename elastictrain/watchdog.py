@@ -71,8 +71,12 @@ class HangWatchdog:
         on_hang: Callable[[str], None] | None = None,
         agent_pid: int | None = None,
         parent_pid: Callable[[], int] = os.getppid,
+        budget_names: tuple[str, str] = ("--hang-timeout", "--checkpoint-timeout"),
     ) -> None:
+        """``budget_names``: what the user calls the step budget and the other phases' budget,
+        named in the hang message so it says which setting to raise."""
         self.timeout = timeout
+        self._budget_names = budget_names
         self._poll_s = poll_s
         self._clock = clock
         self._on_hang = on_hang or _dump_and_exit
@@ -125,7 +129,8 @@ class HangWatchdog:
             return False
         reason = (
             f"no progress for {idle:.1f}s in phase '{self._phase}' after step {self._step} "
-            f"(budget {self._budget:.0f}s, from --{'hang' if self._phase == 'training' else 'checkpoint'}-timeout)"
+            f"(budget {self._budget:.0f}s, from "
+            f"{self._budget_names[0 if self._phase == 'training' else 1]})"
         )
         self._say("hang", reason)
         self._on_hang(reason)

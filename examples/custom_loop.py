@@ -37,6 +37,7 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=64, help="global")
     p.add_argument("--step-time", type=float, default=0.0, help="simulated compute, seconds")
     p.add_argument("--event-log", default=None)
+    p.add_argument("--hang-timeout", type=float, default=600.0, help="seconds without a step")
     args = p.parse_args()
 
     distributed = "RANK" in os.environ  # launched by torchrun
@@ -70,7 +71,11 @@ def train(args: argparse.Namespace, distributed: bool) -> None:
     mse = nn.MSELoss()
 
     with CheckpointManager(
-        args.checkpoint_dir, every_steps=args.every_steps, keep_last=2, event_log=args.event_log
+        args.checkpoint_dir,
+        every_steps=args.every_steps,
+        keep_last=2,
+        event_log=args.event_log,
+        hang_timeout=args.hang_timeout,  # a stopped peer: stacks, exit 4, torchrun restarts
     ) as ckpt:
         start = ckpt.resume(model, optimizer, scheduler)  # before DDP: it broadcasts from rank 0
         if rank == 0:

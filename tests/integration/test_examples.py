@@ -145,6 +145,9 @@ def test_library_mode_custom_loop_killed_and_preempted_resumes_exactly(launch, t
     resumes = [e for e in read_events(ev) if e["event"] == "resume"]
     assert [r["fresh"] for r in resumes] == [True, False, False] and resumes[1]["step"] >= 60
     assert resumes[2]["step"] == preempted["step"]  # not a step lost to the preemption
+    # The runner's report reads library mode's event log too.
+    outcomes = [a.outcome for a in report.build_timeline(read_events(ev)).attempts]
+    assert outcomes == ["kill", "preemption", "finished"], outcomes
     assert "starting at step 0 " in job.log() and "saved extra: {'loss':" in job.log()
     ref_state, got = final_state(ref_dir), final_state(ckpt)
     assert_bitwise_equal(ref_state, got)

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -13,6 +16,7 @@ from torch import nn
 from elastictrain import CheckpointManager, Preempted, load_checkpoint
 from elastictrain.errors import CheckpointMismatchError, ConfigError
 from elastictrain.events import read_events
+from tests.integration.launcher import job_env
 
 
 def build(seed: int = 0, width: int = 8):
@@ -137,3 +141,37 @@ def test_time_schedule_saves_on_rank0s_clock(tmp_path):
     train(model, opt, sched, 1)
     assert ckpt.step(2, model, opt, sched) and ckpt.last_committed == 2
     ckpt.close()
+
+
+HUNG_LOOP = """
+import sys, time, torch
+from elastictrain import CheckpointManager
+model = torch.nn.Linear(2, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+ckpt = CheckpointManager(sys.argv[1], every_steps=2, hang_timeout=1.0, preempt_signals=())
+ckpt.resume(model, opt)
+for step in range(3):
+    ckpt.step(step + 1, model, opt)
+def stuck_in_a_collective():
+    time.sleep(60)
+stuck_in_a_collective()
+"""
+
+
+def test_hang_timeout_dumps_stacks_and_exits_4(tmp_path):
+    t0 = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-c", HUNG_LOOP, str(tmp_path / "h")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=job_env(),
+    )
+    assert done.returncode == 4, done.stderr
+    assert time.monotonic() - t0 < 30  # the watchdog, not the sleep, ended it
+    assert "HANG DETECTED: no progress for" in done.stderr and "after step 3" in done.stderr
+    assert "(budget 1s, from hang_timeout)" in done.stderr  # the setting to raise, by its name
+    assert "stuck_in_a_collective" in done.stderr  # the stack shows where it waited
+    assert load_checkpoint(str(tmp_path / "h"))["progress"]["step"] == 2  # saves were not hangs
+    with pytest.raises(ConfigError, match="hang_timeout=0"):
+        CheckpointManager(str(tmp_path / "h"), hang_timeout=0)
