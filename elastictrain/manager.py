@@ -89,7 +89,9 @@ class CheckpointManager:
             deadline; ``fail`` raises on every rank.
         timeout_s: budget for the barriers around resume and saves.
         map_location: where resumed tensors go; default the device of the model's first parameter.
-        event_log: rank 0 appends checkpoint and resume events (JSON lines) to this local file.
+        event_log: rank 0 appends start, resume, checkpoint, preempted and end events (JSON
+            lines) to this local file, and any rank its last words; ``python -m elastictrain
+            report`` draws it as it draws the runner's.
         preempt_signals: signals that mean "checkpoint this step and stop" (see :class:`Preempted`);
             ``()`` leaves the process's signal handlers alone. :meth:`close` restores them.
         hang_timeout: seconds between two :meth:`step` calls after which this rank is hung: it

@@ -96,7 +96,10 @@ def draw(timeline: Timeline, title: str) -> Figure:
     for ax in (ckpt, world):
         ax.sharex(steps)
     loss.set(xlabel="step", ylabel="loss (rank 0)", title="loss across restarts (dashed: resume)")
-    if all(v > 0 for a in timeline.attempts for _, v in a.losses):
+    if not any(a.losses for a in timeline.attempts):
+        # Library mode logs checkpoints, not progress: say so rather than draw an empty frame.
+        loss.text(0.5, 0.5, "no loss in this event log", ha="center", transform=loss.transAxes)
+    elif all(v > 0 for a in timeline.attempts for _, v in a.losses):
         loss.set_yscale("log")  # early losses are orders of magnitude above the rest
     return fig
 
