@@ -95,6 +95,7 @@ def draw(timeline: Timeline, title: str) -> Figure:
     world.set_ylim(0, max((a.world_size for a in timeline.attempts), default=1) + 1)
     for ax in (ckpt, world):
         ax.sharex(steps)
+    steps.set_xlim(left=0)  # the first start: time before the first step is part of the story
     loss.set(xlabel="step", ylabel="loss (rank 0)", title="loss across restarts (dashed: resume)")
     if not any(a.losses for a in timeline.attempts):
         # Library mode logs checkpoints, not progress: say so rather than draw an empty frame.
