@@ -289,26 +289,10 @@ class CheckpointManager:
     def _preempted(
         self, step: int, model: nn.Module, optimizer: Any, scheduler: Any, extra: Any
     ) -> None:
-        signals = self._signals
-        received = signals.received if signals is not None else None
-        name = received.name if received is not None else "a peer's signal"
         t0 = time.monotonic()
         self._save(step, model, optimizer, scheduler, extra, "preempt")
-        logger.warning(
-            "PREEMPTED (%s) at step %d: checkpoint committed in %.2fs; exit %d",
-            name,
-            step,
-            time.monotonic() - t0,
-            EXIT_PREEMPTED,
-        )
-        since = signals.received_at if signals is not None else None
-        self._events.emit(
-            "preempted",
-            step=step,
-            signal=name,
-            save_s=round(time.monotonic() - t0, 4),
-            signal_to_commit_s=round(time.monotonic() - since, 4) if since else None,
-        )
+        # Without handlers of our own, a peer's signal stopped us: StopSignals([]) says so.
+        name = (self._signals or StopSignals([])).announce(self._events, step, t0)
         raise Preempted(step, name)
 
     def close(self) -> None:

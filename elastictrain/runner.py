@@ -319,22 +319,5 @@ class _Attempt:
     def _preempted(self, step: int) -> int:
         t0 = time.monotonic()
         self.save(step, "preempt")
-        received = self.signals.received.name if self.signals.received else "a peer's signal"
-        since = time.monotonic() - self.signals.received_at if self.signals.received_at else None
-        logger.warning(
-            "PREEMPTED (%s) at step %d: checkpoint committed in %.2fs; exit %d. Relaunch to continue "
-            "from step %d.",
-            received,
-            step,
-            time.monotonic() - t0,
-            EXIT_PREEMPTED,
-            step,
-        )
-        self.events.emit(
-            "preempted",
-            step=step,
-            signal=received,
-            save_s=round(time.monotonic() - t0, 4),
-            signal_to_commit_s=round(since, 4) if since is not None else None,
-        )
+        self.signals.announce(self.events, step, t0)
         return EXIT_PREEMPTED

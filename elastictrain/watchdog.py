@@ -19,7 +19,8 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 
-from elastictrain.errors import EXIT_HUNG, EXIT_ORPHANED, ConfigError
+from elastictrain.errors import EXIT_HUNG, EXIT_ORPHANED, EXIT_PREEMPTED, ConfigError
+from elastictrain.events import EventLog
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +57,31 @@ class StopSignals:
     @property
     def requested(self) -> bool:
         return self.received is not None
+
+    def announce(self, events: EventLog, step: int, save_started: float) -> str:
+        """Log and record that the preemption checkpoint of ``step`` is committed; the runner and
+        library mode say it the same way. Returns the signal's name."""
+        name = self.received.name if self.received else "a peer's signal"
+        now = time.monotonic()
+        logger.warning(
+            "PREEMPTED (%s) at step %d: checkpoint committed in %.2fs; exit %d. Relaunch to continue "
+            "from step %d.",
+            name,
+            step,
+            now - save_started,
+            EXIT_PREEMPTED,
+            step,
+        )
+        events.emit(
+            "preempted",
+            step=step,
+            signal=name,
+            save_s=round(now - save_started, 4),
+            signal_to_commit_s=None
+            if self.received_at is None
+            else round(now - self.received_at, 4),
+        )
+        return name
 
 
 class HangWatchdog:
