@@ -1,33 +1,28 @@
-"""``torchrun ... -m elastictrain [flags]`` trains; ``python -m elastictrain ls|verify|inspect|prune
-URL``, ``report EVENTS`` and ``bench`` are the tools."""
+"""``torchrun ... -m elastictrain [flags]`` trains; ``python -m elastictrain COMMAND`` runs a tool.
+
+Dispatch only: each tool is imported when it is asked for, so ``ls`` never pays for torch.
+"""
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import sys
 
 import storage
 from elastictrain.errors import EXIT_STORAGE, EXIT_USER_ERROR, ElasticTrainError
+from elastictrain.tools import TOOLS
 
 logger = logging.getLogger("elastictrain")
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] == "bench":
-        from elastictrain import bench
-
-        return bench.main(argv[1:])
-    if argv and argv[0] == "report":
-        from elastictrain import report
-
-        return report.main(argv[1:])
-    if argv and argv[0] in ("ls", "verify", "inspect", "prune"):
-        from elastictrain import cli
-
+    if argv and argv[0] in TOOLS:
+        module = importlib.import_module(TOOLS[argv[0]][0])
         try:
-            return cli.main(argv)
+            return module.main(argv if module.__name__.endswith(".cli") else argv[1:])
         except (ElasticTrainError, storage.StorageError) as e:
             print(f"error: {e}", file=sys.stderr)
             return EXIT_USER_ERROR
@@ -69,6 +64,6 @@ def _exit_now(code: int) -> None:
 
 if __name__ == "__main__":
     code = main()
-    if len(sys.argv) > 1 and sys.argv[1] in ("ls", "verify", "inspect", "prune", "bench", "report"):
+    if len(sys.argv) > 1 and sys.argv[1] in TOOLS:
         sys.exit(code)
     _exit_now(code)

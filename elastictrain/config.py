@@ -1,9 +1,17 @@
-"""Run configuration: one kw_only dataclass, validated up front, and its command line."""
+"""Run configuration: one kw_only dataclass, validated up front, and its command line.
+
+Each field's docstring is its ``--help`` text, and its default is printed from the field itself:
+the help is written once. The checkpoint settings are validated by ``SessionConfig`` (the same
+rules library mode follows), with errors that name the flag.
+"""
 
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, field
+import ast
+import functools
+import inspect
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from elastictrain.errors import ConfigError
@@ -15,102 +23,145 @@ DEFAULT_TASK = "elastictrain.toy:make_task"
 @dataclass(kw_only=True)
 class RunConfig:
     task: str = DEFAULT_TASK
-    """``MODULE:CALLABLE`` returning a Task; called with the ``--task-option`` dict."""
+    """MODULE:CALLABLE returning a Task; called with the --task-option dict."""
     task_options: dict[str, str] = field(default_factory=dict)
-    """Free-form ``KEY=VALUE`` options handed to the task factory."""
+    """KEY=VALUE option for the task factory (repeatable)."""
     checkpoint_dir: str = "./checkpoints"
-    """Root URL of the checkpoints: a local path or any fsspec URL (s3://, memory://, ...)."""
+    """Root URL of the checkpoints: a local path or any fsspec URL (s3://, memory://, ...). Every
+    node must see the same location."""
     storage_options: dict[str, Any] = field(default_factory=dict)
-    """Passed to the fsspec filesystem, e.g. ``endpoint_url`` for S3. Never logged unredacted."""
+    """fsspec option, e.g. endpoint_url=...; true/false are booleans, {...} is JSON (repeatable).
+    Never logged unredacted."""
     max_steps: int = 1000
     """Train until this many optimizer steps have completed; a final checkpoint is always taken."""
     checkpoint_every_steps: int | None = 100
-    """Commit a checkpoint every N steps (0 or None: off)."""
+    """Checkpoint every N completed steps; 0 turns it off."""
     checkpoint_every_seconds: float | None = None
-    """Also commit when this many seconds passed since the last one; rank 0's clock decides for all."""
+    """Also checkpoint T seconds after the last one, on rank 0's clock; 0 or unset: off."""
     keep_last: int = 3
     """Committed checkpoints to keep; older ones are deleted only after a newer one commits."""
     keep_every_steps: int | None = None
-    """Also keep every checkpoint whose step is a multiple of this ("milestones"), forever."""
+    """Also keep every checkpoint whose step is a multiple of M (milestones), forever."""
     seed: int = 0
     """Seeds model init, the data order of every epoch, and per-step randomness."""
     init_timeout: float = 900.0
     """Seconds for process-group creation and the startup handshake. Generous: nodes start
     minutes apart (image pulls, slow schedulers)."""
     collective_timeout: float = 600.0
-    """Seconds a training collective may wait for the slowest rank. Must exceed worst skew."""
+    """Seconds a training collective may wait for the slowest rank; must exceed the worst skew."""
     checkpoint_timeout: float = 1800.0
-    """Seconds for the barriers around resume and checkpoint saves, where rank 0 may be slow
-    because of storage."""
+    """Seconds for the barriers around resume and checkpoint saves, where rank 0 may wait on
+    storage. Startup (resume and the first step) gets --init-timeout plus this."""
     hang_timeout: float = 600.0
-    """Seconds without step progress before a rank is declared hung: stacks are dumped and the
-    worker exits 4 so torchrun restarts the group. Must exceed the slowest legitimate step."""
+    """Seconds without step progress before a rank is declared hung: it dumps its stacks and exits
+    4 so torchrun restarts the group. Must exceed the slowest legitimate step."""
     preempt_signal: list[str] = field(default_factory=lambda: ["SIGTERM"])
-    """Signals that mean "save at the next step boundary and exit 75"."""
+    """Signal that means "checkpoint this step and exit 75" (repeatable). Ctrl-C (SIGINT) always
+    does too; a second Ctrl-C exits 130 at once."""
     storage_retry_deadline: float = 120.0
     """Seconds to keep retrying transient storage errors before an operation fails."""
     async_checkpoint: bool = True
-    """Persist scheduled checkpoints in the background: training is blocked only for the copy of
-    the state into host memory. The final and preemption checkpoints are always waited for."""
+    """Persist scheduled checkpoints in the background: the loop is blocked only for the copy of
+    the state into reused host memory. The final and preemption checkpoints are always waited for."""
     on_storage_failure: str = "warn"
-    """A scheduled checkpoint whose storage stays down past the retry deadline: ``warn`` skips it
-    (logged and in the events) and keeps training; ``fail`` stops the job (exit 7). The final and
-    preemption checkpoints always fail the job when they cannot be committed."""
+    """A scheduled checkpoint storage refuses past the retry deadline: warn skips it (logged and
+    in the events) and keeps training; fail stops the job (exit 7). The final and preemption
+    checkpoints always fail the job when they cannot be committed."""
     resume_read: str = "rank0"
-    """``rank0``: rank 0 reads the checkpoint once and broadcasts it. ``all``: every rank reads it
-    (for very large states, where one broadcast of the whole state is the bottleneck)."""
+    """rank0: rank 0 reads the checkpoint once and broadcasts it. all: every rank reads it (for
+    states too large to broadcast whole)."""
     sample_log: str | None = None
     """Directory where every rank appends the dataset indices it trains on (the exactly-once ledger)."""
     event_log: str | None = None
-    """Rank 0 appends JSON lines (start, resume, checkpoint, progress, end) to this local file."""
+    """JSONL file rank 0 appends start, resume, checkpoint, progress and end events to."""
     log_every_seconds: float = 10.0
     """Seconds between rank 0's progress lines and progress events."""
     progress: str = "auto"
-    """Rank 0's display: ``live`` redraws one status line in place, ``plain`` prints a line every
-    ``log_every_seconds``, ``auto`` is live on an interactive terminal and plain otherwise."""
+    """Rank 0's display: live redraws one status line in place, plain prints a line every
+    --log-every-seconds, auto is live on an interactive terminal and plain otherwise."""
 
     def __post_init__(self) -> None:
-        def positive(name: str, allow_none: bool = False) -> None:
-            value = getattr(self, name)
-            if value is None and allow_none:
-                return
-            if value is None or value <= 0:
-                raise ConfigError(f"--{name.replace('_', '-')} must be > 0, got {value!r}.")
-
         if ":" not in self.task:
             raise ConfigError(
                 f"--task must be MODULE:CALLABLE, e.g. {DEFAULT_TASK}; got {self.task!r}."
             )
-        if self.checkpoint_every_steps == 0:
-            self.checkpoint_every_steps = None
+        for name in ("checkpoint_every_steps", "checkpoint_every_seconds"):
+            if getattr(self, name) == 0:
+                setattr(self, name, None)  # 0 means off, for steps and seconds alike
         for name in (
             "max_steps",
-            "keep_last",
             "init_timeout",
             "collective_timeout",
-            "checkpoint_timeout",
-            "hang_timeout",
-            "storage_retry_deadline",
             "log_every_seconds",
         ):
-            positive(name)
-        positive("checkpoint_every_steps", allow_none=True)
-        positive("checkpoint_every_seconds", allow_none=True)
-        positive("keep_every_steps", allow_none=True)
-        from elastictrain.watchdog import parse_signal  # config must not import it at module load
+            value = getattr(self, name)
+            if value is None or value <= 0:
+                raise ConfigError(f"{flag(name)} must be > 0, got {value!r}.")
+        self.session_config()  # the checkpoint settings: validated where library mode's are
 
-        for name in self.preempt_signal:
-            parse_signal(name)
-        if self.on_storage_failure not in ("warn", "fail"):
-            raise ConfigError(
-                f"--on-storage-failure must be 'warn' or 'fail', got {self.on_storage_failure!r}."
-            )
-        if self.resume_read not in ("rank0", "all"):
-            raise ConfigError(f"--resume-read must be 'rank0' or 'all', got {self.resume_read!r}.")
-        if not self.checkpoint_dir:
-            raise ConfigError(
-                "--checkpoint-dir must not be empty; e.g. ./checkpoints or s3://bucket/run."
-            )
+    def session_config(self):  # -> SessionConfig (imported here: it needs torch)
+        from elastictrain.checkpoint.session import SessionConfig
+
+        names = {
+            "url": "checkpoint_dir",
+            "every_steps": "checkpoint_every_steps",
+            "every_seconds": "checkpoint_every_seconds",
+            "async_save": "async_checkpoint",
+            "timeout_s": "checkpoint_timeout",
+            "preempt_signals": "preempt_signal",
+        }
+        return SessionConfig(
+            url=self.checkpoint_dir,
+            storage_options=self.storage_options,
+            every_steps=self.checkpoint_every_steps,
+            every_seconds=self.checkpoint_every_seconds,
+            keep_last=self.keep_last,
+            keep_every_steps=self.keep_every_steps,
+            async_save=self.async_checkpoint,
+            storage_retry_deadline=self.storage_retry_deadline,
+            on_storage_failure=self.on_storage_failure,
+            resume_read=self.resume_read,
+            timeout_s=self.checkpoint_timeout,
+            hang_timeout=self.hang_timeout,
+            preempt_signals=tuple(self.preempt_signal),
+            event_log=self.event_log,
+            spelling={
+                f.name: flag(names.get(f.name, f.name))
+                for f in fields(SessionConfig)
+                if f.name != "spelling"
+            },
+        )
+
+
+def flag(name: str) -> str:
+    return f"--{name.replace('_', '-')}"
+
+
+@functools.cache
+def field_docs() -> dict[str, str]:
+    """Each RunConfig field's docstring (the string right below it), whitespace collapsed."""
+    tree = ast.parse(inspect.getsource(RunConfig))
+    body = tree.body[0].body
+    docs = {}
+    for node, nxt in zip(body, body[1:], strict=False):
+        doc = (
+            nxt.value.value
+            if isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
+            else None
+        )
+        if isinstance(node, ast.AnnAssign) and isinstance(doc, str):
+            docs[node.target.id] = " ".join(doc.split())
+    return docs
+
+
+def _shown(value: Any) -> str:
+    if value is None or value is False:
+        return "off"
+    if value is True:
+        return "on"
+    if isinstance(value, list):
+        return ", ".join(value)
+    return f"{value:g}" if isinstance(value, float) else str(value)
 
 
 def _key_value(text: str) -> tuple[str, str]:
@@ -128,142 +179,61 @@ def _storage_option(text: str) -> tuple[str, object]:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from elastictrain.tools import TOOLS
+
     defaults = RunConfig()
+    docs = field_docs()
     p = argparse.ArgumentParser(
         prog="torchrun ... -m elastictrain",
         description="Fault-tolerant elastic training. Without torchrun, 'python -m elastictrain "
-        "SUBCOMMAND' runs a tool: ls|verify|inspect|prune URL (checkpoints), report EVENTS.jsonl "
-        "-o report.png|.html (a run's life), bench (checkpoint speed).",
+        "COMMAND' runs a tool: "
+        + "; ".join(f"{name}: {what}" for name, (_, what) in TOOLS.items())
+        + ".",
     )
 
-    def add(name: str, **kw) -> None:
-        kw.setdefault("default", getattr(defaults, name))
-        kw.setdefault("help", f"(default: {kw['default']})")
-        p.add_argument(f"--{name.replace('_', '-')}", dest=name, **kw)
+    def add(name: str, option: str | None = None, **kw: Any) -> None:
+        default = getattr(defaults, name)
+        kw.setdefault("default", default)
+        shown = "none" if kw["default"] == [] else _shown(default)
+        # argparse expands %; the docs are prose.
+        kw["help"] = f"{docs[name].replace('%', '%%')} (default: {shown})"
+        p.add_argument(option or flag(name), dest=name, **kw)
 
-    add("task", help=f"MODULE:CALLABLE returning a Task (default: {DEFAULT_TASK})")
-    p.add_argument(
+    add("task")
+    add(
+        "task_options",
         "--task-option",
-        dest="task_options",
         action="append",
         type=_key_value,
         default=[],
         metavar="KEY=VALUE",
-        help="option for the task factory (repeatable)",
     )
+    add("checkpoint_dir", metavar="URL")
     add(
-        "checkpoint_dir",
-        metavar="URL",
-        help="local path or fsspec URL (s3://, memory://, ...) (default: ./checkpoints)",
-    )
-    p.add_argument(
+        "storage_options",
         "--storage-option",
-        dest="storage_options",
         action="append",
         type=_storage_option,
         default=[],
         metavar="KEY=VALUE",
-        help="fsspec option, e.g. endpoint_url=...; true/false are booleans, {...} is JSON "
-        "(repeatable)",
     )
-    add(
-        "max_steps",
-        type=int,
-        help="optimizer steps to train; a final checkpoint is always taken (default: 1000)",
-    )
-    add(
-        "checkpoint_every_steps",
-        type=int,
-        metavar="N",
-        help="checkpoint every N steps; 0 disables (default: 100)",
-    )
-    add(
-        "checkpoint_every_seconds",
-        type=float,
-        metavar="T",
-        help="also checkpoint T seconds after the last one; rank 0's clock decides (default: off)",
-    )
-    add("keep_last", type=int, metavar="K", help="committed checkpoints to keep (default: 3)")
-    add(
-        "keep_every_steps",
-        type=int,
-        metavar="M",
-        help="also keep milestone checkpoints at multiples of M steps (default: off)",
-    )
-    add("seed", type=int, help="seeds init, data order and per-step randomness (default: 0)")
-    add(
-        "init_timeout",
-        type=float,
-        metavar="SECONDS",
-        help="process-group creation and startup handshake; ranks may start minutes apart (default: 900)",
-    )
-    add(
-        "collective_timeout",
-        type=float,
-        metavar="SECONDS",
-        help="a training collective's wait for the slowest rank (default: 600)",
-    )
-    add(
-        "checkpoint_timeout",
-        type=float,
-        metavar="SECONDS",
-        help="barriers around resume and saves, where rank 0 waits on storage (default: 1800)",
-    )
-    add(
-        "hang_timeout",
-        type=float,
-        metavar="SECONDS",
-        help="no step progress this long means hung: dump stacks, exit 4 (default: 600)",
-    )
-    p.add_argument(
-        "--preempt-signal",
-        dest="preempt_signal",
-        action="append",
-        default=None,
-        metavar="SIGNAL",
-        help="save at the next step boundary and exit 75 on this signal (repeatable; default: SIGTERM)",
-    )
-    add(
-        "storage_retry_deadline",
-        type=float,
-        metavar="SECONDS",
-        help="keep retrying transient storage errors this long (default: 120)",
-    )
-    add(
-        "async_checkpoint",
-        action=argparse.BooleanOptionalAction,
-        help="persist scheduled checkpoints in the background; the loop blocks only for a copy of "
-        "the state into reused host memory (default: on)",
-    )
-    add(
-        "on_storage_failure",
-        choices=["warn", "fail"],
-        help="a scheduled checkpoint storage rejects past the retry deadline: warn = skip it and "
-        "keep training, fail = stop the job, exit 7 (default: warn)",
-    )
-    add(
-        "resume_read",
-        choices=["rank0", "all"],
-        help="rank0: read the checkpoint once and broadcast; all: every rank reads (default: rank0)",
-    )
-    add(
-        "sample_log",
-        metavar="DIR",
-        help="every rank appends the indices it trains on (default: none)",
-    )
-    add("event_log", metavar="PATH", help="JSONL event log appended by rank 0 (default: none)")
-    add(
-        "log_every_seconds",
-        type=float,
-        metavar="SECONDS",
-        help="progress line interval (default: 10)",
-    )
-    add(
-        "progress",
-        choices=["auto", "live", "plain"],
-        help="rank 0's display: live status line, plain periodic lines, or auto: live on a "
-        "terminal (default: auto)",
-    )
+    add("max_steps", type=int)
+    add("checkpoint_every_steps", type=int, metavar="N")
+    add("checkpoint_every_seconds", type=float, metavar="T")
+    add("keep_last", type=int, metavar="K")
+    add("keep_every_steps", type=int, metavar="M")
+    add("seed", type=int)
+    for name in ("init_timeout", "collective_timeout", "checkpoint_timeout", "hang_timeout"):
+        add(name, type=float, metavar="SECONDS")
+    add("preempt_signal", action="append", default=None, metavar="SIGNAL")
+    add("storage_retry_deadline", type=float, metavar="SECONDS")
+    add("async_checkpoint", action=argparse.BooleanOptionalAction)
+    add("on_storage_failure", choices=["warn", "fail"])
+    add("resume_read", choices=["rank0", "all"])
+    add("sample_log", metavar="DIR")
+    add("event_log", metavar="PATH")
+    add("log_every_seconds", type=float, metavar="SECONDS")
+    add("progress", choices=["auto", "live", "plain"])
     return p
 
 

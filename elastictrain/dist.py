@@ -26,6 +26,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from elastictrain import knobs
 from elastictrain.env import DistEnv
 from elastictrain.errors import EXIT_INIT_TIMEOUT, InitTimeoutError
 
@@ -169,7 +170,7 @@ def init_process_groups(
 ) -> ProcessGroups:
     backend = "nccl" if device.type == "cuda" else "gloo"
     kwargs = {"device_id": device} if device.type == "cuda" else {}
-    if os.environ.get("ELASTICTRAIN_DIAGNOSTIC_ENV_INIT") == "1":
+    if knobs.diagnostic_env_init():
         # Diagnostic only: torch's plain env:// init, to measure the restart hazard it has.
         logger.warning(
             "ELASTICTRAIN_DIAGNOSTIC_ENV_INIT=1: using plain env:// init (restart-unsafe)"

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 EXIT_USER_ERROR = 2
 EXIT_INIT_TIMEOUT = 3
 EXIT_HUNG = 4
@@ -57,3 +60,19 @@ class CheckpointFailedError(ElasticTrainError):
     """Rank 0 could not commit a checkpoint the run cannot go on without (all ranks raise it)."""
 
     exit_code = EXIT_STORAGE
+
+
+@contextlib.contextmanager
+def named_timeout(setting: str, value: float, what: str) -> Iterator[None]:
+    """Turn a backend timeout (gloo/nccl raise RuntimeError) into an error that names the setting
+    to raise and its value."""
+    try:
+        yield
+    except RuntimeError as e:
+        if "timed out" not in str(e).lower() and "timeout" not in str(e).lower():
+            raise
+        raise CollectiveTimeoutError(
+            f"{what} did not complete within {setting}={value:.0f}s: a rank is slower than that "
+            f"budget, stuck, or gone. Raise {setting} above the worst expected skew, or see the "
+            f"straggler report. ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
+        ) from e

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from elastictrain.data import GlobalBatchSampler, Share, step_seed
-from elastictrain.stragglers import StepTimer
+from elastictrain.observe.stragglers import StepTimer
 from elastictrain.task import Task
 
 

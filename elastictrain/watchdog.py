@@ -1,10 +1,8 @@
-"""Hang detection and preemption signals.
+"""Hang detection, and exit when the torchrun agent is gone.
 
 A hang is "no step progress for --hang-timeout": a SIGSTOPped peer, a deadlocked collective, user
 code stuck in a loop. The watchdog thread dumps every thread's Python stack (faulthandler) and exits
 non-zero, so torchrun restarts the group instead of waiting for gloo's 30-minute default.
-
-A preemption signal only sets a flag; the loop agrees on it at the next step boundary.
 """
 
 from __future__ import annotations
@@ -13,75 +11,15 @@ import contextlib
 import faulthandler
 import logging
 import os
-import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 
-from elastictrain.errors import EXIT_HUNG, EXIT_ORPHANED, EXIT_PREEMPTED, ConfigError
-from elastictrain.events import EventLog
+from elastictrain.errors import EXIT_HUNG, EXIT_ORPHANED
+from elastictrain.observe.events import Cause
 
 logger = logging.getLogger(__name__)
-
-
-def parse_signal(name: str) -> signal.Signals:
-    key = name.upper() if name.upper().startswith("SIG") else f"SIG{name.upper()}"
-    try:
-        return signal.Signals[key]
-    except KeyError:
-        raise ConfigError(
-            f"--preempt-signal {name!r} is not a signal name; use e.g. SIGTERM or SIGUSR1."
-        ) from None
-
-
-class StopSignals:
-    """Turns preemption signals into a flag. The handler does nothing else: no I/O, no locks."""
-
-    def __init__(self, signals: Sequence[signal.Signals]) -> None:
-        self.received: signal.Signals | None = None
-        self.received_at: float | None = None
-        self._previous = {sig: signal.signal(sig, self._handle) for sig in signals}
-
-    def restore(self) -> None:
-        """Put back the handlers that were there before (library mode hands the process back)."""
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-        self._previous = {}
-
-    def _handle(self, signum: int, frame) -> None:
-        if self.received is None:
-            self.received = signal.Signals(signum)
-            self.received_at = time.monotonic()
-
-    @property
-    def requested(self) -> bool:
-        return self.received is not None
-
-    def announce(self, events: EventLog, step: int, save_started: float) -> str:
-        """Log and record that the preemption checkpoint of ``step`` is committed; the runner and
-        library mode say it the same way. Returns the signal's name."""
-        name = self.received.name if self.received else "a peer's signal"
-        now = time.monotonic()
-        logger.warning(
-            "PREEMPTED (%s) at step %d: checkpoint committed in %.2fs; exit %d. Relaunch to continue "
-            "from step %d.",
-            name,
-            step,
-            now - save_started,
-            EXIT_PREEMPTED,
-            step,
-        )
-        events.emit(
-            "preempted",
-            step=step,
-            signal=name,
-            save_s=round(now - save_started, 4),
-            signal_to_commit_s=None
-            if self.received_at is None
-            else round(now - self.received_at, 4),
-        )
-        return name
 
 
 class HangWatchdog:
@@ -147,7 +85,7 @@ class HangWatchdog:
     def check(self) -> bool:
         """True (and the handler called) on a hang or a dead agent; used by the thread."""
         if self._agent_pid is not None and self._parent_pid() != self._agent_pid:
-            self._say("orphaned", f"the torchrun agent (pid {self._agent_pid}) is gone")
+            self._say(Cause.ORPHANED, f"the torchrun agent (pid {self._agent_pid}) is gone")
             _orphaned_exit(self._agent_pid)
             return True
         idle = self._clock() - self._last
@@ -158,7 +96,7 @@ class HangWatchdog:
             f"(budget {self._budget:.0f}s, from "
             f"{self._budget_names[0 if self._phase == 'training' else 1]})"
         )
-        self._say("hang", reason)
+        self._say(Cause.HANG, reason)
         self._on_hang(reason)
         return True
 

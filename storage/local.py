@@ -61,6 +61,10 @@ class LocalBackend:
         except FileNotFoundError:
             return []
 
+    def check_readable(self) -> None:
+        if os.path.exists(self.root) and not os.access(self.root, os.R_OK | os.X_OK):
+            raise PermissionError(f"cannot list {self.root!r}")
+
     def delete_file(self, path: str) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)

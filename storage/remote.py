@@ -71,6 +71,15 @@ class FsspecBackend:
             return []
         return sorted(e.rstrip("/").rsplit("/", 1)[-1] for e in entries)
 
+    def check_readable(self) -> None:
+        # A missing prefix lists as empty, but so does a missing bucket through list_names: list the
+        # bucket itself (the root's first component) so that one raises FileNotFoundError.
+        self.fs.invalidate_cache(self.root)
+        try:
+            self.fs.ls(self.root, detail=False)
+        except FileNotFoundError:
+            self.fs.ls(self.root.split("/", 1)[0], detail=False)
+
     def delete_file(self, path: str) -> None:
         with contextlib.suppress(FileNotFoundError):
             self.fs.rm_file(path)

@@ -182,8 +182,9 @@ class CheckpointStore:
         )
         return manifest
 
-    def probe(self, deadline_s: float = 10.0) -> None:
+    def probe(self, deadline_s: float = 10.0, *, write: bool = True) -> None:
         """Write, read back and delete a small object under the root: fail fast on a bad location.
+        ``write=False`` (the read-only tools) only proves the root can be listed.
 
         Uses a deadline of its own (at most the store's), so a misconfigured URL fails in seconds.
         Raises :class:`StorageNotUsableError` naming the likely cause: a missing bucket, rejected
@@ -192,7 +193,9 @@ class CheckpointStore:
         retry = dataclasses.replace(self._retry, deadline_s=min(deadline_s, self._retry.deadline_s))
         outcome: list[BaseException | None] = []
         worker = threading.Thread(
-            target=lambda: outcome.append(self._probe_once(retry)),
+            target=lambda: outcome.append(
+                self._probe_once(retry) if write else self._probe_read(retry)
+            ),
             name="storage-probe",
             daemon=True,
         )
@@ -234,6 +237,13 @@ class CheckpointStore:
             if written:
                 with contextlib.suppress(Exception):
                     self._backend.delete_file(path)
+
+    def _probe_read(self, retry: RetryPolicy) -> BaseException | None:
+        try:
+            self._call("probe list", self._backend.check_readable, retry)
+            return None
+        except Exception as e:  # noqa: BLE001 - every failure here means "not usable"; diagnose it
+            return e
 
     # -- read --------------------------------------------------------------------------------
     def _step_dirs(self) -> list[int]:

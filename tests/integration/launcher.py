@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from elastictrain.events import read_events
+from elastictrain.observe.events import read_events
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -18,7 +18,7 @@ import tempfile
 import time
 from typing import Any
 
-from elastictrain.events import read_events
+from elastictrain.observe.events import read_events
 from tests.integration.launcher import Job, job_env
 
 

@@ -10,7 +10,7 @@ import uuid
 import pytest
 import torch
 
-from elastictrain.events import read_events, read_sample_log
+from elastictrain.observe.events import Event, read_events, read_sample_log
 from tests.conftest import free_port
 from tests.integration.elastic_helpers import assert_exactly_once, node_args
 from tests.integration.launcher import REPO_ROOT, final_state, job_env, wait_for_event
@@ -67,7 +67,7 @@ def test_node_loss_then_rejoin_trains_every_sample_once(launch, tmp_path):
     )
     wait_for_event(
         ev,
-        lambda e: e["event"] == "progress" and e["world_size"] == 2 and e["step"] >= 80,
+        lambda e: e["event"] == Event.PROGRESS and e["world_size"] == 2 and e["step"] >= 80,
         120,
         host,
     )
@@ -75,25 +75,25 @@ def test_node_loss_then_rejoin_trains_every_sample_once(launch, tmp_path):
     t_loss = time.time()
     node_b.kill()  # SIGKILL the agent and every descendant: a lost node
     shrunk = wait_for_event(
-        ev, lambda e: e["event"] == "membership" and e["new_world_size"] == 1, 120, host
+        ev, lambda e: e["event"] == Event.MEMBERSHIP and e["new_world_size"] == 1, 120, host
     )
     wait_for_event(
-        ev, lambda e: e["event"] == "checkpoint" and e["time"] > shrunk["time"], 120, host
+        ev, lambda e: e["event"] == Event.CHECKPOINT and e["time"] > shrunk["time"], 120, host
     )
     t_join = time.time()
     node_c = launch(
         args, torchrun_args=node_args(port, run_id, is_host=False), env=env, name="node-c"
     )
     grown = wait_for_event(
-        ev, lambda e: e["event"] == "membership" and e["new_world_size"] == 2, 120, host
+        ev, lambda e: e["event"] == Event.MEMBERSHIP and e["new_world_size"] == 2, 120, host
     )
     assert host.wait(240) == 0, host.log()[-3000:]
     assert node_c.wait(60) == 0, node_c.log()[-3000:]
 
     events = read_events(ev)
-    assert events[-1]["event"] == "end" and events[-1]["step"] == STEPS
+    assert events[-1]["event"] == Event.END and events[-1]["step"] == STEPS
     # The agent stops a healthy group with SIGTERM for the rejoin: it saved the exact step first.
-    assert grown["step"] in [e["step"] for e in events if e["event"] == "preempted"]
+    assert grown["step"] in [e["step"] for e in events if e["event"] == Event.PREEMPTED]
     ledger = assert_exactly_once(
         read_sample_log(str(tmp_path / "elastic-samples")),
         dataset_size=DATASET,
@@ -140,12 +140,12 @@ def test_losing_the_rendezvous_host_ends_the_job_and_a_relaunch_resumes(launch, 
     other = launch(
         args, torchrun_args=node_args(port, run_id, is_host=False), env=env, name="other"
     )
-    wait_for_event(ev, lambda e: e["event"] == "checkpoint" and e["step"] >= 80, 120, host)
+    wait_for_event(ev, lambda e: e["event"] == Event.CHECKPOINT and e["step"] >= 80, 120, host)
     t_loss = time.time()
     host.kill()
     assert other.wait(150) != 0
     survivor_exit_s = time.time() - t_loss
-    last = max(e["step"] for e in read_events(ev) if e["event"] == "checkpoint")
+    last = max(e["step"] for e in read_events(ev) if e["event"] == Event.CHECKPOINT)
 
     port, run_id = free_port(), f"run-{uuid.uuid4().hex[:8]}"  # the relaunch: a fresh rendezvous
     a = launch(
@@ -156,7 +156,7 @@ def test_losing_the_rendezvous_host_ends_the_job_and_a_relaunch_resumes(launch, 
         args, torchrun_args=node_args(port, run_id, is_host=False), env=env, name="relaunch-b"
     )
     assert a.wait(180) == 0 and b.wait(60) == 0, a.log()[-3000:]
-    resumes = [e for e in read_events(ev) if e["event"] == "resume"]
+    resumes = [e for e in read_events(ev) if e["event"] == Event.RESUME]
     assert resumes[-1]["step"] == last and not resumes[-1]["fresh"]
     assert_exactly_once(
         read_sample_log(str(tmp_path / "elastic-samples")),
@@ -186,5 +186,5 @@ def test_two_nodes_example_script_runs(tmp_path):
         timeout=180,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    starts = [e for e in read_events(str(tmp_path / "ev.jsonl")) if e["event"] == "start"]
+    starts = [e for e in read_events(str(tmp_path / "ev.jsonl")) if e["event"] == Event.START]
     assert starts and starts[0]["world_size"] == 2

@@ -10,8 +10,8 @@ import subprocess
 
 import pytest
 
-from elastictrain import report
-from elastictrain.events import read_events
+from elastictrain.observe import report, timeline
+from elastictrain.observe.events import Event, read_events
 from tests.integration.launcher import (
     REPO_ROOT,
     assert_bitwise_equal,
@@ -42,7 +42,7 @@ def test_digits_trains_to_95_percent_through_a_kill_and_report_draws_it(launch, 
 
     ckpt, ev = str(tmp_path / "killed"), str(tmp_path / "killed.jsonl")
     job = launch(digits_args(ckpt, ev), max_restarts=3, name="killed")
-    wait_for_event(ev, lambda e: e["event"] == "checkpoint" and e["step"] >= 100, 90, job)
+    wait_for_event(ev, lambda e: e["event"] == Event.CHECKPOINT and e["step"] >= 100, 90, job)
     job.kill_worker(0)  # SIGKILL rank 0, the writer, mid-run
     assert job.wait(180) == 0, job.log()[-3000:]
 
@@ -52,7 +52,7 @@ def test_digits_trains_to_95_percent_through_a_kill_and_report_draws_it(launch, 
         print(f"\ndigits test accuracy: uninterrupted {ref_acc:.4f}, killed mid-run {got_acc:.4f}")
     assert ref_acc >= 0.95 and got_acc >= 0.95
     assert_bitwise_equal(ref, got)  # so the accuracy is not just as good: it is the same model
-    resumes = [e for e in read_events(ev) if e["event"] == "resume"]
+    resumes = [e for e in read_events(ev) if e["event"] == Event.RESUME]
     assert [r["fresh"] for r in resumes] == [True, False] and resumes[1]["step"] >= 100
 
     # The report: drawn from this real event log with a kill in it (in-process: no extra startup).
@@ -128,13 +128,13 @@ def test_library_mode_custom_loop_killed_and_preempted_resumes_exactly(launch, t
 
     ckpt, ev = str(tmp_path / "run"), str(tmp_path / "run.jsonl")
     job = launch(custom_loop_args(ckpt, ev), entry=script, env=env, name="killed")
-    wait_for_event(ev, lambda e: e["event"] == "checkpoint" and e["step"] >= 60, 90, job)
+    wait_for_event(ev, lambda e: e["event"] == Event.CHECKPOINT and e["step"] >= 60, 90, job)
     job.kill_worker(0)  # rank 0: the writer, possibly mid-persist
     # torchrun restarts the pair; once they resumed, preempt them as a scheduler does.
-    wait_for_event(ev, lambda e: e["event"] == "resume" and not e["fresh"], 90, job)
+    wait_for_event(ev, lambda e: e["event"] == Event.RESUME and not e["fresh"], 90, job)
     job.proc.send_signal(signal.SIGTERM)
     assert job.wait(60) != 0, job.log()[-3000:]  # torchrun re-raises the signal: exit 1
-    (preempted,) = [e for e in read_events(ev) if e["event"] == "preempted"]
+    (preempted,) = [e for e in read_events(ev) if e["event"] == Event.PREEMPTED]
     assert preempted["signal"] == "SIGTERM" and preempted["step"] < 240, job.log()[-3000:]
     assert final_state(ckpt)["progress"]["step"] == preempted["step"]
     # Both ranks stopped at the same step, after the commit (each logs it before raising).
@@ -142,11 +142,11 @@ def test_library_mode_custom_loop_killed_and_preempted_resumes_exactly(launch, t
 
     again = launch(custom_loop_args(ckpt, ev), entry=script, env=env, name="relaunched")
     assert again.wait(180) == 0, again.log()[-3000:]
-    resumes = [e for e in read_events(ev) if e["event"] == "resume"]
+    resumes = [e for e in read_events(ev) if e["event"] == Event.RESUME]
     assert [r["fresh"] for r in resumes] == [True, False, False] and resumes[1]["step"] >= 60
     assert resumes[2]["step"] == preempted["step"]  # not a step lost to the preemption
     # The runner's report reads library mode's event log too.
-    outcomes = [a.outcome for a in report.build_timeline(read_events(ev)).attempts]
+    outcomes = [a.outcome for a in timeline.build_timeline(read_events(ev)).attempts]
     assert outcomes == ["kill", "preemption", "finished"], outcomes
     assert "starting at step 0 " in job.log() and "saved extra: {'loss':" in job.log()
     ref_state, got = final_state(ref_dir), final_state(ckpt)

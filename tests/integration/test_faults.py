@@ -8,8 +8,9 @@ import time
 
 import pytest
 
-from elastictrain.events import read_events
-from elastictrain.report import build_timeline
+from elastictrain.checkpoint.persist import Reason
+from elastictrain.observe.events import Event, read_events
+from elastictrain.observe.report import build_timeline
 from tests.integration.launcher import assert_bitwise_equal, final_state, wait_for_event
 from tests.integration.test_kill_resume import toy_args
 
@@ -25,14 +26,14 @@ def test_sigterm_preemption_loses_zero_steps(launch, tmp_path):
     run_dir, ev = str(tmp_path / "run"), str(tmp_path / "run.jsonl")
     args = toy_args(run_dir, ev, max_steps=400, every=100, step_time=0.01)
     job = launch(args, name="preempted")
-    wait_for_event(ev, lambda e: e["event"] == "progress" and 30 < e["step"] < 300, 90, job)
+    wait_for_event(ev, lambda e: e["event"] == Event.PROGRESS and 30 < e["step"] < 300, 90, job)
     t_term = time.monotonic()
     os.kill(job.proc.pid, signal.SIGTERM)  # the agent, as SLURM or Kubernetes would
     job.wait(60)
     term_to_exit_s = time.monotonic() - t_term
     log = job.log()
     assert "PREEMPTED (SIGTERM)" in log and "exit 75" in log
-    preempted = [e for e in read_events(ev) if e["event"] == "preempted"]
+    preempted = [e for e in read_events(ev) if e["event"] == Event.PREEMPTED]
     assert (
         len(preempted) == 1 and preempted[0]["step"] % 100 != 0
     )  # an off-schedule, exact-step save
@@ -40,12 +41,14 @@ def test_sigterm_preemption_loses_zero_steps(launch, tmp_path):
 
     again = launch(args, name="relaunch")
     assert again.wait(120) == 0, again.log()[-3000:]
-    resumes = [e for e in read_events(ev) if e["event"] == "resume"]
+    resumes = [e for e in read_events(ev) if e["event"] == Event.RESUME]
     assert resumes[-1]["step"] == stopped_at  # zero lost steps
     assert_bitwise_equal(final_state(run_dir), final_state(ref_dir))
-    ckpt = [e for e in read_events(ev) if e["event"] == "checkpoint" and e["reason"] == "preempt"][
-        0
-    ]
+    ckpt = [
+        e
+        for e in read_events(ev)
+        if e["event"] == Event.CHECKPOINT and e["reason"] == Reason.PREEMPT
+    ][0]
     print(
         f"\nSIGTERM->exit {term_to_exit_s:.2f}s, preemption checkpoint {ckpt['bytes']} bytes at step "
         f"{stopped_at}, signal->commit {preempted[0]['signal_to_commit_s']}s"
@@ -63,11 +66,11 @@ def test_preempt_signal_is_configurable(launch, tmp_path):
         nproc=2,
         max_restarts=0,
     )
-    wait_for_event(ev, lambda e: e["event"] == "progress" and e["step"] > 20, 90, job)
+    wait_for_event(ev, lambda e: e["event"] == Event.PROGRESS and e["step"] > 20, 90, job)
     for pid in job.workers().values():  # SLURM --signal=USR1 reaches the tasks directly
         os.kill(pid, signal.SIGUSR1)
     job.wait(60)
-    (preempted,) = [e for e in read_events(ev) if e["event"] == "preempted"]
+    (preempted,) = [e for e in read_events(ev) if e["event"] == Event.PREEMPTED]
     assert preempted["signal"] == "SIGUSR1"
 
 
@@ -84,7 +87,7 @@ def test_sigstopped_rank_is_detected_and_the_job_recovers(launch, tmp_path):
         "60",
     ]
     job = launch(args, nproc=2, max_restarts=2)
-    wait_for_event(ev, lambda e: e["event"] == "checkpoint" and e["step"] >= 100, 90, job)
+    wait_for_event(ev, lambda e: e["event"] == Event.CHECKPOINT and e["step"] >= 100, 90, job)
     workers = job.workers()
     stopped, healthy = workers[1], workers[0]
     t_stop = time.monotonic()
@@ -100,7 +103,7 @@ def test_sigstopped_rank_is_detected_and_the_job_recovers(launch, tmp_path):
     assert job.wait(180) == 0, job.log()[-3000:]
     log = job.log()
     assert "HANG DETECTED" in log and "(most recent call first)" in log  # stacks dumped
-    resumes = [e for e in read_events(ev) if e["event"] == "resume"]
+    resumes = [e for e in read_events(ev) if e["event"] == Event.RESUME]
     assert len(resumes) == 2 and resumes[1]["step"] >= 100
     # The run report names the cause from the watchdog's last words.
     outcomes = [a.outcome for a in build_timeline(read_events(ev)).attempts]
@@ -131,9 +134,9 @@ def test_slow_and_late_rank_within_budget_completes(launch, tmp_path):
     job = launch(args, nproc=2, max_restarts=0)
     assert job.wait(150) == 0, job.log()[-3000:]
     events = read_events(ev)
-    (start,) = [e for e in events if e["event"] == "start"]
+    (start,) = [e for e in events if e["event"] == Event.START]
     assert start["init_s"] >= 15  # rank 0 waited for the late rank inside the init budget
-    reports = [e for e in events if e["event"] == "stragglers"]
+    reports = [e for e in events if e["event"] == Event.STRAGGLERS]
     assert reports and reports[-1]["slowest_rank"] == 1
     medians = [r["median_s"] for r in reports[-1]["ranks"]]
     assert 2.0 < medians[1] / medians[0] < 4.0
@@ -177,7 +180,7 @@ def test_workers_of_a_dead_agent_exit_and_commit_nothing(launch, tmp_path):
     job = launch(
         toy_args(ckpt, ev, max_steps=100000, every=10, step_time=0.01), nproc=2, max_restarts=0
     )
-    wait_for_event(ev, lambda e: e["event"] == "checkpoint" and e["step"] >= 30, 90, job)
+    wait_for_event(ev, lambda e: e["event"] == Event.CHECKPOINT and e["step"] >= 30, 90, job)
     workers = list(job.workers().values())
     t_kill = time.time()
     os.kill(job.proc.pid, signal.SIGKILL)  # only the agent: the OOM killer's way

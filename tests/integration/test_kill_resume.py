@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from elastictrain.events import read_events
+from elastictrain.observe.events import Event, read_events
 from tests.integration.launcher import assert_bitwise_equal, final_state, wait_for_event
 
 
@@ -48,22 +48,22 @@ def test_sigkill_workers_resume_bitwise(launch, tmp_path, nproc):
     job = launch(toy_args(run_dir, ev), nproc=nproc, max_restarts=3, name="killed")
     rng = random.Random(1000 + nproc)
     # Kill 1: right after the first checkpoint commits.
-    wait_for_event(ev, lambda e: e["event"] == "checkpoint", 90, job)
+    wait_for_event(ev, lambda e: e["event"] == Event.CHECKPOINT, 90, job)
     job.kill_worker(rng.randrange(nproc))
     # Kill 2: at a random moment after the restarted group resumed from a checkpoint.
-    wait_for_event(ev, lambda e: e["event"] == "resume" and not e["fresh"], 90, job)
+    wait_for_event(ev, lambda e: e["event"] == Event.RESUME and not e["fresh"], 90, job)
     time.sleep(rng.uniform(0.1, 1.0))
     job.kill_worker(rng.randrange(nproc))
     assert job.wait(180) == 0, job.log()[-3000:]
 
     events = read_events(ev)
-    starts = [e for e in events if e["event"] == "start"]
-    resumes = [e for e in events if e["event"] == "resume"]
+    starts = [e for e in events if e["event"] == Event.START]
+    resumes = [e for e in events if e["event"] == Event.RESUME]
     assert [e["restart_count"] for e in starts] == [0, 1, 2]
     assert resumes[0]["fresh"] and not resumes[1]["fresh"] and not resumes[2]["fresh"]
     assert 40 <= resumes[1]["step"] <= resumes[2]["step"] < 300
     assert resumes[1]["step"] % 40 == 0 and resumes[2]["step"] % 40 == 0
-    assert events[-1]["event"] == "end" and events[-1]["step"] == 300
+    assert events[-1]["event"] == Event.END and events[-1]["step"] == 300
     assert_bitwise_equal(final_state(run_dir), final_state(ref_dir))
     print(
         f"\nnproc={nproc}: 2 SIGKILLs, resumed from steps {[e['step'] for e in resumes]}, bitwise equal"
@@ -84,7 +84,7 @@ def test_time_based_checkpoints_agree_across_ranks(launch, tmp_path):
         )
     )
     assert job.wait(120) == 0, job.log()[-3000:]
-    reasons = [e["reason"] for e in read_events(ev) if e["event"] == "checkpoint"]
+    reasons = [e["reason"] for e in read_events(ev) if e["event"] == Event.CHECKPOINT]
     assert reasons.count("time") >= 2 and reasons[-1] == "final"
 
 
@@ -104,9 +104,9 @@ def test_user_task_example_trains_and_resumes(launch, tmp_path):
     assert launch([*args, "--max-steps", "40"], name="first").wait(120) == 0
     job = launch(args, name="second")
     assert job.wait(120) == 0, job.log()[-3000:]
-    resumes = [e for e in read_events(str(tmp_path / "ev.jsonl")) if e["event"] == "resume"]
+    resumes = [e for e in read_events(str(tmp_path / "ev.jsonl")) if e["event"] == Event.RESUME]
     assert [e["step"] for e in resumes] == [0, 40]
-    progress = [e for e in read_events(str(tmp_path / "ev.jsonl")) if e["event"] == "progress"]
+    progress = [e for e in read_events(str(tmp_path / "ev.jsonl")) if e["event"] == Event.PROGRESS]
     assert progress[-1]["step"] == 60 and progress[-1]["loss"] < progress[0]["loss"]
 
 
@@ -121,10 +121,10 @@ def test_sigkill_resume_on_s3(launch, tmp_path, s3_bucket):
     assert ref.wait(120) == 0
     url, ev = f"{bucket_url}/run", str(tmp_path / "run.jsonl")
     job = launch(toy_args(url, ev, max_steps=200, step_time=0.01, extra=opts), name="s3-killed")
-    wait_for_event(ev, lambda e: e["event"] == "checkpoint", 90, job)
+    wait_for_event(ev, lambda e: e["event"] == Event.CHECKPOINT, 90, job)
     job.kill_worker(0)  # rank 0: the writer
     assert job.wait(180) == 0, job.log()[-3000:]
-    resumes = [e for e in read_events(ev) if e["event"] == "resume"]
+    resumes = [e for e in read_events(ev) if e["event"] == Event.RESUME]
     assert resumes[0]["fresh"] and not resumes[1]["fresh"] and resumes[1]["step"] >= 40
     assert_bitwise_equal(
         final_state(url, storage_options=options), final_state(str(tmp_path / "ref"))

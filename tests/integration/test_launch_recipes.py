@@ -9,7 +9,7 @@ import signal
 
 import pytest
 
-from elastictrain.events import read_events
+from elastictrain.observe.events import Event, read_events
 from tests.conftest import free_port
 from tests.integration.launcher import REPO_ROOT, descendants, final_state, job_env, wait_for_event
 
@@ -63,11 +63,11 @@ def signal_like_slurm(job, how: str) -> None:
 def test_sbatch_script_saves_requeues_and_resumes(launch, tmp_path, slurm_env, how):
     events = str(tmp_path / f"events-{JOB_ID}.jsonl")
     first = launch(["--task-option", "step_time=0.01"], script=["bash", SBATCH], env=slurm_env)
-    wait_for_event(events, lambda e: e["event"] == "progress" and e["step"] >= 20, 90, first)
+    wait_for_event(events, lambda e: e["event"] == Event.PROGRESS and e["step"] >= 20, 90, first)
     signal_like_slurm(first, how)
     code = first.wait(60)
     log = first.log()
-    (preempted,) = [e for e in read_events(events) if e["event"] == "preempted"]
+    (preempted,) = [e for e in read_events(events) if e["event"] == Event.PREEMPTED]
     assert preempted["signal"] == ("SIGUSR1" if how == "usr1" else "SIGTERM"), log[-3000:]
     saved = preempted["step"]
     assert code != 0 and scontrol_calls(tmp_path) == [f"requeue {JOB_ID}"], log[-3000:]
@@ -78,7 +78,7 @@ def test_sbatch_script_saves_requeues_and_resumes(launch, tmp_path, slurm_env, h
         ["--max-steps", str(saved + 30)], script=["bash", SBATCH], env=slurm_env, name="requeued"
     )
     assert again.wait(90) == 0, again.log()[-3000:]
-    resumes = [e for e in read_events(events) if e["event"] == "resume"]
+    resumes = [e for e in read_events(events) if e["event"] == Event.RESUME]
     assert resumes[-1]["step"] == saved and not resumes[-1]["fresh"]
     assert scontrol_calls(tmp_path) == [f"requeue {JOB_ID}"]  # a finished job is not requeued
     assert final_state(slurm_env["CHECKPOINT_DIR"])["progress"]["step"] == saved + 30

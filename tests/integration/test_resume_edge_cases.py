@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import storage
-from elastictrain.events import read_events
-from elastictrain.state import from_bytes, state_file_of
+from elastictrain.checkpoint.state import from_bytes, state_file_of
+from elastictrain.observe.events import Event, read_events
 from tests.integration.launcher import REPO_ROOT, assert_bitwise_equal, final_state, job_env
 from tests.integration.test_kill_resume import toy_args
 
@@ -70,7 +70,7 @@ def test_resume_cuda_saved_checkpoint_on_cpu_only_node(launch, tmp_path):
     ev = str(tmp_path / "gpu.jsonl")
     job = launch(toy_args(gpu_dir, ev, max_steps=120, every=60, step_time=0), name="gpu")
     assert job.wait(120) == 0, job.log()[-3000:]
-    assert [e["step"] for e in read_events(ev) if e["event"] == "resume"] == [60]
+    assert [e["step"] for e in read_events(ev) if e["event"] == Event.RESUME] == [60]
     assert_bitwise_equal(final_state(gpu_dir), final_state(ref_dir))
 
 
@@ -96,7 +96,7 @@ def test_corrupted_latest_falls_back_to_previous(launch, tmp_path):
     job = launch(toy_args(run_dir, ev, max_steps=150, every=50, step_time=0), name="b")
     assert job.wait(120) == 0, job.log()[-3000:]
     assert "CORRUPT CHECKPOINT" in job.log() and "checkpoint step 100" in job.log()
-    assert [e["step"] for e in read_events(ev) if e["event"] == "resume"] == [50]
+    assert [e["step"] for e in read_events(ev) if e["event"] == Event.RESUME] == [50]
     # Step 100 was re-trained and re-committed over the corrupt one; everything now verifies.
     listed = storage.open_store(run_dir).list()
     assert [c.step for c in listed] == [50, 100, 150] and all(c.ok for c in listed)
@@ -161,7 +161,7 @@ def test_bad_credentials_fail_fast_before_any_compute(tmp_path, s3_auth):
     assert "rejected the credentials (InvalidAccessKeyId)" in result.stderr
     assert "hunter2" not in result.stderr + result.stdout
     assert "hunter2" not in (tmp_path / "ev.jsonl").read_text()
-    assert not [e for e in read_events(str(tmp_path / "ev.jsonl")) if e["event"] == "progress"]
+    assert not [e for e in read_events(str(tmp_path / "ev.jsonl")) if e["event"] == Event.PROGRESS]
 
 
 def test_unknown_protocol_fails_clearly(tmp_path):

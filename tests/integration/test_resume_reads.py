@@ -7,7 +7,7 @@ import os
 import pytest
 
 import storage
-from elastictrain.events import read_events
+from elastictrain.observe.events import Event, read_events
 from tests.integration.counting_fs import bytes_read
 from tests.integration.launcher import job_env
 
@@ -43,7 +43,7 @@ def test_bytes_read_per_resume_at_world_size_3(launch, tmp_path, mode, expected_
     )
     assert second.wait(120) == 0, second.log()[-3000:]
     assert [
-        e["step"] for e in read_events(str(tmp_path / "ev.jsonl")) if e["event"] == "resume"
+        e["step"] for e in read_events(str(tmp_path / "ev.jsonl")) if e["event"] == Event.RESUME
     ] == [0, 20]
     ratio = bytes_read(log, os.path.join("step-000000000020", "state-g")) / size
     print(f"\nresume-read={mode}: {ratio:.3f}x the checkpoint ({size} bytes) read at world size 3")

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 import storage
-from elastictrain.events import read_events
+from elastictrain.checkpoint.persist import Reason
+from elastictrain.observe.events import Event, read_events
 from tests.integration.fault_proxy import KINDS, FaultProxy
 from tests.integration.launcher import wait_for_event
 from tests.integration.test_kill_resume import toy_args
@@ -105,9 +106,9 @@ def test_storage_down_warn_skips_keeps_training_and_recovers(launch, tmp_path, s
             step_time=0.02,
         )
         job = launch(args, nproc=2, max_restarts=0)
-        wait_for_event(ev, lambda e: e["event"] == "checkpoint" and e["step"] >= 40, 120, job)
+        wait_for_event(ev, lambda e: e["event"] == Event.CHECKPOINT and e["step"] >= 40, 120, job)
         proxy.down = True
-        wait_for_event(ev, lambda e: e["event"] == "checkpoint_skipped", 120, job)
+        wait_for_event(ev, lambda e: e["event"] == Event.CHECKPOINT_SKIPPED, 120, job)
         proxy.down = False
         assert job.wait(180) == 0, job.log()[-4000:]
     log = job.log()
@@ -143,7 +144,7 @@ def test_storage_down_stops_the_job_when_it_must(launch, tmp_path, s3_bucket, po
             step_time=0.02,
         )
         job = launch(args, nproc=2, max_restarts=0)
-        wait_for_event(ev, lambda e: e["event"] == "checkpoint" and e["step"] == 20, 120, job)
+        wait_for_event(ev, lambda e: e["event"] == Event.CHECKPOINT and e["step"] == 20, 120, job)
         proxy.down = True
         assert job.wait(180) != 0
     log = job.log()
@@ -179,7 +180,7 @@ def test_async_persist_on_slow_storage_waits_and_the_final_checkpoint_lands(
     checkpoints = _events(ev, "checkpoint")
     assert [e["step"] for e in checkpoints] == list(range(5, 21, 5))
     assert any(e["waited_s"] > 0 for e in checkpoints) and "waited" in log
-    assert checkpoints[-1]["reason"] == "final"
+    assert checkpoints[-1]["reason"] == Reason.FINAL
     sync = _events(runs["--no-async-checkpoint"][1], "checkpoint")
     # The loop is blocked for the snapshot (and any wait) instead of the whole persist.
     blocked_async = sorted(e["blocked_s"] - e["waited_s"] for e in checkpoints)

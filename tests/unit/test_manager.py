@@ -15,7 +15,7 @@ from torch import nn
 
 from elastictrain import CheckpointManager, Preempted, load_checkpoint
 from elastictrain.errors import CheckpointMismatchError, ConfigError
-from elastictrain.events import read_events
+from elastictrain.observe.events import Event, read_events
 from tests.integration.launcher import job_env
 
 
@@ -95,11 +95,11 @@ def test_misuse_gets_errors_that_name_the_fix(tmp_path):
     ckpt = CheckpointManager(str(tmp_path / "c"))
     with pytest.raises(ConfigError, match=r"call resume\(model, optimizer\) once"):
         ckpt.save(1, model, opt)
-    with pytest.raises(ConfigError, match="every_steps=0"):
-        CheckpointManager(str(tmp_path / "c"), every_steps=0)
-    with pytest.raises(ConfigError, match="keep at least 1"):
+    with pytest.raises(ConfigError, match=r"every_steps must be a positive whole number .*got -1"):
+        CheckpointManager(str(tmp_path / "c"), every_steps=-1)
+    with pytest.raises(ConfigError, match="keep_last must be > 0, got 0"):
         CheckpointManager(str(tmp_path / "c"), keep_last=0)
-    with pytest.raises(ConfigError, match="'warn' or 'fail'"):
+    with pytest.raises(ConfigError, match="on_storage_failure must be 'warn' or 'fail'"):
         CheckpointManager(str(tmp_path / "c"), on_storage_failure="ignore")
     with pytest.raises(ConfigError, match="'SIGNOPE' is not a signal name"):
         CheckpointManager(str(tmp_path / "c"), preempt_signals=["SIGNOPE"])
@@ -124,7 +124,7 @@ def test_sigterm_commits_the_current_step_then_stops_with_75(tmp_path):
     assert state["progress"]["step"] == stopped.value.step == state["extra"]["seen"]
     for a, b in zip(model.state_dict().values(), state["model"].values(), strict=True):
         assert torch.equal(a, b)
-    (event,) = [e for e in read_events(str(tmp_path / "e")) if e["event"] == "preempted"]
+    (event,) = [e for e in read_events(str(tmp_path / "e")) if e["event"] == Event.PREEMPTED]
     assert event["signal"] == "SIGTERM" and event["step"] == stopped.value.step
     assert signal.getsignal(signal.SIGTERM) == before  # close() handed the process back
     # Opting out leaves the handlers alone.
@@ -137,7 +137,7 @@ def test_time_schedule_saves_on_rank0s_clock(tmp_path):
     ckpt = CheckpointManager(str(tmp_path / "c"), every_seconds=3600, async_save=False)
     ckpt.resume(model, opt, sched)
     assert not ckpt.step(1, model, opt, sched)  # an hour has not passed
-    ckpt._schedule._last -= 7200  # now it has
+    ckpt._session.schedule._last -= 7200  # now it has
     train(model, opt, sched, 1)
     assert ckpt.step(2, model, opt, sched) and ckpt.last_committed == 2
     ckpt.close()
@@ -173,5 +173,5 @@ def test_hang_timeout_dumps_stacks_and_exits_4(tmp_path):
     assert "(budget 1s, from hang_timeout)" in done.stderr  # the setting to raise, by its name
     assert "stuck_in_a_collective" in done.stderr  # the stack shows where it waited
     assert load_checkpoint(str(tmp_path / "h"))["progress"]["step"] == 2  # saves were not hangs
-    with pytest.raises(ConfigError, match="hang_timeout=0"):
+    with pytest.raises(ConfigError, match="hang_timeout must be > 0, got 0"):
         CheckpointManager(str(tmp_path / "h"), hang_timeout=0)

@@ -8,9 +8,11 @@ import logging
 
 import torch
 
-from elastictrain import report
-from elastictrain.events import EventLog, setup_logging
-from elastictrain.progress import STATUS, Progress, live_terminal
+from elastictrain.observe import report, timeline
+from elastictrain.observe.events import EventLog
+from elastictrain.observe.logs import setup_logging
+from elastictrain.observe.progress import Progress
+from elastictrain.observe.terminal import STATUS, live_terminal
 
 
 def ev(event: str, t: float, **fields) -> dict:
@@ -43,7 +45,7 @@ def test_timeline_names_each_restart_cause():
         ev("progress", 42, step=60, loss=0.5),
         ev("end", 45, step=100),
     ]
-    tl = report.build_timeline(events)
+    tl = timeline.build_timeline(events)
     outcomes = [a.outcome for a in tl.attempts]
     assert outcomes == ["kill", "hang", "preemption", "membership change", "finished"]
     assert "world size 2 -> 1" in tl.attempts[3].detail
@@ -52,8 +54,8 @@ def test_timeline_names_each_restart_cause():
     # A peer's hang explains the other ranks' errors in the same attempt, in either order.
     both = [*attempt(0, 2, 0, 0), ev("exit", 3, cause="DistBackendError", detail="reset")]
     both.append(ev("exit", 4, cause="hang", detail="no progress", rank=1))
-    assert report.build_timeline(both).attempts[0].outcome == "hang"
-    text = report.summary(tl)
+    assert timeline.build_timeline(both).attempts[0].outcome == "hang"
+    text = timeline.summary(tl)
     assert text.count("\n") == 4 and "ended: hang (rank 1: no progress for 5.0s)" in text
 
 
@@ -67,7 +69,7 @@ def test_a_kill_names_the_silent_rank_and_the_gist_of_what_its_peer_saw():
     events.append(ev("exit", 3, cause="RuntimeError", detail=gloo, rank=1))
     # A restart killed during its own startup: it never resumed, so it trained no steps.
     events.append(ev("start", 5, world_size=4, local_world_size=2, restart_count=1, generation=2))
-    tl = report.build_timeline(events)
+    tl = timeline.build_timeline(events)
     (first, second) = tl.attempts
     # Only ranks 0 and 1 are on rank 0's node: rank 0 is the silent one, ranks 2-3 are not guessed.
     assert first.outcome == "kill"
@@ -75,12 +77,12 @@ def test_a_kill_names_the_silent_rank_and_the_gist_of_what_its_peer_saw():
         "rank 0 died without a word; rank 1: Read error [127.0.0.1]:28848: Connection reset by peer"
     )
     assert not second.resumed and second.resumed_step == 10  # drawn where the run had got to
-    text = report.summary(tl)
+    text = timeline.summary(tl)
     assert "steps 0->10" in text and "ended before resuming" in text and "steps 10->" not in text
 
 
 def test_timeline_of_a_run_still_going_says_so():
-    tl = report.build_timeline([*attempt(0, 2, 0, 0), ev("progress", 5, step=10, loss=1.0)])
+    tl = timeline.build_timeline([*attempt(0, 2, 0, 0), ev("progress", 5, step=10, loss=1.0)])
     assert tl.attempts[0].outcome == "running or killed" and tl.attempts[0].last_step == 10
 
 

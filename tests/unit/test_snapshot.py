@@ -11,9 +11,9 @@ from collections import OrderedDict
 import pytest
 import torch
 
-from elastictrain import snapshot
+from elastictrain.checkpoint import staging as snapshot
+from elastictrain.checkpoint.state import from_bytes, from_bytes_file
 from elastictrain.errors import UnsafeCheckpointError
-from elastictrain.state import from_bytes, from_bytes_file
 
 
 def _state():

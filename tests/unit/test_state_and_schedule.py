@@ -5,10 +5,8 @@ import io
 import pytest
 import torch
 
-from elastictrain.checkpointing import CheckpointSchedule
-from elastictrain.errors import CheckpointMismatchError
-from elastictrain.events import EventLog, read_events
-from elastictrain.state import (
+from elastictrain.checkpoint.schedule import CheckpointSchedule
+from elastictrain.checkpoint.state import (
     DataFingerprint,
     capture,
     check_compatible,
@@ -16,6 +14,8 @@ from elastictrain.state import (
     restore,
     to_bytes,
 )
+from elastictrain.errors import CheckpointMismatchError
+from elastictrain.observe.events import Event, EventLog, read_events
 from elastictrain.toy import ToyModel
 
 FP = DataFingerprint(batch_size=64, dataset_size=4096, seed=0)
@@ -105,7 +105,7 @@ def test_event_log_appends_and_tolerates_torn_line(tmp_path):
 def test_progress_reports_rate_eta_and_last_checkpoint(tmp_path, caplog):
     import logging
 
-    from elastictrain.progress import Progress
+    from elastictrain.observe.progress import Progress
 
     path = str(tmp_path / "e.jsonl")
     progress = Progress(
@@ -117,12 +117,12 @@ def test_progress_reports_rate_eta_and_last_checkpoint(tmp_path, caplog):
         enabled=True,
     )
     progress.last_checkpoint = 40
-    with caplog.at_level(logging.INFO, logger="elastictrain.progress"):
+    with caplog.at_level(logging.INFO, logger="elastictrain.observe.progress"):
         assert not progress.due()  # inside the interval
         progress.report(50, torch.tensor(0.25))
     (event,) = read_events(path)
     assert (
-        event["event"] == "progress"
+        event["event"] == Event.PROGRESS
         and event["step"] == 50
         and event["loss"] == 0.25
         and event["steps_per_s"] > 0

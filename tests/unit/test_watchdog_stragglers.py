@@ -6,8 +6,9 @@ import signal
 import pytest
 
 from elastictrain.errors import ConfigError
-from elastictrain.stragglers import StepTimer, StragglerReport
-from elastictrain.watchdog import HangWatchdog, StopSignals, parse_signal
+from elastictrain.observe.stragglers import StepTimer, StragglerReport
+from elastictrain.signals import StopSignals, parse_signal
+from elastictrain.watchdog import HangWatchdog
 
 
 class Clock:

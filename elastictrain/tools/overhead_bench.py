@@ -21,6 +21,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from elastictrain.observe.events import Event
+
 TASK_OPTIONS = {"hidden": "512", "layers": "4", "batch_size": "64", "step_time": "0"}
 
 
@@ -69,7 +71,7 @@ def _torchrun(args: list[str], workdir: str) -> None:
 
 
 def _elastictrain_step_s(steps: int, workdir: str, i: int) -> float:
-    from elastictrain.events import read_events
+    from elastictrain.observe.events import read_events
 
     ev = os.path.join(workdir, f"ev{i}.jsonl")
     options = [a for k, v in TASK_OPTIONS.items() for a in ("--task-option", f"{k}={v}")]
@@ -79,7 +81,7 @@ def _elastictrain_step_s(steps: int, workdir: str, i: int) -> float:
          "--log-every-seconds", "1000", *options],
         workdir,
     )  # fmt: skip
-    (end,) = [e for e in read_events(ev) if e["event"] == "end"]
+    (end,) = [e for e in read_events(ev) if e["event"] == Event.END]
     return end["after_first_step_s"] / (steps - 1)
 
 
@@ -88,7 +90,9 @@ def run(steps: int, repeats: int) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as workdir:
         for i in range(repeats):
             out = os.path.join(workdir, f"plain{i}.json")
-            _torchrun(["-m", "elastictrain.overhead_bench", "--plain", str(steps), out], workdir)
+            _torchrun(
+                ["-m", "elastictrain.tools.overhead_bench", "--plain", str(steps), out], workdir
+            )
             with open(out) as f:
                 plain.append(json.load(f)["step_s"])
             ours.append(_elastictrain_step_s(steps, workdir, i))

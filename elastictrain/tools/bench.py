@@ -34,8 +34,9 @@ from typing import Any
 import torch
 
 import storage
-from elastictrain import snapshot
-from elastictrain.state import from_bytes
+from elastictrain.checkpoint import staging as snapshot
+from elastictrain.checkpoint.state import from_bytes
+from elastictrain.tools._io import drop_cache
 
 _UNITS = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
@@ -81,15 +82,6 @@ def _timed(fn: Callable[[], Any]) -> float:
     return time.perf_counter() - t0
 
 
-def _drop_cache(path: str) -> None:
-    """Evict a local file's pages so the next read comes from the device, not memory."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
 class Bench:
     def __init__(self, url: str, options: dict[str, Any], size: int, repeats: int) -> None:
         self.root = f"{url.rstrip('/')}/elastictrain-bench-{uuid.uuid4().hex[:8]}"
@@ -132,7 +124,7 @@ class Bench:
     def _raw_read(self, path: str) -> float:
         """Read one file, and nothing else: unbuffered, into unzeroed memory, 4 MB at a time."""
         if self.local:
-            _drop_cache(path)
+            drop_cache(path)
         t0 = time.perf_counter()
         if self.local:
             view, off = memoryview(mmap.mmap(-1, os.path.getsize(path))), 0
@@ -208,7 +200,7 @@ class Bench:
             payload = self._path(f"step-{step:012d}/state.bin")
             raw_read.append(self._raw_read(payload))
             if self.local:
-                _drop_cache(payload)
+                drop_cache(payload)
             load.append(_timed(lambda s=step: from_bytes(self.store.read(s).files["state.bin"])))
         for step in range(1, self.repeats + 1):
             self.store.delete(step)
@@ -352,15 +344,17 @@ def main(argv: list[str]) -> int:
     p.add_argument("--steps", type=int, default=2000, help="steps per run for --overhead")
     args = p.parse_args(argv)
     if args.overhead:
-        from elastictrain import overhead_bench
+        from elastictrain.tools import overhead_bench
 
         return overhead_bench.main(args.steps, args.repeats, args.json)
     if args.recovery:
-        from elastictrain import recovery_bench
+        from elastictrain.tools import recovery_bench
 
         size = args.size if "--size" in argv else parse_size("64MB")
         return recovery_bench.main(size, args.json)
     options = dict(storage.parse_option(kv) for kv in args.storage_option)
+    # The runner's preflight, so a missing bucket or a dead endpoint is named in seconds.
+    storage.open_store(args.checkpoint_dir, storage_options=options).probe()
     torch.set_num_threads(1)  # like a worker under torchrun (OMP_NUM_THREADS=1): fair to everyone
     result = Bench(args.checkpoint_dir, options, args.size, args.repeats).run()
     print(json.dumps(result, indent=1) if args.json else table(result))

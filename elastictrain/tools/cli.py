@@ -10,10 +10,7 @@ import datetime
 import json
 from typing import Any
 
-import torch
-
 import storage
-from elastictrain import state as tstate
 
 SUBCOMMANDS = ("ls", "verify", "inspect", "prune")
 
@@ -26,9 +23,13 @@ def _parser(name: str, description: str) -> argparse.ArgumentParser:
     return p
 
 
-def _store(args: argparse.Namespace) -> storage.CheckpointStore:
+def _store(args: argparse.Namespace, *, write: bool = False) -> storage.CheckpointStore:
+    """The store at ``args.url``, proven usable first: a missing bucket, rejected credentials or a
+    dead endpoint get the runner's own one-line diagnosis within seconds, not a traceback."""
     options = dict(storage.parse_option(kv) for kv in args.storage_option)
-    return storage.open_store(args.url, storage_options=options)
+    store = storage.open_store(args.url, storage_options=options)
+    store.probe(write=write)
+    return store
 
 
 def _emit(args: argparse.Namespace, doc: dict[str, Any], text: str) -> None:
@@ -96,6 +97,8 @@ def verify(argv: list[str]) -> int:
 
 
 def _tensors(obj: Any, prefix: str = "") -> list[dict[str, Any]]:
+    import torch  # only here: the other commands never load a payload
+
     if isinstance(obj, torch.Tensor):
         return [
             {
@@ -125,6 +128,8 @@ def inspect(argv: list[str]) -> int:
         raise storage.CheckpointNotFoundError(
             f"No committed checkpoint {step} under {store.safe_url!r}."
         )
+    from elastictrain.checkpoint import state as tstate  # torch: this command reads a payload
+
     # map_location="meta" builds tensors without their storage: only the pickle and headers are read.
     with store.open_file(step, tstate.state_file_of(manifest.metadata)) as f:
         state = tstate.from_bytes_file(f, map_location="meta")
@@ -156,7 +161,7 @@ def prune(argv: list[str]) -> int:
     p.add_argument("--keep-every-steps", type=int, metavar="M", help="also keep multiples of M")
     p.add_argument("--dry-run", action="store_true", help="only show what would be deleted")
     args = p.parse_args(argv)
-    store = _store(args)
+    store = _store(args, write=not args.dry_run)
     newest = store.latest()
     if newest is None:
         _emit(

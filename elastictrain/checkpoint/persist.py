@@ -28,18 +28,29 @@ from typing import Any
 import torch
 
 import storage
-from elastictrain import state as tstate
+from elastictrain.checkpoint import state as tstate
+from elastictrain.checkpoint.staging import Snapshot, Staging
 from elastictrain.errors import OrphanedError
-from elastictrain.events import EventLog
-from elastictrain.snapshot import Snapshot, Staging
+from elastictrain.observe.events import Event, EventLog, Name
 from elastictrain.version import __version__
 
 logger = logging.getLogger(__name__)
 
 # Outcomes of a save, broadcast from rank 0 so every rank acts on the same one.
 COMMITTED, SKIPPED, FAILED = 0, 1, 2
+
+
+class Reason(Name):
+    """Why a checkpoint was taken (the ``reason`` of checkpoint events)."""
+
+    STEPS = "steps"  # every N steps
+    TIME = "time"  # every T seconds, on rank 0's clock
+    FINAL = "final"  # the end of training
+    PREEMPT = "preempt"  # a stop signal (SIGTERM, Ctrl-C, ...)
+
+
 # Checkpoints the run cannot go on without: the end of training, and the one a preemption waits for.
-MUST_COMMIT = ("final", "preempt")
+MUST_COMMIT = (Reason.FINAL, Reason.PREEMPT)
 
 
 @dataclass(frozen=True)
@@ -147,7 +158,7 @@ class Persister:
             # In the background nothing else would see it: report it and stop the run.
             logger.exception("CHECKPOINT FAILED at step %d (%s): %s", job.step, job.reason, e)
             self.events.emit(
-                "checkpoint_failed",
+                Event.CHECKPOINT_FAILED,
                 step=job.step,
                 reason=job.reason,
                 error=f"{type(e).__name__}: {e}",
@@ -188,7 +199,7 @@ class Persister:
             manifest.total_bytes / max(persist, 1e-9) / 1e9,
         )
         self.events.emit(
-            "checkpoint",
+            Event.CHECKPOINT,
             step=step,
             reason=reason,
             bytes=manifest.total_bytes,
@@ -218,7 +229,7 @@ class Persister:
                 self.last_committed,
             )
             self.events.emit(
-                "checkpoint_skipped",
+                Event.CHECKPOINT_SKIPPED,
                 step=step,
                 reason=reason,
                 error=f"{type(e).__name__}: {e}",
@@ -228,7 +239,7 @@ class Persister:
             return SKIPPED
         logger.error("CHECKPOINT FAILED at step %d (%s): %s", step, reason, e)
         self.events.emit(
-            "checkpoint_failed", step=step, reason=reason, error=f"{type(e).__name__}: {e}"
+            Event.CHECKPOINT_FAILED, step=step, reason=reason, error=f"{type(e).__name__}: {e}"
         )
         return FAILED
 

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from elastictrain import snapshot
+from elastictrain.checkpoint import staging as snapshot
 from elastictrain.errors import CheckpointMismatchError, UnsafeCheckpointError
 
 STATE_FILE = "state.pt"  # the name before generations were part of it; still read

@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import storage
-from elastictrain import state as tstate
+from elastictrain.checkpoint import state as tstate
 
 
 def load_checkpoint(

@@ -1,4 +1,4 @@
-"""Checkpoint schedule, rank-0 save, and resume with one storage read per job."""
+"""The save/resume protocol across ranks: rank 0 saves, every rank resumes from one storage read."""
 
 from __future__ import annotations
 
@@ -13,41 +13,12 @@ import torch.distributed as dist
 
 import storage
 from elastictrain import dist as edist
-from elastictrain import state as tstate
+from elastictrain.checkpoint import state as tstate
+from elastictrain.checkpoint.persist import COMMITTED, FAILED, MUST_COMMIT, Failure, Persister
 from elastictrain.errors import CheckpointFailedError
-from elastictrain.events import EventLog
-from elastictrain.persist import COMMITTED, FAILED, MUST_COMMIT, Failure, Persister
+from elastictrain.observe.events import EventLog
 
 logger = logging.getLogger(__name__)
-
-
-class CheckpointSchedule:
-    """Every N steps and/or every T seconds. Only rank 0's clock counts, so ranks cannot disagree."""
-
-    def __init__(
-        self,
-        every_steps: int | None,
-        every_seconds: float | None,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self.every_steps = every_steps
-        self.every_seconds = every_seconds
-        self._clock = clock
-        self._last = clock()
-
-    @property
-    def uses_time(self) -> bool:
-        return self.every_seconds is not None
-
-    def due_by_steps(self, completed_steps: int) -> bool:
-        return bool(self.every_steps) and completed_steps % self.every_steps == 0
-
-    def due_by_time(self) -> bool:
-        """Rank 0's opinion; the loop makes it everyone's with one collective."""
-        return self.uses_time and self._clock() - self._last >= self.every_seconds
-
-    def mark_saved(self) -> None:
-        self._last = self._clock()
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Draws a ``report.Timeline`` with matplotlib (the ``[report]`` extra): PNG/SVG/PDF, or HTML with
+"""Draws a ``timeline.Timeline`` with matplotlib (the ``[report]`` extra): PNG/SVG/PDF, or HTML with
 the picture embedded and the attempts and checkpoints as tables.
 
 Uses ``matplotlib.figure.Figure`` directly, not pyplot: no global state, no display needed.
@@ -12,13 +12,13 @@ import io
 
 from matplotlib.figure import Figure
 
-from elastictrain.report import FINISHED, Timeline
+from elastictrain.observe.timeline import Outcome, Timeline
 
 _CAUSE_COLOURS = {
-    "kill": "tab:red",
-    "hang": "tab:purple",
-    "preemption": "tab:orange",
-    "membership change": "tab:brown",
+    Outcome.KILL: "tab:red",
+    Outcome.HANG: "tab:purple",
+    Outcome.PREEMPTION: "tab:orange",
+    Outcome.MEMBERSHIP: "tab:brown",
 }
 
 
@@ -121,7 +121,7 @@ def _html(timeline: Timeline, title: str, png_b64: str) -> str:
     rows = "".join(
         f"<tr><td>{a.index}</td><td>{a.start - timeline.t0:.1f}</td><td>{a.world_size}</td>"
         f"<td>{a.resumed_step if a.resumed else '-'}</td><td>{a.last_step}</td><td>{len(a.checkpoints)}</td>"
-        f"<td{'' if a.outcome == FINISHED else ' class=bad'}>{e(a.outcome)}</td>"
+        f"<td{'' if a.outcome == Outcome.FINISHED else ' class=bad'}>{e(a.outcome)}</td>"
         f"<td>{e(a.detail)}</td></tr>"
         for a in timeline.attempts
     )

@@ -29,9 +29,13 @@ import tempfile
 import time
 from typing import Any
 
+from elastictrain.observe.events import Event
+from elastictrain.tools._io import drop_cache
+
 _FAILED_LINE = re.compile(r"^[EW]\d{4} (\d\d:\d\d:\d\d\.\d+) .*failed \(exitcode", re.M)
 _NOOP = """import os, time
 import torch, torch.distributed  # what any training script pays at start
+from elastictrain.observe.events import Event
 with open(os.environ["ET_READY"], "a") as f:
     f.write(f"{os.environ['TORCHELASTIC_RESTART_COUNT']} {time.time()}\\n")
 while True:
@@ -113,7 +117,7 @@ def _wait(predicate, timeout: float, what: str, job: _Torchrun):
 
 
 def _events(path: str) -> list[dict[str, Any]]:
-    from elastictrain.events import read_events
+    from elastictrain.observe.events import read_events
 
     return read_events(path) if os.path.exists(path) else []
 
@@ -133,7 +137,10 @@ def measure_elastictrain(workdir: str, size: int) -> dict[str, Any]:
     job = _Torchrun(args, os.path.join(workdir, "job.log"), _env())
     try:
         _wait(
-            lambda: any(e["event"] == "checkpoint" for e in _events(ev)), 180, "a checkpoint", job
+            lambda: any(e["event"] == Event.CHECKPOINT for e in _events(ev)),
+            180,
+            "a checkpoint",
+            job,
         )
         old = set(job.workers().values())
         t_kill = time.time()
@@ -141,12 +148,12 @@ def measure_elastictrain(workdir: str, size: int) -> dict[str, Any]:
         _wait(lambda: _new_worker(job, old), 120, "a new worker", job)
         spawned = time.time()  # /proc's start time is only as exact as the boot time (1 s)
         first = _wait(
-            lambda: [e for e in _events(ev) if e["event"] == "first_step" and e["time"] > t_kill],
+            lambda: [e for e in _events(ev) if e["event"] == Event.FIRST_STEP and e["time"] > t_kill],
             180, "the first step after resume", job,
         )[0]  # fmt: skip
         after = [e for e in _events(ev) if e["time"] > t_kill]
-        start = next(e for e in after if e["event"] == "start")
-        resume = next(e for e in after if e["event"] == "resume")
+        start = next(e for e in after if e["event"] == Event.START)
+        resume = next(e for e in after if e["event"] == Event.RESUME)
         detected = _failure_logged(job.log(), t_kill) or spawned
         ckpt_bytes = resume["bytes"]
     finally:
@@ -168,13 +175,11 @@ def measure_elastictrain(workdir: str, size: int) -> dict[str, Any]:
 
 
 def _cold_read_gbps(ckpt: str) -> float:
-    from elastictrain.bench import _drop_cache
-
     paths = [
         os.path.join(d, f) for d, _, files in os.walk(ckpt) for f in files if f.startswith("state-")
     ]
     path = max(paths, key=os.path.getsize)
-    _drop_cache(path)
+    drop_cache(path)
     t0 = time.perf_counter()
     with open(path, "rb", buffering=0) as f:
         while f.read(4 << 20):

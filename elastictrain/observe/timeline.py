@@ -1,32 +1,25 @@
-"""``python -m elastictrain report EVENTS.jsonl -o report.png|.html``: one picture of a run's life.
-
-This module reads rank 0's event log into a timeline of attempts (each ``start`` event begins one)
-and says why each attempt ended; ``report_plot`` draws it. Nothing here needs matplotlib, so the
-timeline and its text summary are available (and tested) without the ``[report]`` extra.
-"""
+"""A run's life from its event log: attempts (each ``start`` event begins one), why each ended,
+what it trained and checkpointed. Needs nothing beyond the standard library, so the summary works
+(and is tested) without the ``[report]`` extra; ``report_plot`` draws it."""
 
 from __future__ import annotations
 
-import argparse
-import importlib.util
-import os
-import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from elastictrain.errors import EXIT_USER_ERROR
-from elastictrain.events import read_events
+from elastictrain.observe.events import Cause, Event, Name
 
-# Why an attempt ended, from its last words (the events rank 0 wrote before it went away).
-FINISHED, PREEMPTION, HANG, MEMBERSHIP, KILL, RUNNING, STOPPED = (
-    "finished",
-    "preemption",
-    "hang",
-    "membership change",
-    "kill",
-    "running or killed",
-    "stopped",
-)
+
+class Outcome(Name):
+    """Why an attempt ended, from its last words (the events written before it went away)."""
+
+    FINISHED = "finished"
+    PREEMPTION = "preemption"
+    HANG = "hang"
+    MEMBERSHIP = "membership change"
+    KILL = "kill"
+    RUNNING = "running or killed"
+    STOPPED = "stopped"
 
 
 @dataclass
@@ -46,7 +39,7 @@ class Attempt:
     """Time of the attempt's last event."""
     trained_at: float | None = None
     """Time its first step completed: the end of the downtime a restart costs."""
-    outcome: str = RUNNING
+    outcome: Outcome = Outcome.RUNNING
     detail: str = ""
     points: list[tuple[float, int]] = field(default_factory=list)
     """(time, completed steps) from every event that names a step."""
@@ -78,7 +71,7 @@ def build_timeline(events: list[dict[str, Any]]) -> Timeline:
     max_steps = None
     for e in sorted(events, key=lambda e: e.get("time", 0.0)):
         kind, t = e.get("event"), float(e.get("time", 0.0))
-        if kind == "start":
+        if kind == Event.START:
             attempts.append(
                 Attempt(
                     index=len(attempts),
@@ -97,31 +90,36 @@ def build_timeline(events: list[dict[str, Any]]) -> Timeline:
         a = attempts[-1]
         a.end = t
         step = e.get("step")
-        if kind == "resume":
+        if kind == Event.RESUME:
             a.resumed, a.resumed_step = True, int(step or 0)
             a.points.append((t, a.resumed_step))
-        elif isinstance(step, int) and kind in ("first_step", "progress", "checkpoint", "end"):
+        elif isinstance(step, int) and kind in (
+            Event.FIRST_STEP,
+            Event.PROGRESS,
+            Event.CHECKPOINT,
+            Event.END,
+        ):
             a.points.append((t, step))
-        if kind == "first_step":
+        if kind == Event.FIRST_STEP:
             a.trained_at = t
-        if kind in ("progress", "first_step") and e.get("loss") is not None:
+        if kind in (Event.PROGRESS, Event.FIRST_STEP) and e.get("loss") is not None:
             a.losses.append((step, float(e["loss"])))
-        elif kind == "checkpoint":
+        elif kind == Event.CHECKPOINT:
             a.checkpoints.append(e)
-        elif kind == "checkpoint_skipped":
+        elif kind == Event.CHECKPOINT_SKIPPED:
             a.skipped.append(e)
-        elif kind == "end":
-            a.outcome, a.detail = FINISHED, f"step {step}"
-        elif kind == "preempted":
-            a.outcome, a.detail = PREEMPTION, f"{e.get('signal')} at step {step}"
-        elif kind == "exit":
+        elif kind == Event.END:
+            a.outcome, a.detail = Outcome.FINISHED, f"step {step}"
+        elif kind == Event.PREEMPTED:
+            a.outcome, a.detail = Outcome.PREEMPTION, f"{e.get('signal')} at step {step}"
+        elif kind == Event.EXIT:
             a.last_words[int(e.get("rank", 0))] = e
-            if a.outcome != HANG:
+            if a.outcome != Outcome.HANG:
                 # Every rank may leave last words; a hang seen by anyone explains the others' errors.
                 a.outcome = _exit_cause(e)
                 a.detail = f"rank {e.get('rank', 0)}: {_gist(str(e.get('detail', '')))}"
     for a in attempts:
-        if a.outcome == KILL and a.local_world_size:
+        if a.outcome == Outcome.KILL and a.local_world_size:
             # A SIGKILLed rank says nothing; its peers only see the connection drop. Name the
             # silent ones (on rank 0's node, whose last words reach this log) as the likely victims.
             silent = sorted(set(range(a.local_world_size)) - set(a.last_words))
@@ -133,10 +131,13 @@ def build_timeline(events: list[dict[str, Any]]) -> Timeline:
             # A node left or joined: the agents re-rendezvoused at another size. Whatever rank 0
             # saw (SIGTERM from its agent, a dead peer) was the symptom of that.
             a.detail = f"world size {a.world_size} -> {nxt.world_size}; {a.outcome} {a.detail}"
-            a.outcome = MEMBERSHIP
-        elif a.outcome == RUNNING:
+            a.outcome = Outcome.MEMBERSHIP
+        elif a.outcome == Outcome.RUNNING:
             # Rank 0 wrote nothing about its end: it, or a peer, was killed outright.
-            a.outcome, a.detail = KILL, "a worker or node died without a word (SIGKILL, OOM, crash)"
+            a.outcome, a.detail = (
+                Outcome.KILL,
+                "a worker or node died without a word (SIGKILL, OOM, crash)",
+            )
     return Timeline(attempts, attempts[0].start if attempts else 0.0, max_steps)
 
 
@@ -150,11 +151,11 @@ def _gist(message: str) -> str:
 
 def _exit_cause(e: dict[str, Any]) -> str:
     cause = e.get("cause", "")
-    if cause in ("hang", "CollectiveTimeoutError"):
-        return HANG  # this rank, or a peer it waited on, made no progress within its budget
-    if cause in ("orphaned", "RuntimeError", "DistBackendError"):
-        return KILL  # a peer or our agent vanished under us
-    return STOPPED
+    if cause in (Cause.HANG, "CollectiveTimeoutError"):
+        return Outcome.HANG  # this rank, or a peer it waited on, made no progress within its budget
+    if cause in (Cause.ORPHANED, "RuntimeError", "DistBackendError"):
+        return Outcome.KILL  # a peer or our agent vanished under us
+    return Outcome.STOPPED
 
 
 def summary(timeline: Timeline) -> str:
@@ -171,45 +172,3 @@ def summary(timeline: Timeline) -> str:
             f"ended: {a.outcome}{' (' + a.detail + ')' if a.detail else ''}"
         )
     return "\n".join(lines)
-
-
-def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m elastictrain report",
-        description="Draw a run's life (steps, restarts and causes, checkpoints, world size, loss) "
-        "from the JSONL event log that --event-log writes.",
-    )
-    parser.add_argument("events", help="the --event-log file")
-    parser.add_argument("-o", "--output", required=True, help="report.png or report.html")
-    args = parser.parse_args(argv)
-    ext = os.path.splitext(args.output)[1].lower()
-    if ext not in (".png", ".html", ".svg", ".pdf"):
-        print(f"error: -o {args.output!r}: use a .png, .svg, .pdf or .html name", file=sys.stderr)
-        return EXIT_USER_ERROR
-    if not os.path.isfile(args.events):
-        print(
-            f"error: no event log at {args.events!r}; training writes one with --event-log PATH",
-            file=sys.stderr,
-        )
-        return EXIT_USER_ERROR
-    timeline = build_timeline(read_events(args.events))
-    if not timeline.attempts:
-        print(
-            f"error: {args.events!r} holds no 'start' event: not an elastictrain event log?",
-            file=sys.stderr,
-        )
-        return EXIT_USER_ERROR
-    if importlib.util.find_spec("matplotlib") is None:
-        print(
-            "error: drawing the report needs matplotlib, which is not installed. Install it with "
-            "pip install 'elastictrain[report]'. The text summary follows.",
-            file=sys.stderr,
-        )
-        print(summary(timeline))
-        return EXIT_USER_ERROR
-    from elastictrain import report_plot
-
-    report_plot.render(timeline, args.output, title=os.path.basename(args.events))
-    print(summary(timeline))
-    print(f"wrote {args.output}")
-    return 0

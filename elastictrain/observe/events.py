@@ -1,60 +1,53 @@
-"""Logging with a ``[rank r | step s]`` prefix, and rank 0's JSONL event log."""
+"""Rank 0's JSONL event log, every rank's sample ledger, and last words."""
 
 from __future__ import annotations
 
+import enum
 import json
 import logging
 import os
-import sys
 import time
 from typing import Any
-
-from elastictrain.progress import STATUS
 
 logger = logging.getLogger(__name__)
 
 
-class _Context:
-    rank: int | str = "-"
-    step: int | str = "-"
+class Name(str, enum.Enum):
+    """A closed set of names written into the event log. Equal to its string, JSON-encoded as it,
+    and printed as it, so readers compare against the member and never repeat the string."""
+
+    __str__ = str.__str__
+    __format__ = str.__format__
 
 
-CONTEXT = _Context()
+class Event(Name):
+    """The ``event`` field of each line of the event log."""
 
-
-class _PrefixFilter(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        record.rank = CONTEXT.rank
-        record.step = CONTEXT.step
-        return True
-
-
-class _Handler(logging.StreamHandler):
-    """Prints records above rank 0's live status line, when there is one."""
-
-    def emit(self, record: logging.LogRecord) -> None:
-        STATUS.around_log(lambda: super(_Handler, self).emit(record))
-
-
-def setup_logging(rank: int, level: str | None = None) -> None:
-    """Idempotent. Rank 0 logs at INFO; the others only warnings and errors, so N ranks do not
-    print N copies of the same story. ELASTICTRAIN_LOG_LEVEL overrides the level on every rank."""
-    CONTEXT.rank = rank
-    root = logging.getLogger()
-    for h in list(root.handlers):
-        if getattr(h, "_elastictrain", False):
-            root.removeHandler(h)
-    handler = _Handler(sys.stderr)
-    handler._elastictrain = True  # type: ignore[attr-defined]
-    handler.addFilter(_PrefixFilter())
-    handler.setFormatter(
-        logging.Formatter(
-            "%(asctime)s %(levelname)s [rank %(rank)s | step %(step)s] %(message)s", "%H:%M:%S"
-        )
+    START = "start"  # an attempt began: world size, restart count, generation, host
+    RESUME = "resume"  # state loaded (or ``fresh``): step, bytes, seconds
+    MEMBERSHIP = "membership"  # resumed at another world size than the checkpoint's
+    FIRST_STEP = (
+        "first_step"  # the first step of an attempt completed: where the restart's time went
     )
-    root.addHandler(handler)
-    default = "INFO" if rank in (0, "-") else "WARNING"
-    root.setLevel(level or os.environ.get("ELASTICTRAIN_LOG_LEVEL", default))
+    PROGRESS = "progress"  # periodic: step, loss, steps/s, world size
+    STRAGGLERS = "stragglers"  # periodic: per-rank step-time spread
+    CHECKPOINT = (
+        "checkpoint"  # a checkpoint committed: step, reason, bytes, blocked/persist seconds
+    )
+    CHECKPOINT_SKIPPED = "checkpoint_skipped"  # storage refused past the deadline, run went on
+    CHECKPOINT_FAILED = "checkpoint_failed"  # a checkpoint the run needed could not be committed
+    PREEMPTED = "preempted"  # a stop signal was honoured: signal, save seconds
+    END = "end"  # training finished
+    EXIT = "exit"  # any rank's last words before it ends early: cause, detail
+
+
+class Cause(Name):
+    """Why a rank ended early, in its last words (``exit`` events). An exception's class name
+    is used for causes outside this set."""
+
+    HANG = "hang"
+    ORPHANED = "orphaned"
+    ABORTED = "aborted"  # a second interrupt (Ctrl-C) or stop signal: stopped at once
 
 
 class EventLog:
@@ -167,5 +160,5 @@ class LastWords:
 
     def __call__(self, cause: str, detail: str) -> None:
         EventLog(self.path, enabled=bool(self.path)).emit(
-            "exit", cause=cause, detail=detail, rank=self.rank
+            Event.EXIT, cause=cause, detail=detail, rank=self.rank
         )

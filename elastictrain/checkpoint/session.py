@@ -1,0 +1,324 @@
+"""One checkpoint session: the sequence both the runner and library mode drive.
+
+    session = CheckpointSession(config, rank=..., world_size=..., ...)
+    session.emit_start(...)                      # the run report's "an attempt began"
+    resumed = session.resume(state)              # preflight -> resume -> claim, under the gate
+    for step in ...:
+        ...train...
+        session.step(done, state)                # agree -> failure? -> stop? -> scheduled save
+    session.save(max_steps, state, Reason.FINAL)
+    session.emit_end(step)
+    session.close()
+
+Written once, so a fix or a test of one path covers the other: ``runner`` wraps it around the
+built-in loop, ``CheckpointManager`` around the user's. Validation of every checkpoint setting
+lives in :class:`SessionConfig`, which each path fills with its own spelling of the settings
+(``--keep-last`` or ``keep_last``) so errors name what the user typed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from elastictrain import knobs
+from elastictrain.checkpoint.checkpointer import Checkpointer, Resumed
+from elastictrain.checkpoint.persist import Reason
+from elastictrain.checkpoint.schedule import CheckpointSchedule
+from elastictrain.checkpoint.state import DataFingerprint
+from elastictrain.control import Control
+from elastictrain.errors import EXIT_PREEMPTED, ConfigError, named_timeout
+from elastictrain.observe.events import Event, EventLog, LastWords
+from elastictrain.signals import StopSignals, parse_signal
+from elastictrain.watchdog import HangWatchdog
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(kw_only=True)
+class SessionConfig:
+    """Every checkpoint setting, validated here for both paths."""
+
+    url: str
+    """Root of the checkpoints: a local path or any fsspec URL."""
+    storage_options: dict[str, Any] = field(default_factory=dict)
+    every_steps: int | None = None
+    """Checkpoint every N completed steps; None or 0: off."""
+    every_seconds: float | None = None
+    """Also checkpoint T seconds after the last one, on rank 0's clock; None or 0: off."""
+    keep_last: int = 3
+    keep_every_steps: int | None = None
+    async_save: bool = True
+    storage_retry_deadline: float = 120.0
+    on_storage_failure: str = "warn"
+    resume_read: str = "rank0"
+    timeout_s: float = 1800.0
+    """Budget of the gates around resume and saves (and the watchdog's, during them)."""
+    hang_timeout: float | None = None
+    preempt_signals: tuple[str, ...] = ("SIGTERM",)
+    """Signals that mean "checkpoint this step and stop"; Ctrl-C (SIGINT) always does too.
+    Empty: leave every signal handler alone."""
+    event_log: str | None = None
+    spelling: Mapping[str, str] = field(default_factory=dict, repr=False, compare=False)
+    """How the user spells each field (``--keep-last`` for the runner), named in errors."""
+
+    def spell(self, name: str) -> str:
+        return self.spelling.get(name, name)
+
+    def __post_init__(self) -> None:
+        def bad(name: str, rule: str) -> ConfigError:
+            return ConfigError(f"{self.spell(name)} must be {rule}, got {getattr(self, name)!r}.")
+
+        if not self.url:
+            raise ConfigError(
+                f"{self.spell('url')} must not be empty; e.g. ./checkpoints or s3://bucket/run."
+            )
+        for name in ("every_steps", "every_seconds"):
+            if getattr(self, name) == 0:
+                setattr(self, name, None)  # 0 means off, for steps and seconds alike
+        for name in ("every_steps", "keep_every_steps"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise bad(name, "a positive whole number (or 0/None: off)")
+        for name, optional in (
+            ("every_seconds", True),
+            ("keep_last", False),
+            ("storage_retry_deadline", False),
+            ("timeout_s", False),
+            ("hang_timeout", True),
+        ):
+            value = getattr(self, name)
+            if not (value is None and optional) and (value is None or value <= 0):
+                raise bad(name, "> 0")
+        if self.on_storage_failure not in ("warn", "fail"):
+            raise bad("on_storage_failure", "'warn' or 'fail'")
+        if self.resume_read not in ("rank0", "all"):
+            raise bad("resume_read", "'rank0' or 'all'")
+        for name in self.preempt_signals:
+            parse_signal(name, setting=self.spell("preempt_signals"))
+
+
+class Preempted(SystemExit):
+    """Raised on every rank once a stop signal (SIGTERM, Ctrl-C, ...) has been agreed and the
+    checkpoint of that step committed. Exit code 75: relaunch to continue. Catch it to clean up
+    first; it is a ``SystemExit``, so ``except Exception`` will not."""
+
+    def __init__(self, step: int, signal_name: str) -> None:
+        super().__init__(EXIT_PREEMPTED)
+        self.step, self.signal_name = step, signal_name
+
+    def __str__(self) -> str:
+        return f"preempted ({self.signal_name}) at step {self.step}: checkpoint committed"
+
+
+@dataclass
+class TrainState:
+    """What a checkpoint holds."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any = None
+    extra: dict[str, Any] | None = None
+    """Library mode's own values (tensors and plain Python), back on resume."""
+    fingerprint: DataFingerprint | None = None
+    """The runner's data settings, checked on resume so another batch size is refused."""
+    epoch_of: Callable[[int], int] = lambda step: 0
+    """The data epoch a checkpoint after ``step`` completed steps is in."""
+
+
+class StepOutcome(NamedTuple):
+    report: bool
+    """Every rank agreed that a progress report is due (rank 0's clock)."""
+    saved: bool
+    """A checkpoint of this step was taken (False: none due, or skipped under ``warn``)."""
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The module inside DDP/FSDP-style wrappers, so keys carry no ``module.`` prefix."""
+    return getattr(model, "module", model)
+
+
+class CheckpointSession:
+    """Checkpoints for one attempt of a job, on every rank."""
+
+    def __init__(
+        self,
+        config: SessionConfig,
+        *,
+        rank: int,
+        world_size: int,
+        generation: int,
+        gate: dist.ProcessGroup | None,
+        device: torch.device,
+        agree_group: dist.ProcessGroup | None = None,
+        agree_device: torch.device | None = None,
+        watchdog: HangWatchdog | None = None,
+        attached: Callable[[], bool] = lambda: True,
+        install_signals: bool = True,
+    ) -> None:
+        """``gate``: a gloo group bounded by ``timeout_s`` for the resume and save barriers (None:
+        a single process without torch.distributed). ``agree_group``/``agree_device``: where the
+        per-step agreement runs (default: ``gate``, on the CPU). ``attached``: False once the
+        torchrun agent is gone, so an orphan never commits."""
+        self.config, self.rank = config, rank
+        self.is_rank0 = rank == 0
+        alone = gate is None
+        self.events = EventLog(config.event_log, enabled=self.is_rank0)
+        self.last_words = LastWords(config.event_log, rank)
+        self.watchdog = watchdog
+        if watchdog is not None:
+            watchdog.last_words = self.last_words
+        self.signals: StopSignals | None = None
+        if install_signals and config.preempt_signals:
+            parsed = [parse_signal(name) for name in config.preempt_signals]
+            self.signals = StopSignals(parsed, last_words=self.last_words)
+        self.ckpt = Checkpointer(
+            url=config.url,
+            storage_options=dict(config.storage_options),
+            retry_deadline=config.storage_retry_deadline,
+            rank=rank,
+            world_size=world_size,
+            generation=generation,
+            control=gate,
+            device=device,
+            events=self.events,
+            keep_last=config.keep_last,
+            keep_every=config.keep_every_steps,
+            read_mode=config.resume_read,
+            on_failure=config.on_storage_failure,
+            async_persist=config.async_save,
+            attached=attached,
+        )
+        self.schedule = CheckpointSchedule(config.every_steps, config.every_seconds)
+        self.control = Control(
+            agree_device or torch.device("cpu"),
+            is_rank0=self.is_rank0,
+            interval_s=knobs.control_interval_s(),
+            group=agree_group if agree_group is not None else gate,
+            alone=alone,
+        )
+        self._probed = False
+
+    # -- the sequence ----------------------------------------------------------------------------
+    @property
+    def generation(self) -> int:
+        return self.ckpt.generation
+
+    @property
+    def last_committed(self) -> int | None:
+        return self.ckpt.last_committed
+
+    def emit_start(self, **fields: Any) -> None:
+        """The ``start`` event that begins an attempt in the run report."""
+        self.events.emit(
+            Event.START,
+            world_size=self.ckpt.world_size,
+            local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
+            restart_count=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
+            generation=self.generation,
+            host=socket.gethostname(),
+            **fields,
+        )
+
+    def emit_end(self, step: int, **fields: Any) -> None:
+        self.events.emit(Event.END, step=step, **fields)
+
+    def preflight(self) -> None:
+        """Rank 0 proves the location usable before any compute is spent (once)."""
+        with self.gate("resume"):
+            self.ckpt.preflight()
+        self._probed = True
+
+    def resume(self, state: TrainState) -> Resumed:
+        """Load the newest checkpoint that verifies into ``state`` on every rank, then claim the
+        location for this generation, fencing out older writers. A checkpoint that does not fit
+        raises before anything is claimed or changed."""
+        if not self._probed:
+            self.preflight()
+        with self.gate("resume"):
+            resumed = self.ckpt.resume(
+                unwrap(state.model), state.optimizer, state.scheduler, state.fingerprint
+            )
+            self.ckpt.claim()
+        return resumed
+
+    def step(
+        self, done: int, state: TrainState, *, report: bool = False, may_save: bool = True
+    ) -> StepOutcome:
+        """After every optimizer step, on every rank: agree on what one rank knows (a stop
+        signal, rank 0's clock, a failed background persist), then act on it together. Raises
+        :class:`Preempted` after committing ``done`` when a stop was agreed."""
+        if self.watchdog is not None:
+            self.watchdog.beat(done)
+        decided = self.control.agree(
+            done,
+            stop=self.signals is not None and self.signals.requested,
+            by_time=self.is_rank0 and self.schedule.due_by_time(),
+            report=report,
+            persist_failed=self.ckpt.failure is not None,
+        )
+        if decided.persist_failed:
+            self.ckpt.raise_failure()
+        if decided.stop:
+            self.preempt(done, state)
+        saved = False
+        if may_save and (self.schedule.due_by_steps(done) or decided.checkpoint_by_time):
+            reason = Reason.TIME if decided.checkpoint_by_time else Reason.STEPS
+            saved = self.save(done, state, reason)
+        return StepOutcome(report=decided.report, saved=saved)
+
+    def save(self, step: int, state: TrainState, reason: Reason) -> bool:
+        """Checkpoint ``step`` on every rank; the final and preemption ones commit before this
+        returns. False only when a scheduled one was skipped under ``on_storage_failure=warn``."""
+        with self.gate("checkpoint", f"the {reason} checkpoint at step {step}"):
+            committed = self.ckpt.save(
+                step=step,
+                epoch=state.epoch_of(step),
+                model=unwrap(state.model),
+                optimizer=state.optimizer,
+                scheduler=state.scheduler,
+                fingerprint=state.fingerprint,
+                reason=reason,
+                extra=state.extra,
+            )
+        # A skipped checkpoint restarts the clock too: storage that is down is retried at the
+        # next scheduled checkpoint, not every step.
+        self.schedule.mark_saved()
+        return committed
+
+    def preempt(self, step: int, state: TrainState) -> None:
+        t0 = time.monotonic()
+        self.save(step, state, Reason.PREEMPT)
+        # Without handlers of our own, a peer's signal stopped us: StopSignals([]) says so.
+        name = (self.signals or StopSignals([], interrupt=False)).announce(self.events, step, t0)
+        raise Preempted(step, name)
+
+    def close(self) -> None:
+        """Give the signal handlers back and wait for a background persist in flight; raises if
+        rank 0's last persist failed for good (nothing else would report it)."""
+        if self.signals is not None:
+            self.signals.restore()
+            self.signals = None
+        with self.gate("close"):
+            self.ckpt.finish()
+        if self.ckpt.failure is not None:
+            self.ckpt.raise_failure()
+
+    @contextlib.contextmanager
+    def gate(self, phase: str, what: str | None = None) -> Iterator[None]:
+        """Storage-bound work: judged by ``timeout_s`` (the watchdog's budget too), and a backend
+        timeout becomes an error that names that setting."""
+        budget = self.config.timeout_s
+        watch = self.watchdog.phase(phase, budget) if self.watchdog else contextlib.nullcontext()
+        with watch, named_timeout(self.config.spell("timeout_s"), budget, what or phase):
+            yield

@@ -1,0 +1,28 @@
+"""Every ``ELASTICTRAIN_*`` environment variable, read in one place.
+
+Flags are the interface; these knobs are for diagnosis and benchmarks, or for settings that must
+reach every process of a job without touching its command line. Each is read when asked for, so a
+test can set it with monkeypatch.
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def log_level(default: str) -> str:
+    """``ELASTICTRAIN_LOG_LEVEL``: every rank's log level (default: INFO on rank 0, WARNING on the
+    others, so N ranks do not print N copies of the same story)."""
+    return os.environ.get("ELASTICTRAIN_LOG_LEVEL", default)
+
+
+def control_interval_s() -> float:
+    """``ELASTICTRAIN_CONTROL_INTERVAL_S``: seconds' worth of steps between the agreement
+    all-reduces (default 0.2; 0 agrees every step). A diagnostic, for ``bench --overhead``."""
+    return float(os.environ.get("ELASTICTRAIN_CONTROL_INTERVAL_S", "0.2"))
+
+
+def diagnostic_env_init() -> bool:
+    """``ELASTICTRAIN_DIAGNOSTIC_ENV_INIT=1``: torch's plain ``env://`` init instead of the
+    restart-safe handshake, only to measure the restart hazard that handshake fixes."""
+    return os.environ.get("ELASTICTRAIN_DIAGNOSTIC_ENV_INIT") == "1"

@@ -1,0 +1,1 @@
+"""Helpers the tests share: one place, so no test file imports from another."""

@@ -1,0 +1,128 @@
+"""The tree's promises: no import cycles, a torch-free storage layer, tools that stay light."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers.paths import REPO_ROOT
+
+PACKAGES = ("elastictrain", "storage")
+
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = list(path.relative_to(REPO_ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _modules() -> dict[str, pathlib.Path]:
+    return {
+        _module_name(p): p
+        for pkg in PACKAGES
+        for p in sorted(pathlib.Path(REPO_ROOT, pkg).rglob("*.py"))
+    }
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Every import of one project module by another, wherever it sits in the file (module level,
+    inside a function, under TYPE_CHECKING): a lazy import is still a dependency."""
+    modules = _modules()
+    graph: dict[str, set[str]] = {name: set() for name in modules}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets: list[str] = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    base = ".".join(
+                        package.split(".")[: len(package.split(".")) - node.level + 1]
+                        + ([base] if base else [])
+                    )
+                targets = [base] + [f"{base}.{a.name}" for a in node.names]
+            for target in targets:
+                # the longest project module the target names (``pkg.mod.attr`` -> ``pkg.mod``)
+                while target and target not in modules:
+                    target = target.rpartition(".")[0]
+                if target and target != name and not name.startswith(target + "."):
+                    graph[name].add(target)
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle as a path ``[a, b, ..., a]``, or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: finished
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt) :] + [nxt]
+            if nxt not in state and (cycle := visit(nxt)):
+                return cycle
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def test_find_cycle_detects_a_cycle():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_no_import_cycles():
+    graph = import_graph()
+    assert "elastictrain.observe.events" in graph["elastictrain.observe.timeline"]  # sees edges
+    assert find_cycle(graph) is None, f"import cycle: {' -> '.join(find_cycle(graph))}"
+
+
+def test_storage_never_imports_elastictrain():
+    graph = import_graph()
+    bad = {
+        m: sorted(d)
+        for m, d in graph.items()
+        if m.startswith("storage") and any(x.startswith("elastictrain") for x in d)
+    }
+    assert not bad, f"storage/ must stand alone: {bad}"
+
+
+def _torch_loaded_after(code: str) -> bool:
+    probe = (
+        code
+        + "\nimport sys\nprint(any(m == 'torch' or m.startswith('torch.') for m in sys.modules))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip().splitlines()[-1] == "True"
+
+
+def test_storage_imports_no_torch():
+    assert not _torch_loaded_after("import storage, storage.store, storage.retry, storage.hashing")
+    assert _torch_loaded_after("import torch")  # the probe itself can see torch
+
+
+@pytest.mark.parametrize("command", ["ls", "verify", "prune"])
+def test_storage_cli_commands_import_no_torch(command, tmp_path):
+    url = str(tmp_path / "ckpt")
+    extra = ", '--keep-last', '1'" if command == "prune" else ""
+    code = (
+        f"from elastictrain.__main__ import main\nassert main([{command!r}, {url!r}{extra}]) == 0"
+    )
+    assert not _torch_loaded_after(code)
