@@ -1,16 +1,16 @@
 """Library mode: your own training loop, elastictrain's checkpoints (elastictrain.CheckpointManager).
 
-    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc_per_node=2 --max-restarts=3 \
+    torchrun --standalone --nproc_per_node=2 --max-restarts=3 \
         examples/custom_loop.py --checkpoint-dir ./checkpoints-custom --steps 2000
 
 Kill a worker (kill -9) while it runs: torchrun restarts both, resume() loads the newest checkpoint
 and the loop carries on, ending bit for bit where an uninterrupted run ends. Send torchrun SIGTERM
-(a preemption): every rank commits the current step and exits 75; run the command again to continue.
-Also runs without torchrun, as one process: python examples/custom_loop.py.
+(a preemption) or press Ctrl-C: every rank commits the current step and exits 75; run the command
+again to continue. Also runs without torchrun, as one process: python examples/custom_loop.py.
 
-TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 matters for any script that calls init_process_group itself:
-without it, a restarted group can connect to the dead workers' addresses (README, "Restarts that
-never hang"). The runner has its own fix; a custom loop needs this switch.
+elastictrain.init_distributed() replaces dist.init_process_group(): plain init can connect a
+restarted group to the dead workers' addresses and fail ("Gloo connectFullMesh failed"); this one
+uses the runner's restart-safe handshake.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+import elastictrain
 from elastictrain import CheckpointManager, Preempted
 from elastictrain.toy import ToyModel, synthetic_dataset
 
@@ -40,9 +41,8 @@ def main() -> None:
     p.add_argument("--hang-timeout", type=float, default=600.0, help="seconds without a step")
     args = p.parse_args()
 
-    distributed = "RANK" in os.environ  # launched by torchrun
-    if distributed:
-        dist.init_process_group("gloo")
+    elastictrain.init_distributed()  # restart-safe init_process_group; a no-op without torchrun
+    distributed = dist.is_initialized()
     code = 0
     try:
         train(args, distributed)

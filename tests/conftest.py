@@ -16,7 +16,7 @@ import uuid
 
 import pytest
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.helpers.net import free_port
 
 
 def pytest_collection_modifyitems(config, items):
@@ -39,12 +39,6 @@ def _children_tmpdir(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("TMPDIR", str(tmp_path_factory.mktemp("children-tmp")))
         yield
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager
@@ -159,7 +153,7 @@ def python() -> str:
 @pytest.fixture
 def launch(tmp_path):
     """Start torchrun jobs that are always killed (agent + descendants) at teardown."""
-    from tests.integration.launcher import Job
+    from tests.helpers.launcher import Job
 
     jobs: list[Job] = []
 

@@ -11,8 +11,7 @@ import sys
 import pytest
 
 import storage
-from tests.integration.launcher import job_env
-from tests.integration.test_resume_edge_cases import run_single
+from tests.helpers.launcher import job_env, run_single
 
 
 def cli(*args: str, cwd: str) -> subprocess.CompletedProcess:

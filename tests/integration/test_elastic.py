@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from elastictrain.observe.events import Event, read_events, read_sample_log
-from tests.conftest import free_port
-from tests.integration.elastic_helpers import assert_exactly_once, node_args
-from tests.integration.launcher import REPO_ROOT, final_state, job_env, wait_for_event
+from tests.helpers.elastic import assert_exactly_once, node_args
+from tests.helpers.launcher import REPO_ROOT, final_state, job_env, wait_for_event
+from tests.helpers.net import free_port
 
 DATASET, BATCH, STEPS = 2048, 64, 640  # 32 steps per epoch, 20 epochs
 

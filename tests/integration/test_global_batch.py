@@ -7,7 +7,7 @@ import torch
 
 from elastictrain.data import GlobalBatchSampler
 from elastictrain.task import build_task
-from tests.integration.launcher import final_state
+from tests.helpers.launcher import final_state
 
 OPTIONS = {"dataset_size": "100", "batch_size": "10", "lr": "0.1", "hidden": "16"}
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from tests.integration.kill_during_persist import run_trials
+from tests.helpers.kill_during_persist import run_trials
 
 TRIALS = 20
 

@@ -8,33 +8,7 @@ import time
 import pytest
 
 from elastictrain.observe.events import Event, read_events
-from tests.integration.launcher import assert_bitwise_equal, final_state, wait_for_event
-
-
-def toy_args(
-    ckpt: str,
-    events: str,
-    *,
-    max_steps: int = 300,
-    every: int = 40,
-    step_time: float = 0.01,
-    extra: tuple[str, ...] = (),
-) -> list[str]:
-    return [
-        "--checkpoint-dir",
-        ckpt,
-        "--event-log",
-        events,
-        "--max-steps",
-        str(max_steps),
-        "--checkpoint-every-steps",
-        str(every),
-        "--log-every-seconds",
-        "1",
-        "--task-option",
-        f"step_time={step_time}",
-        *extra,
-    ]
+from tests.helpers.launcher import assert_bitwise_equal, final_state, toy_args, wait_for_event
 
 
 @pytest.mark.slow

@@ -10,8 +10,8 @@ import signal
 import pytest
 
 from elastictrain.observe.events import Event, read_events
-from tests.conftest import free_port
-from tests.integration.launcher import REPO_ROOT, descendants, final_state, job_env, wait_for_event
+from tests.helpers.launcher import REPO_ROOT, descendants, final_state, job_env, wait_for_event
+from tests.helpers.net import free_port
 
 SBATCH = os.path.join(REPO_ROOT, "examples", "slurm", "train.sbatch")
 JOB_ID = "4242"

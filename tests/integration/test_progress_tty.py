@@ -10,7 +10,7 @@ import subprocess
 import sys
 import time
 
-from tests.integration.launcher import descendants, job_env
+from tests.helpers.launcher import descendants, job_env
 
 
 def test_live_progress_on_a_terminal_and_quiet_other_ranks(tmp_path):

@@ -7,10 +7,10 @@ import os
 
 import pytest
 
-from tests.integration.restart_loop import run_cycles
+from tests.helpers.restart_loop import run_cycles
 
 # CI runs 10 cycles (about 30 s) to stay inside its time budget; the README's 30-cycle figure comes
-# from `python -m tests.integration.restart_loop --cycles 30`, or ELASTICTRAIN_RESTART_CYCLES=30 here.
+# from `python -m tests.helpers.restart_loop --cycles 30`, or ELASTICTRAIN_RESTART_CYCLES=30 here.
 CYCLES = int(os.environ.get("ELASTICTRAIN_RESTART_CYCLES", "10"))
 
 

@@ -14,20 +14,14 @@ import torch
 import storage
 from elastictrain.checkpoint.state import from_bytes, state_file_of
 from elastictrain.observe.events import Event, read_events
-from tests.integration.launcher import REPO_ROOT, assert_bitwise_equal, final_state, job_env
-from tests.integration.test_kill_resume import toy_args
-
-
-def run_single(args: list[str], cwd: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    """``python -m elastictrain`` without torchrun: one process, world size 1."""
-    return subprocess.run(
-        [sys.executable, "-m", "elastictrain", *args],
-        cwd=cwd,
-        env=job_env(),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+from tests.helpers.launcher import (
+    REPO_ROOT,
+    assert_bitwise_equal,
+    final_state,
+    job_env,
+    run_single,
+    toy_args,
+)
 
 
 def _save_with_location(state: dict, location: str) -> bytes:
@@ -114,7 +108,7 @@ def test_bad_task_fails_fast_and_clearly(tmp_path):
 
 
 def test_unreachable_checkpoint_url_fails_fast_and_clearly(tmp_path, s3_endpoint):
-    from tests.conftest import free_port
+    from tests.helpers.net import free_port
 
     dead = f"http://127.0.0.1:{free_port()}"  # nothing listens here
     args = [

@@ -8,8 +8,8 @@ import pytest
 
 import storage
 from elastictrain.observe.events import Event, read_events
-from tests.integration.counting_fs import bytes_read
-from tests.integration.launcher import job_env
+from tests.helpers.counting_fs import bytes_read
+from tests.helpers.launcher import job_env
 
 
 @pytest.mark.parametrize("mode,expected_ratio", [("rank0", 1.0), ("all", 3.0)])
@@ -18,7 +18,7 @@ def test_bytes_read_per_resume_at_world_size_3(launch, tmp_path, mode, expected_
     url = f"counting://{root}"
     common = [
         "--task",
-        "tests.integration.counting_fs:make_task",
+        "tests.helpers.counting_fs:make_task",
         "--task-option",
         "hidden=256",
         "--checkpoint-dir",

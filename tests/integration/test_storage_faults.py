@@ -7,9 +7,8 @@ import pytest
 import storage
 from elastictrain.checkpoint.persist import Reason
 from elastictrain.observe.events import Event, read_events
-from tests.integration.fault_proxy import KINDS, FaultProxy
-from tests.integration.launcher import wait_for_event
-from tests.integration.test_kill_resume import toy_args
+from tests.helpers.fault_proxy import KINDS, FaultProxy
+from tests.helpers.launcher import toy_args, wait_for_event
 
 # botocore retries 5xx and dropped connections itself by default, which would hide most faults from
 # our own retry layer; with one attempt each fault reaches s3fs and then storage.retry.
@@ -165,7 +164,7 @@ def test_async_persist_on_slow_storage_waits_and_the_final_checkpoint_lands(
     """Every request 0.05 s late: persists overlap the next checkpoint, which waits for them (never
     skips), the final checkpoint is committed before exit, and the result is bitwise the same as
     with --no-async-checkpoint."""
-    from tests.integration.launcher import assert_bitwise_equal, final_state
+    from tests.helpers.launcher import assert_bitwise_equal, final_state
 
     bucket_url, options = s3_bucket
     runs = {}

@@ -63,7 +63,7 @@ def test_missing_bucket_is_named(s3_auth):
 
 
 def test_unreachable_endpoint_is_named():
-    from tests.conftest import free_port
+    from tests.helpers.net import free_port
 
     err = _probe(
         "s3://b/run",

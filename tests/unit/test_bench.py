@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from elastictrain.tools.bench import parse_size, synthetic_state
-from tests.integration.launcher import REPO_ROOT, job_env
+from tests.helpers.launcher import REPO_ROOT, job_env
 
 KEYS = {
     "copy_s",

@@ -16,7 +16,7 @@ from torch import nn
 from elastictrain import CheckpointManager, Preempted, load_checkpoint
 from elastictrain.errors import CheckpointMismatchError, ConfigError
 from elastictrain.observe.events import Event, read_events
-from tests.integration.launcher import job_env
+from tests.helpers.launcher import job_env
 
 
 def build(seed: int = 0, width: int = 8):

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from elastictrain.config import parse_args
-from tests.integration.launcher import REPO_ROOT
+from tests.helpers.launcher import REPO_ROOT
 
 SHELL_RECIPES = ["examples/slurm/train.sbatch", "examples/multinode.sh", "examples/two_nodes.sh"]
 STUB_ENV = {

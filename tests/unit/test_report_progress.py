@@ -9,10 +9,11 @@ import logging
 import torch
 
 from elastictrain.observe import report, timeline
-from elastictrain.observe.events import EventLog
+from elastictrain.observe.events import Cause, Event, EventLog
 from elastictrain.observe.logs import setup_logging
 from elastictrain.observe.progress import Progress
 from elastictrain.observe.terminal import STATUS, live_terminal
+from elastictrain.observe.timeline import Outcome
 
 
 def ev(event: str, t: float, **fields) -> dict:
@@ -21,40 +22,53 @@ def ev(event: str, t: float, **fields) -> dict:
 
 def attempt(t: float, world: int, restart: int, resumed: int) -> list[dict]:
     return [
-        ev("start", t, world_size=world, restart_count=restart, generation=int(t), max_steps=100),
-        ev("resume", t + 1, step=resumed, fresh=resumed == 0, world_size=world),
-        ev("first_step", t + 2, step=resumed + 1),
+        ev(
+            Event.START,
+            t,
+            world_size=world,
+            restart_count=restart,
+            generation=int(t),
+            max_steps=100,
+        ),
+        ev(Event.RESUME, t + 1, step=resumed, fresh=resumed == 0, world_size=world),
+        ev(Event.FIRST_STEP, t + 2, step=resumed + 1),
     ]
 
 
 def test_timeline_names_each_restart_cause():
     events = [
         *attempt(0, 2, 0, 0),
-        ev("progress", 3, step=10, loss=1.0),
-        ev("checkpoint", 4, step=20, blocked_s=0.01, persist_s=0.1, reason="steps"),
+        ev(Event.PROGRESS, 3, step=10, loss=1.0),
+        ev(Event.CHECKPOINT, 4, step=20, blocked_s=0.01, persist_s=0.1, reason="steps"),
         # attempt 0 ends without a word: a kill
         *attempt(10, 2, 1, 20),
         # rank 0 was SIGSTOPped: rank 1's watchdog saw the hang; rank 0 never speaks again
-        ev("exit", 14, cause="hang", detail="no progress for 5.0s", rank=1),
+        ev(Event.EXIT, 14, cause=Cause.HANG, detail="no progress for 5.0s", rank=1),
         *attempt(20, 2, 2, 20),
-        ev("preempted", 22, step=30, signal="SIGTERM"),
+        ev(Event.PREEMPTED, 22, step=30, signal="SIGTERM"),
         *attempt(30, 2, 0, 30),
-        ev("exit", 33, cause="DistBackendError", detail="Connection closed by peer"),
-        ev("exit", 33.5, cause="DistBackendError", detail="Connection reset", rank=1),
+        ev(Event.EXIT, 33, cause="DistBackendError", detail="Connection closed by peer"),
+        ev(Event.EXIT, 33.5, cause="DistBackendError", detail="Connection reset", rank=1),
         *attempt(40, 1, 1, 30),  # came back smaller: a node was lost
-        ev("progress", 42, step=60, loss=0.5),
-        ev("end", 45, step=100),
+        ev(Event.PROGRESS, 42, step=60, loss=0.5),
+        ev(Event.END, 45, step=100),
     ]
     tl = timeline.build_timeline(events)
     outcomes = [a.outcome for a in tl.attempts]
-    assert outcomes == ["kill", "hang", "preemption", "membership change", "finished"]
+    assert outcomes == [
+        Outcome.KILL,
+        Outcome.HANG,
+        Outcome.PREEMPTION,
+        Outcome.MEMBERSHIP,
+        Outcome.FINISHED,
+    ]
     assert "world size 2 -> 1" in tl.attempts[3].detail
     assert tl.attempts[0].checkpoints[0]["step"] == 20
     assert tl.attempts[4].losses == [(60, 0.5)] and tl.attempts[4].last_step == 100
     # A peer's hang explains the other ranks' errors in the same attempt, in either order.
-    both = [*attempt(0, 2, 0, 0), ev("exit", 3, cause="DistBackendError", detail="reset")]
-    both.append(ev("exit", 4, cause="hang", detail="no progress", rank=1))
-    assert timeline.build_timeline(both).attempts[0].outcome == "hang"
+    both = [*attempt(0, 2, 0, 0), ev(Event.EXIT, 3, cause="DistBackendError", detail="reset")]
+    both.append(ev(Event.EXIT, 4, cause=Cause.HANG, detail="no progress", rank=1))
+    assert timeline.build_timeline(both).attempts[0].outcome == Outcome.HANG
     text = timeline.summary(tl)
     assert text.count("\n") == 4 and "ended: hang (rank 1: no progress for 5.0s)" in text
 
@@ -64,15 +78,17 @@ def test_a_kill_names_the_silent_rank_and_the_gist_of_what_its_peer_saw():
         "[/__w/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error "
         "[127.0.0.1]:28848: Connection reset by peer. This is typically caused by a remote worker"
     )
-    start = ev("start", 0, world_size=4, local_world_size=2, restart_count=0, generation=1)
-    events = [start, ev("resume", 1, step=0, fresh=True), ev("progress", 2, step=10)]
-    events.append(ev("exit", 3, cause="RuntimeError", detail=gloo, rank=1))
+    start = ev(Event.START, 0, world_size=4, local_world_size=2, restart_count=0, generation=1)
+    events = [start, ev(Event.RESUME, 1, step=0, fresh=True), ev(Event.PROGRESS, 2, step=10)]
+    events.append(ev(Event.EXIT, 3, cause="RuntimeError", detail=gloo, rank=1))
     # A restart killed during its own startup: it never resumed, so it trained no steps.
-    events.append(ev("start", 5, world_size=4, local_world_size=2, restart_count=1, generation=2))
+    events.append(
+        ev(Event.START, 5, world_size=4, local_world_size=2, restart_count=1, generation=2)
+    )
     tl = timeline.build_timeline(events)
     (first, second) = tl.attempts
     # Only ranks 0 and 1 are on rank 0's node: rank 0 is the silent one, ranks 2-3 are not guessed.
-    assert first.outcome == "kill"
+    assert first.outcome == Outcome.KILL
     assert first.detail == (
         "rank 0 died without a word; rank 1: Read error [127.0.0.1]:28848: Connection reset by peer"
     )
@@ -82,7 +98,7 @@ def test_a_kill_names_the_silent_rank_and_the_gist_of_what_its_peer_saw():
 
 
 def test_timeline_of_a_run_still_going_says_so():
-    tl = timeline.build_timeline([*attempt(0, 2, 0, 0), ev("progress", 5, step=10, loss=1.0)])
+    tl = timeline.build_timeline([*attempt(0, 2, 0, 0), ev(Event.PROGRESS, 5, step=10, loss=1.0)])
     assert tl.attempts[0].outcome == "running or killed" and tl.attempts[0].last_step == 10
 
 
@@ -93,12 +109,12 @@ def write_log(tmp_path, events, name: str = "events.jsonl") -> str:
 
 
 def test_report_cli_errors_name_the_fix(tmp_path, capsys, monkeypatch):
-    path = write_log(tmp_path, [*attempt(0, 2, 0, 0), ev("end", 5, step=100)])
+    path = write_log(tmp_path, [*attempt(0, 2, 0, 0), ev(Event.END, 5, step=100)])
     assert report.main([path, "-o", str(tmp_path / "r.jpg")]) == 2
     assert "use a .png" in capsys.readouterr().err
     assert report.main([str(tmp_path / "missing.jsonl"), "-o", "r.png"]) == 2
     assert "--event-log" in capsys.readouterr().err
-    empty = write_log(tmp_path, [ev("progress", 1, step=1, loss=1.0)], "no-start.jsonl")
+    empty = write_log(tmp_path, [ev(Event.PROGRESS, 1, step=1, loss=1.0)], "no-start.jsonl")
     assert report.main([empty, "-o", str(tmp_path / "r.png")]) == 2
     assert "no 'start' event" in capsys.readouterr().err
     # matplotlib missing: the fix is named, and the text summary is still printed.
@@ -111,7 +127,7 @@ def test_report_cli_errors_name_the_fix(tmp_path, capsys, monkeypatch):
 
 def test_report_renders_svg_from_a_synthetic_log(tmp_path):
     path = write_log(
-        tmp_path, [*attempt(0, 2, 0, 0), *attempt(10, 1, 1, 0), ev("end", 15, step=100)]
+        tmp_path, [*attempt(0, 2, 0, 0), *attempt(10, 1, 1, 0), ev(Event.END, 15, step=100)]
     )
     assert report.main([path, "-o", str(tmp_path / "r.svg")]) == 0
     assert (tmp_path / "r.svg").read_text().lstrip().startswith("<?xml")

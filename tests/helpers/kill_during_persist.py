@@ -13,7 +13,7 @@ rank 0's persist thread is writing and its training thread has moved on.
 A kill that lands after the manifest was written is not counted as "during persist"; the loop goes
 on until ``trials`` kills landed inside the window. Used by the test suite, and runnable by hand:
 
-    python -m tests.integration.kill_during_persist --trials 20
+    python -m tests.helpers.kill_during_persist --trials 20
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ from typing import Any
 
 import storage
 from storage.layout import MANIFEST_NAME, parse_step_dir, step_dir_name
-from tests.integration.launcher import Job
-from tests.integration.restart_loop import _count, _wait_count
+from tests.helpers.launcher import Job
+from tests.helpers.restart_loop import count_events, waitcount_events
 
 # About 40 MB of state (weights + momentum): writing and fsyncing it takes long enough to aim at.
 TOY = ("hidden=1024", "layers=5", "batch_size=32")
@@ -120,10 +120,12 @@ def run_trials(workdir: str, trials: int, *, seed: int = 0, max_attempts: int | 
             attempt += 1
             if attempt > max_attempts:
                 raise AssertionError(f"only {len(results)} kills in {max_attempts} attempts")
-            _wait_count(events, "resume", attempt, 120, job)
+            waitcount_events(events, "resume", attempt, 120, job)
             # Let this attempt commit one checkpoint first, so every resume has one to find and
             # retention runs; then aim at the next one.
-            _wait_count(events, "checkpoint", len(_count(events, "checkpoint")) + 1, 120, job)
+            waitcount_events(
+                events, "checkpoint", len(count_events(events, "checkpoint")) + 1, 120, job
+            )
             rank0 = job.workers()[0]
             step = _wait_half_written(ckpt, 120, job)
             time.sleep(rng.uniform(0, 0.03))  # somewhere inside the write, not always its start
@@ -133,7 +135,7 @@ def run_trials(workdir: str, trials: int, *, seed: int = 0, max_attempts: int | 
             committed_after = store.committed_steps()
             listed = store.list()  # verifies every committed checkpoint's sizes and checksums
             bad = [c.step for c in listed if not c.ok]
-            resumed = _wait_count(events, "resume", attempt + 1, 120, job)
+            resumed = waitcount_events(events, "resume", attempt + 1, 120, job)
             newest = max(committed_after) if committed_after else 0
             results.append(
                 {
@@ -151,7 +153,7 @@ def run_trials(workdir: str, trials: int, *, seed: int = 0, max_attempts: int | 
     finally:
         job.kill()
     corrupt_logged = "CORRUPT CHECKPOINT" in job.log()
-    full = max((e["bytes"] for e in _count(events, "checkpoint")), default=None)
+    full = max((e["bytes"] for e in count_events(events, "checkpoint")), default=None)
     written = sorted(
         r["payload_bytes_on_disk"] / full for r in results if r["during_persist"] and full
     )
@@ -163,7 +165,7 @@ def run_trials(workdir: str, trials: int, *, seed: int = 0, max_attempts: int | 
             r["resumed_from"] == r["newest_committed"] for r in results
         ),
         "corrupt_checkpoint_logged": corrupt_logged,
-        "restarts": len(_count(events, "start")) - 1,
+        "restarts": len(count_events(events, "start")) - 1,
         "checkpoint_bytes": full,
         # How far the killed write had got: 1.0 means the payload was whole but not yet committed.
         "payload_written_at_kill": {

@@ -15,7 +15,7 @@ request the whole stack makes (aiohttp, botocore, s3fs, our retries) meets real 
 requests, faults per kind, and ``retried``: faulted requests that were later sent again (some layer
 retried them). Usable from tests (``with FaultProxy(upstream) as url``) and by hand::
 
-    python -m tests.integration.fault_proxy --upstream http://127.0.0.1:5000 --fail 0.1
+    python -m tests.helpers.fault_proxy --upstream http://127.0.0.1:5000 --fail 0.1
 """
 
 from __future__ import annotations

@@ -18,33 +18,8 @@ from typing import Any
 import torch
 
 from elastictrain.observe.events import read_events
-
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def _children_map() -> dict[int, list[int]]:
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        children.setdefault(ppid, []).append(int(entry))
-    return children
-
-
-def descendants(pid: int) -> list[int]:
-    children = _children_map()
-    out, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
+from elastictrain.tools.chaos import descendants
+from tests.helpers.paths import REPO_ROOT
 
 
 def _environ(pid: int) -> dict[str, str]:
@@ -203,3 +178,41 @@ def _assert_tree_equal(a: Any, b: Any, where: str) -> None:
             _assert_tree_equal(x, y, f"{where}[{i}]")
     else:
         assert a == b, f"{where}: {a!r} != {b!r}"
+
+
+def toy_args(
+    ckpt: str,
+    events: str,
+    *,
+    max_steps: int = 300,
+    every: int = 40,
+    step_time: float = 0.01,
+    extra: tuple[str, ...] = (),
+) -> list[str]:
+    return [
+        "--checkpoint-dir",
+        ckpt,
+        "--event-log",
+        events,
+        "--max-steps",
+        str(max_steps),
+        "--checkpoint-every-steps",
+        str(every),
+        "--log-every-seconds",
+        "1",
+        "--task-option",
+        f"step_time={step_time}",
+        *extra,
+    ]
+
+
+def run_single(args: list[str], cwd: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """``python -m elastictrain`` without torchrun: one process, world size 1."""
+    return subprocess.run(
+        [sys.executable, "-m", "elastictrain", *args],
+        cwd=cwd,
+        env=job_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )

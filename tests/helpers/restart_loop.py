@@ -2,8 +2,8 @@
 
 Used by the test suite, and runnable for the full measurement:
 
-    python -m tests.integration.restart_loop --cycles 30            # elastictrain's init
-    python -m tests.integration.restart_loop --cycles 30 --plain    # torch's env:// init (hazard)
+    python -m tests.helpers.restart_loop --cycles 30            # elastictrain's init
+    python -m tests.helpers.restart_loop --cycles 30 --plain    # torch's env:// init (hazard)
 """
 
 from __future__ import annotations
@@ -19,17 +19,17 @@ import time
 from typing import Any
 
 from elastictrain.observe.events import read_events
-from tests.integration.launcher import Job, job_env
+from tests.helpers.launcher import Job, job_env
 
 
-def _count(path: str, name: str) -> list[dict[str, Any]]:
+def count_events(path: str, name: str) -> list[dict[str, Any]]:
     return [e for e in read_events(path) if e["event"] == name] if os.path.exists(path) else []
 
 
-def _wait_count(path: str, name: str, n: int, timeout: float, job: Job) -> dict[str, Any]:
+def waitcount_events(path: str, name: str, n: int, timeout: float, job: Job) -> dict[str, Any]:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        events = _count(path, name)
+        events = count_events(path, name)
         if len(events) >= n:
             return events[n - 1]
         if job.proc.poll() is not None:
@@ -83,12 +83,12 @@ def run_cycles(
     restarts = []
     try:
         for k in range(cycles):
-            _wait_count(events, "resume", k + 1, cycle_timeout, job)
+            waitcount_events(events, "resume", k + 1, cycle_timeout, job)
             time.sleep(rng.uniform(0.0, 0.5))
             t_kill = time.time()
             job.kill_worker(rng.randrange(nproc))
-            resumed = _wait_count(events, "resume", k + 2, cycle_timeout, job)
-            start = _count(events, "start")[k + 1]
+            resumed = waitcount_events(events, "resume", k + 2, cycle_timeout, job)
+            start = count_events(events, "start")[k + 1]
             restarts.append(
                 {
                     "cycle": k + 1,

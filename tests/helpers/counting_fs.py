@@ -1,6 +1,6 @@
 """A byte-counting fsspec filesystem (``counting://``) for measuring storage reads in real workers.
 
-Workers import this module through ``--task tests.integration.counting_fs:make_task``, which
+Workers import this module through ``--task tests.helpers.counting_fs:make_task``, which
 registers the protocol and returns the toy task. Each read appends ``pid<TAB>bytes<TAB>path`` to the
 file named by ``COUNTING_FS_LOG``.
 """

@@ -1,0 +1,225 @@
+"""``python -m elastictrain chaos [options] -- torchrun ...``: break a job the way a cluster does.
+
+Launches the command in its own session, injects faults into it, waits for it to end, and prints a
+timeline: each fault with its target pid, the job's exit code and the total time. It succeeds (exit
+0) when the job finished (exit 0) in spite of the faults. Only processes it started are ever
+signalled, found by walking /proc from the agent it launched: torchrun starts its workers in
+sessions of their own, so a process group would miss them.
+
+Faults:
+  kill-worker  SIGKILL one worker (an OOM kill, a segfault)
+  stop-worker  SIGSTOP one worker (a hung rank); it is sent SIGCONT when the job ends
+  term-agent   SIGTERM the torchrun agent (a preemption by SLURM or Kubernetes)
+  kill-node    SIGKILL the agent and every process under it (a node lost)
+  kill-agent   SIGKILL only the agent, orphaning its workers (the agent OOM-killed)
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from typing import IO
+
+FAULTS = ("kill-worker", "stop-worker", "term-agent", "kill-node", "kill-agent")
+
+
+def _children_map() -> dict[int, list[int]]:
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+                children.setdefault(ppid, []).append(int(entry))
+    return children
+
+
+def children(pid: int) -> list[int]:
+    return sorted(_children_map().get(pid, []))
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process under ``pid``, however deep."""
+    tree = _children_map()
+    out, todo = [], [pid]
+    while todo:
+        for child in tree.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def start_time(pid: int) -> str | None:
+    """The kernel's start time of ``pid``: tells a process from a later one that reused its pid."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def signal_all(pids: list[int], sig: int) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
+
+
+class Chaos:
+    """One job and the faults injected into it."""
+
+    def __init__(
+        self,
+        command: list[str],
+        *,
+        faults: list[str],
+        first_s: float,
+        gap_s: tuple[float, float],
+        timeout_s: float,
+        seed: int,
+        log: IO[bytes],
+        out: IO[str] = sys.stdout,
+    ) -> None:
+        self.command, self.faults, self.first_s, self.gap_s = command, faults, first_s, gap_s
+        self.timeout_s, self.seed, self.log, self.out = timeout_s, seed, log, out
+        self.rng = random.Random(seed)
+        self.injected: list[tuple[float, str, int]] = []
+        self._t0 = 0.0
+
+    def say(self, text: str) -> None:
+        print(f"[{time.monotonic() - self._t0:7.2f}s] {text}", file=self.out, flush=True)
+
+    def inject(self, fault: str, agent: int) -> int | None:
+        """Inject ``fault``; the pid it hit, or None when there was nothing to hit yet."""
+        if fault in ("kill-worker", "stop-worker"):
+            workers = children(agent)
+            if not workers:
+                return None
+            target = self.rng.choice(workers)
+            signal_all([target], signal.SIGKILL if fault == "kill-worker" else signal.SIGSTOP)
+            return target
+        if fault == "kill-node":
+            signal_all([*descendants(agent), agent], signal.SIGKILL)
+        else:
+            signal_all([agent], signal.SIGTERM if fault == "term-agent" else signal.SIGKILL)
+        return agent
+
+    def run(self) -> int | None:
+        """The job's exit code, or None when it outlived ``timeout_s`` and was killed."""
+        self._t0 = time.monotonic()
+        job = subprocess.Popen(
+            self.command, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        self.say(f"launched pid {job.pid} (seed {self.seed}): {' '.join(self.command)}")
+        seen: dict[int, str | None] = {}  # every descendant, so a dead agent's orphans are found
+        stopped: list[int] = []
+        due = self._t0 + self.first_s
+        try:
+            while job.poll() is None and time.monotonic() - self._t0 < self.timeout_s:
+                for pid in descendants(job.pid):
+                    seen.setdefault(pid, start_time(pid))
+                if len(self.injected) < len(self.faults) and time.monotonic() >= due:
+                    fault = self.faults[len(self.injected)]
+                    target = self.inject(fault, job.pid)
+                    if target is not None:
+                        if fault == "stop-worker":
+                            stopped.append(target)
+                        self.injected.append((time.monotonic() - self._t0, fault, target))
+                        self.say(f"fault {len(self.injected)}: {fault} -> pid {target}")
+                        due = time.monotonic() + self.rng.uniform(*self.gap_s)
+                time.sleep(0.1)
+        finally:
+            code = job.poll()
+            alive = {p for p, st in seen.items() if st is not None and start_time(p) == st}
+            leftovers = sorted(set(descendants(job.pid)) | alive)
+            if code is None:
+                self.say(f"timeout after {self.timeout_s:.0f}s: killing the job")
+            signal_all(stopped, signal.SIGCONT)
+            signal_all(leftovers + ([job.pid] if code is None else []), signal.SIGKILL)
+            if code is None:
+                job.wait()
+            elif leftovers:
+                self.say(
+                    f"{len(leftovers)} process(es) outlived the agent and were killed: {leftovers}"
+                )
+        self.say(f"job exited with {code}; {len(self.injected)} fault(s) injected")
+        return code
+
+
+def main(argv: list[str]) -> int:
+    split = argv.index("--") if "--" in argv else len(argv)
+    args = _parser().parse_args(argv[:split])  # --help ends here
+    command = argv[split + 1 :]
+    if not command:
+        print(
+            "error: name the job after --, e.g. python -m elastictrain chaos --fault kill-worker "
+            "-- torchrun --standalone --nproc_per_node=2 --max-restarts=3 -m elastictrain",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        lo, hi = (float(x) for x in args.gap.split(":"))
+    except ValueError:
+        print(f"error: --gap {args.gap!r}: use A:B seconds, e.g. 4:8", file=sys.stderr)
+        return 2
+    kinds = args.fault or ["kill-worker"]
+    faults = [kinds[i % len(kinds)] for i in range(args.faults)]
+    seed = args.seed if args.seed is not None else int(time.time())
+    with open(args.log, "ab") as log:
+        code = Chaos(
+            command,
+            faults=faults,
+            first_s=args.first,
+            gap_s=(lo, hi),
+            timeout_s=args.timeout,
+            seed=seed,
+            log=log,
+        ).run()
+    print(f"job output: {args.log}")
+    return 0 if code == 0 else 1
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m elastictrain chaos",
+        description=__doc__.split("\n\n")[0],
+        epilog=__doc__.split("\n\n", 2)[2],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--fault",
+        action="append",
+        choices=FAULTS,
+        help="repeatable; cycled in order (default: kill-worker)",
+    )
+    p.add_argument("--faults", type=int, default=1, metavar="N", help="how many faults (default 1)")
+    p.add_argument(
+        "--first",
+        type=float,
+        default=8.0,
+        metavar="S",
+        help="seconds before the first fault (default 8)",
+    )
+    p.add_argument(
+        "--gap",
+        default="4:8",
+        metavar="A:B",
+        help="seconds between faults, drawn from A..B (default 4:8)",
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=600.0,
+        metavar="S",
+        help="kill everything after S seconds (default 600)",
+    )
+    p.add_argument("--seed", type=int, help="random seed, to replay a run")
+    p.add_argument(
+        "--log", default=f"chaos-{os.getpid()}.log", help="the job's output (default chaos-PID.log)"
+    )
+    return p
