@@ -174,7 +174,7 @@ class RetryPolicy:
     """How long to keep retrying a transient storage error."""
 
     deadline_s: float = 120.0
-    """Give up (and re-raise the original error) once this many seconds have passed."""
+    """Give up (and re-raise the original error) rather than sleep past this many seconds."""
     initial_wait_s: float = 0.5
     """First backoff; doubles each retry, with jitter."""
     max_wait_s: float = 15.0
@@ -205,12 +205,14 @@ class RetryPolicy:
 
         start = self.clock()
 
-        def past_deadline(state: tenacity.RetryCallState) -> bool:
-            return self.clock() - start >= self.deadline_s
+        def sleep_would_pass_deadline(state: tenacity.RetryCallState) -> bool:
+            # tenacity's stop_before_delay on our injectable clock: give up now rather than sleep
+            # past the deadline, so the deadline is a promise and never overshot by one wait.
+            return self.clock() - start + state.upcoming_sleep >= self.deadline_s
 
         retrying = tenacity.Retrying(
             retry=tenacity.retry_if_exception(is_transient),
-            stop=past_deadline,
+            stop=sleep_would_pass_deadline,
             wait=tenacity.wait_exponential(multiplier=self.initial_wait_s, max=self.max_wait_s)
             + tenacity.wait_random(0, self.initial_wait_s),
             before_sleep=log_before_sleep,

@@ -1,8 +1,9 @@
 """A byte-counting fsspec filesystem (``counting://``) for measuring storage reads in real workers.
 
 Workers import this module through ``--task tests.helpers.counting_fs:make_task``, which
-registers the protocol and returns the toy task. Each read appends ``pid<TAB>bytes<TAB>path`` to the
-file named by ``COUNTING_FS_LOG``.
+registers the protocol and returns the toy task. Every read appends ``pid<TAB>bytes<TAB>path`` to
+the file named by ``COUNTING_FS_LOG``: whole-file reads (``cat_file``, small payloads) and reads
+through an open file (``read``/``readinto``: payloads of 8 MB and more, and ``inspect``).
 """
 
 from __future__ import annotations
@@ -26,11 +27,45 @@ class CountingFileSystem(LocalFileSystem):
 
     def cat_file(self, path, start=None, end=None, **kwargs):
         data = super().cat_file(path, start=start, end=end, **kwargs)
-        log = os.environ.get("COUNTING_FS_LOG")
-        if log:
-            with open(log, "a") as f:
-                f.write(f"{os.getpid()}\t{len(data)}\t{path}\n")
+        _record(len(data), path)
         return data
+
+    def _open(self, path, mode="rb", **kwargs):
+        f = super()._open(path, mode=mode, **kwargs)
+        return _CountingReader(f, path) if "r" in mode else f
+
+
+def _record(nbytes: int, path: str) -> None:
+    log = os.environ.get("COUNTING_FS_LOG")
+    if log and nbytes:
+        with open(log, "a") as f:
+            f.write(f"{os.getpid()}\t{nbytes}\t{path}\n")
+
+
+class _CountingReader:
+    """A read-only file object that records every byte read through it."""
+
+    def __init__(self, f, path: str) -> None:
+        self._f, self._path = f, path
+
+    def read(self, *args):
+        data = self._f.read(*args)
+        _record(len(data), self._path)
+        return data
+
+    def readinto(self, buffer):
+        n = self._f.readinto(buffer)
+        _record(n or 0, self._path)
+        return n
+
+    def __getattr__(self, name):
+        return getattr(self._f, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self._f.close()
 
 
 fsspec.register_implementation("counting", CountingFileSystem, clobber=True)

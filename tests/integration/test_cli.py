@@ -12,6 +12,7 @@ import pytest
 
 import storage
 from tests.helpers.launcher import job_env, run_single
+from tests.helpers.net import free_port
 
 
 def cli(*args: str, cwd: str) -> subprocess.CompletedProcess:
@@ -122,3 +123,30 @@ def test_verify_fails_on_a_corrupt_checkpoint(tmp_path):
     out = cli("prune", url, "--keep-last", "1", "--json", cwd=str(tmp_path))
     assert json.loads(out.stdout)["newest_good"] == 10
     assert 10 in storage.open_store(url).committed_steps()
+
+
+TOOLS = [["ls"], ["verify"], ["inspect"], ["prune", "--keep-last", "1"], ["bench", "--size", "1MB"]]
+
+
+def _tool_on(command: list[str], url: str, options: list[str], cwd: str):
+    where = ["--checkpoint-dir", url] if command[0] == "bench" else [url]
+    return cli(command[0], *where, *command[1:], *options, cwd=cwd)
+
+
+@pytest.mark.parametrize("command", TOOLS, ids=[c[0] for c in TOOLS])
+def test_every_storage_command_names_a_missing_bucket(command, tmp_path, s3_endpoint):
+    """The runner's preflight, for every tool: one line naming the cause, no traceback."""
+    url, options = "s3://no-such-bucket-et/run", ["--storage-option", f"endpoint_url={s3_endpoint}"]
+    result = _tool_on(command, url, options, str(tmp_path))
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert f"{url!r} is not usable" in result.stderr and "does not exist" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("command", [TOOLS[0], TOOLS[-1]], ids=["ls", "bench"])
+def test_storage_commands_name_a_dead_endpoint_within_the_probe_deadline(command, tmp_path):
+    """Reading (ls) and writing (bench) tools alike: the probe's 10 s promise, then one line."""
+    dead = ["--storage-option", f"endpoint_url=http://127.0.0.1:{free_port()}"]
+    result = _tool_on(command, "s3://some-bucket/run", dead, str(tmp_path))
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "could not be reached" in result.stderr and "Traceback" not in result.stderr

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import glob
 import io
+import json
 import os
 import subprocess
 import sys
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 import storage
+from elastictrain.checkpoint import staging
 from elastictrain.checkpoint.state import from_bytes, state_file_of
 from elastictrain.observe.events import Event, read_events
 from tests.helpers.launcher import (
@@ -36,36 +38,56 @@ def _save_with_location(state: dict, location: str) -> bytes:
         torch.serialization.location_tag = original
 
 
-def test_resume_cuda_saved_checkpoint_on_cpu_only_node(launch, tmp_path):
-    if torch.cuda.is_available():
-        pytest.skip("exercises the CPU-only direction")
+def test_gpu_saved_checkpoints_resume_on_this_ranks_device(launch, tmp_path):
+    """Both formats a run may find: the flat ``state-g*.bin`` the runner writes (it records no
+    device at all; ``map_location`` places every tensor, optimizer state included) and a
+    ``torch.save`` file whose tensors are tagged ``cuda:1`` (older elastictrain, or by hand).
+    The jobs are hidden from any GPU, so this runs, and means the same, on every machine."""
+    cpu_only = job_env(CUDA_VISIBLE_DEVICES="")
     ref_dir, half_dir, gpu_dir = (str(tmp_path / n) for n in ("ref", "half", "gpu"))
-    ref = launch(
-        toy_args(ref_dir, str(tmp_path / "ref.jsonl"), max_steps=120, every=60, step_time=0),
-        name="ref",
-    )
+    ref_args = toy_args(ref_dir, str(tmp_path / "ref.jsonl"), max_steps=120, every=60, step_time=0)
+    ref = launch(ref_args, env=cpu_only, name="ref")
     assert ref.wait(120) == 0
-    half = launch(
-        toy_args(half_dir, str(tmp_path / "half.jsonl"), max_steps=60, every=60, step_time=0),
-        name="half",
+    half_args = toy_args(
+        half_dir, str(tmp_path / "half.jsonl"), max_steps=60, every=60, step_time=0
     )
+    half = launch(half_args, env=cpu_only, name="half")
     assert half.wait(120) == 0
 
-    # Rewrite the step-60 checkpoint as if rank 0 had saved it from cuda:1.
+    # The runner's own file: flat, and nothing in it names a device.
     ckpt = storage.open_store(half_dir).read(60)
-    state = from_bytes(ckpt.files[state_file_of(ckpt.manifest.metadata)])
-    # As a torch.save file, the format older versions wrote: its tensors carry device tags.
+    name = state_file_of(ckpt.manifest.metadata)
+    flat = bytes(ckpt.files[name])
+    assert name.startswith("state-g") and staging.is_flat(flat)
+    tail = flat[_tensor_bytes_end(flat) :]  # the skeleton and header: all but tensor bytes
+    assert b"cpu" not in tail and b"cuda" not in tail
+    on_meta = staging.load(flat, map_location="meta")
+    tensors = [*on_meta["model"].values(), *on_meta["optimizer"]["state"][0].values()]
+    assert tensors and all(t.device.type == "meta" for t in tensors)
+
+    # A torch.save file whose tensors carry cuda:1 tags, as a GPU job of older versions wrote.
+    state = from_bytes(flat)
     blob = _save_with_location(state, "cuda:1")
-    with pytest.raises(RuntimeError, match="CUDA"):  # proof the tags are real: no remap, no load
-        torch.load(io.BytesIO(blob), weights_only=True)
+    if torch.cuda.device_count() < 2:  # proof the tags are real: without a remap, no load
+        with pytest.raises(RuntimeError, match="CUDA|cuda"):
+            torch.load(io.BytesIO(blob), weights_only=True)
     metadata = {**ckpt.manifest.metadata, "state_file": "state.pt"}
     storage.open_store(gpu_dir).commit(60, {"state.pt": blob}, metadata)
 
-    ev = str(tmp_path / "gpu.jsonl")
-    job = launch(toy_args(gpu_dir, ev, max_steps=120, every=60, step_time=0), name="gpu")
-    assert job.wait(120) == 0, job.log()[-3000:]
-    assert [e["step"] for e in read_events(ev) if e["event"] == Event.RESUME] == [60]
-    assert_bitwise_equal(final_state(gpu_dir), final_state(ref_dir))
+    for url, label in ((half_dir, "flat"), (gpu_dir, "cuda:1-tagged")):
+        ev = str(tmp_path / f"{label}.jsonl")
+        job = launch(toy_args(url, ev, max_steps=120, every=60, step_time=0), env=cpu_only)
+        assert job.wait(120) == 0, job.log()[-3000:]
+        assert [e["step"] for e in read_events(ev) if e["event"] == Event.RESUME] == [60], label
+        assert_bitwise_equal(final_state(url), final_state(ref_dir))
+
+
+def _tensor_bytes_end(flat: bytes) -> int:
+    """Where the tensor bytes of a flat file end (its skeleton and header follow)."""
+    header_end = len(flat) - staging._TRAILER.size
+    header_len, _ = staging._TRAILER.unpack_from(flat, header_end)
+    header = json.loads(flat[header_end - header_len : header_end])
+    return header_end - header_len - header["skeleton_bytes"]
 
 
 def test_corrupted_latest_falls_back_to_previous(launch, tmp_path):

@@ -8,19 +8,26 @@ import pytest
 
 import storage
 from elastictrain.observe.events import Event, read_events
+from storage.hashing import PIPELINE_BYTES
 from tests.helpers.counting_fs import bytes_read
 from tests.helpers.launcher import job_env
 
 
-@pytest.mark.parametrize("mode,expected_ratio", [("rank0", 1.0), ("all", 3.0)])
-def test_bytes_read_per_resume_at_world_size_3(launch, tmp_path, mode, expected_ratio):
+@pytest.mark.parametrize(
+    "mode,expected_ratio,hidden",
+    [
+        ("rank0", 1.0, 90_000),  # 10.8 MB: over the 8 MB line, read in chunks through a file
+        ("all", 3.0, 256),  # a small payload: one cat_file per rank
+    ],
+)
+def test_bytes_read_per_resume_at_world_size_3(launch, tmp_path, mode, expected_ratio, hidden):
     root = str(tmp_path / "ckpt")
     url = f"counting://{root}"
     common = [
         "--task",
         "tests.helpers.counting_fs:make_task",
         "--task-option",
-        "hidden=256",
+        f"hidden={hidden}",
         "--checkpoint-dir",
         url,
         "--storage-option",
@@ -33,6 +40,7 @@ def test_bytes_read_per_resume_at_world_size_3(launch, tmp_path, mode, expected_
     first = launch([*common, "--max-steps", "20"], nproc=3, name="first")
     assert first.wait(120) == 0, first.log()[-3000:]
     (size,) = [f.size for f in storage.open_store(root).read(20).manifest.files.values()]
+    assert (size >= PIPELINE_BYTES) == (hidden > 256)  # both read paths are covered
 
     log = str(tmp_path / "reads.tsv")
     second = launch(

@@ -1,0 +1,76 @@
+"""The tools a user runs beside training: the benches and fault injection, end to end."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers.launcher import REPO_ROOT, final_state, job_env
+
+
+def _tool(args: list[str], cwd: str, timeout: float) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "elastictrain", *args],
+        cwd=cwd,
+        env=job_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+@pytest.mark.slow
+def test_bench_overhead_and_recovery_give_sane_figures(tmp_path):
+    """Tiny runs, so only sanity is asserted: the figures are positive, add up, and the ratios
+    are within bounds no working runner misses (the real targets are measured by hand)."""
+    out = _tool(
+        ["bench", "--overhead", "--steps", "60", "--repeats", "1", "--json"], REPO_ROOT, 240
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    overhead = json.loads(out.stdout)
+    assert overhead["plain_step_s"] > 0 and overhead["elastictrain_step_s"] > 0
+    ratio = overhead["elastictrain_step_s"] / overhead["plain_step_s"]
+    assert overhead["runner_overhead"] == pytest.approx(ratio - 1)
+    assert -0.5 < overhead["runner_overhead"] < 1.0, overhead  # same loop: never 2x slower
+
+    out = _tool(["bench", "--recovery", "--size", "1MB", "--json"], REPO_ROOT, 240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    recovery = json.loads(out.stdout)
+    ours, bare = recovery["elastictrain"], recovery["bare_torchrun"]
+    phases = ["detect_s", "restart_s", "startup_s", "init_s", "probe_s", "build_s", "load_s"]
+    assert all(ours[p] >= 0 for p in [*phases, "first_step_s"]), ours
+    # The phases are consecutive slices of kill -> first step: they cannot add up to more.
+    assert sum(ours[p] for p in phases) <= ours["total_s"] * 1.05, ours
+    assert 0 < bare["total_s"] < ours["total_s"] < 120 and ours["checkpoint_bytes"] > 100_000
+    assert (
+        recovery["ratio_to_bare_plus_read"] > 1.0
+    )  # a restart with a load costs more than one without
+
+
+def test_chaos_kills_a_worker_and_the_job_still_finishes(tmp_path):
+    ckpt = str(tmp_path / "c")
+    job = [
+        *("torchrun", "--standalone", "--nproc_per_node=2", "--max-restarts=2"),
+        *("-m", "elastictrain", "--checkpoint-dir", ckpt, "--max-steps", "300"),
+        *("--checkpoint-every-steps", "50", "--task-option", "step_time=0.02"),
+    ]
+    log = str(tmp_path / "job.log")
+    args = ["chaos", "--fault", "kill-worker", "--first", "5", "--seed", "7", "--log", log]
+    out = _tool([*args, "--timeout", "150", "--", *job], str(tmp_path), 200)
+    assert out.returncode == 0, out.stdout + out.stderr[-3000:]
+    (killed,) = re.findall(r"fault 1: kill-worker -> pid (\d+)", out.stdout)
+    assert "job exited with 0; 1 fault(s) injected" in out.stdout
+    with open(log) as f:
+        text = f.read()
+    # torchrun saw exactly that process die of SIGKILL, and restarted the group.
+    assert "failed (exitcode: -9) local_rank: " in text and f"(pid: {killed})" in text, text[-3000:]
+    assert final_state(ckpt)["progress"]["step"] == 300
+
+
+def test_chaos_without_a_command_says_how(tmp_path):
+    out = _tool(["chaos", "--fault", "kill-node"], str(tmp_path), 60)
+    assert out.returncode == 2 and "name the job after --" in out.stderr
