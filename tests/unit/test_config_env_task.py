@@ -166,3 +166,20 @@ def test_readme_flag_table_lists_every_flag_with_its_real_default():
         else:
             want = (f"{value:g}",) if isinstance(value, float) else (str(value),)
         assert documented[flag] in want, f"README says {flag} defaults to {documented[flag]!r}"
+
+
+def test_readme_event_table_lists_every_event_and_cause():
+    """The event log's names are an enum; the README's table must name each one, and nothing else,
+    and the exit event's documented causes must be the Cause enum's."""
+    import re
+
+    from elastictrain.observe.events import Cause, Event
+
+    with open(os.path.join(os.path.dirname(__file__), "..", "..", "README.md")) as f:
+        readme = f.read()
+    start = readme.index("## Event log (`--event-log`)")
+    table = readme[start : readme.index("\n## ", start + 1)]
+    rows = dict(re.findall(r"^\| `([a-z_]+)` \| (.*) \|$", table, re.M))
+    assert set(rows) == {e.value for e in Event}, set(rows) ^ {e.value for e in Event}
+    for cause in Cause:
+        assert f"`{cause.value}`" in rows[Event.EXIT], f"README's exit row lacks cause {cause}"
