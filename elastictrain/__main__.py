@@ -8,16 +8,18 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+import signal
 import sys
 
 import storage
 from elastictrain.errors import EXIT_STORAGE, EXIT_USER_ERROR, ElasticTrainError
+from elastictrain.signals import StopSignals
 from elastictrain.tools import TOOLS
 
 logger = logging.getLogger("elastictrain")
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, early_signals: StopSignals | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] in TOOLS:
         module = importlib.import_module(TOOLS[argv[0]][0])
@@ -31,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         cfg = parse_args(argv)
-        return run(cfg)
+        return run(cfg, early_signals)
     except (ElasticTrainError, storage.StorageError) as e:
         # Expected failures: one clear line, no traceback to dig through, and a code that says which.
         code = getattr(e, "exit_code", _storage_exit_code(e))
@@ -63,7 +65,8 @@ def _exit_now(code: int) -> None:
 
 
 if __name__ == "__main__":
-    code = main()
     if len(sys.argv) > 1 and sys.argv[1] in TOOLS:
-        sys.exit(code)
-    _exit_now(code)
+        sys.exit(main())
+    # Before torch is imported (seconds on a cold start): a SIGTERM or Ctrl-C from here on is a
+    # graceful stop at the first step, never a KeyboardInterrupt traceback out of an import.
+    _exit_now(main(early_signals=StopSignals([signal.SIGTERM])))

@@ -18,7 +18,12 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from elastictrain import dist as edist
 from elastictrain.checkpoint.persist import Reason
-from elastictrain.checkpoint.session import CheckpointSession, Preempted, TrainState
+from elastictrain.checkpoint.session import (
+    CheckpointSession,
+    Preempted,
+    TrainState,
+    install_stop_signals,
+)
 from elastictrain.checkpoint.state import DataFingerprint
 from elastictrain.config import RunConfig
 from elastictrain.data import GlobalBatchSampler
@@ -30,16 +35,23 @@ from elastictrain.observe.events import Event, SampleLog
 from elastictrain.observe.logs import CONTEXT, setup_logging
 from elastictrain.observe.progress import Progress
 from elastictrain.observe.terminal import STATUS, live_terminal
+from elastictrain.signals import StopSignals
 from elastictrain.task import Task, build_task
 from elastictrain.watchdog import HangWatchdog
 
 logger = logging.getLogger(__name__)
 
 
-def run(cfg: RunConfig) -> int:
+def run(cfg: RunConfig, early_signals: StopSignals | None = None) -> int:
+    """Train one attempt; the exit code. ``early_signals``: stop-signal handlers ``__main__``
+    installed before importing torch, so a Ctrl-C even then is a graceful stop."""
     env = read_env()
     agent_pid = os.getppid()  # under torchrun: the agent; recorded before anything can reparent us
     setup_logging(env.rank)
+    session_config = cfg.session_config()
+    # Installed first: a stop signal during init or resume is remembered and honoured at step 1,
+    # and a Ctrl-C there never becomes a KeyboardInterrupt traceback.
+    signals = install_stop_signals(session_config, early_signals)
     # Built before any process-group work, so a bad --task fails fast and identically everywhere.
     torch.manual_seed(cfg.seed)
     task = build_task(cfg.task, cfg.task_options)
@@ -67,7 +79,7 @@ def run(cfg: RunConfig) -> int:
             (lambda: os.getppid() == agent_pid) if env.launched_by_torchrun else (lambda: True)
         )
         session = CheckpointSession(
-            cfg.session_config(),
+            session_config,
             rank=env.rank,
             world_size=env.world_size,
             generation=groups.attempt.generation,
@@ -77,6 +89,7 @@ def run(cfg: RunConfig) -> int:
             agree_device=device,
             watchdog=watchdog,
             attached=attached,
+            signals=signals,
         )
         init_s = time.monotonic() - t_init
         logger.info(

@@ -56,6 +56,13 @@ class StopSignals:
         handled = dict.fromkeys([*signals, *([INTERRUPT] if interrupt else [])])
         self._previous = {sig: signal.signal(sig, self._handle) for sig in handled}
 
+    def add(self, signals: Sequence[signal.Signals]) -> StopSignals:
+        """Handle more signals (the configured ones, once the flags are parsed)."""
+        for sig in signals:
+            if sig not in self._previous:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
     def restore(self) -> None:
         """Put back the handlers that were there before (library mode hands the process back)."""
         for sig, handler in self._previous.items():

@@ -16,7 +16,7 @@ from elastictrain import dist as edist
 from elastictrain.checkpoint import state as tstate
 from elastictrain.checkpoint.persist import COMMITTED, FAILED, MUST_COMMIT, Failure, Persister
 from elastictrain.errors import CheckpointFailedError
-from elastictrain.observe.events import EventLog
+from elastictrain.observe.events import Event, EventLog
 
 logger = logging.getLogger(__name__)
 
@@ -128,7 +128,7 @@ class Checkpointer:
         if not data:
             edist.barrier(self.control)
             logger.info("no committed checkpoint found: starting fresh")
-            self.events.emit("resume", fresh=True, step=0, world_size=self.world_size)
+            self.events.emit(Event.RESUME, fresh=True, step=0, world_size=self.world_size)
             return Resumed(step=0, checkpoint_step=None)
         state = tstate.from_bytes(data, map_location=self.device)
         tstate.check_compatible(model, state, fingerprint, where=where)
@@ -139,7 +139,7 @@ class Checkpointer:
         logger.info("resumed from checkpoint step %d (%d bytes, %.2fs)", step, len(data), seconds)
         saved_world = manifest.metadata.get("world_size") if manifest else None
         self.events.emit(
-            "resume",
+            Event.RESUME,
             fresh=False,
             step=step,
             bytes=len(data),
@@ -157,7 +157,10 @@ class Checkpointer:
                 step,
             )
             self.events.emit(
-                "membership", old_world_size=saved_world, new_world_size=self.world_size, step=step
+                Event.MEMBERSHIP,
+                old_world_size=saved_world,
+                new_world_size=self.world_size,
+                step=step,
             )
         return Resumed(step=step, checkpoint_step=step, extra=state.get("extra"))
 

@@ -17,7 +17,16 @@ def load_checkpoint(
 ) -> dict[str, Any]:
     """A committed, verified checkpoint as a dict; ``"model"`` is the unwrapped module's state_dict.
 
-    ``step=None`` picks the newest checkpoint that verifies.
+    Args:
+        url: the checkpoint location (a local path or any fsspec URL).
+        step: which one; None picks the newest checkpoint that verifies.
+        map_location: where the tensors go (a device).
+        storage_options: fsspec options, e.g. ``endpoint_url``.
+
+    Raises:
+        CheckpointNotFoundError: no committed checkpoint (at ``step``).
+        CheckpointCorruptError: the requested step fails verification.
+        UnsafeCheckpointError: the payload would need unpickling code; nothing was executed.
     """
     store = storage.open_store(url, storage_options=storage_options)
     if step is None:

@@ -36,6 +36,7 @@ from elastictrain.checkpoint.session import (
     Preempted,
     SessionConfig,
     TrainState,
+    install_stop_signals,
     unwrap,
 )
 from elastictrain.errors import ConfigError
@@ -143,8 +144,7 @@ class CheckpointManager:
             gate=self._group,
             device=torch.device("cpu"),  # replaced in resume()
             watchdog=watchdog,
-            attached=(lambda: True),
-            install_signals=main_thread,
+            signals=install_stop_signals(config) if main_thread else None,
         )
         self.map_location = map_location
         self._resumed = False

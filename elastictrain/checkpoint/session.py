@@ -67,7 +67,7 @@ class SessionConfig:
     hang_timeout: float | None = None
     preempt_signals: tuple[str, ...] = ("SIGTERM",)
     """Signals that mean "checkpoint this step and stop"; Ctrl-C (SIGINT) always does too.
-    Empty: leave every signal handler alone."""
+    Empty: leave every signal handler alone. See :func:`install_stop_signals`."""
     event_log: str | None = None
     spelling: Mapping[str, str] = field(default_factory=dict, repr=False, compare=False)
     """How the user spells each field (``--keep-last`` for the runner), named in errors."""
@@ -106,6 +106,17 @@ class SessionConfig:
             raise bad("resume_read", "'rank0' or 'all'")
         for name in self.preempt_signals:
             parse_signal(name, setting=self.spell("preempt_signals"))
+
+
+def install_stop_signals(
+    config: SessionConfig, early: StopSignals | None = None
+) -> StopSignals | None:
+    """The handlers for ``config.preempt_signals`` and Ctrl-C, or None when there are none.
+    ``early``: handlers installed before the heavy imports, which keep what they caught."""
+    parsed = [parse_signal(name) for name in config.preempt_signals]
+    if early is not None:
+        return early.add(parsed)
+    return StopSignals(parsed) if parsed else None
 
 
 class Preempted(SystemExit):
@@ -164,12 +175,14 @@ class CheckpointSession:
         agree_device: torch.device | None = None,
         watchdog: HangWatchdog | None = None,
         attached: Callable[[], bool] = lambda: True,
-        install_signals: bool = True,
+        signals: StopSignals | None = None,
     ) -> None:
         """``gate``: a gloo group bounded by ``timeout_s`` for the resume and save barriers (None:
         a single process without torch.distributed). ``agree_group``/``agree_device``: where the
         per-step agreement runs (default: ``gate``, on the CPU). ``attached``: False once the
-        torchrun agent is gone, so an orphan never commits."""
+        torchrun agent is gone, so an orphan never commits. ``signals``: the stop-signal handlers,
+        installed by the caller as early as it can (a signal during init is honoured at step 1);
+        :meth:`close` puts the previous handlers back."""
         self.config, self.rank = config, rank
         self.is_rank0 = rank == 0
         alone = gate is None
@@ -178,10 +191,9 @@ class CheckpointSession:
         self.watchdog = watchdog
         if watchdog is not None:
             watchdog.last_words = self.last_words
-        self.signals: StopSignals | None = None
-        if install_signals and config.preempt_signals:
-            parsed = [parse_signal(name) for name in config.preempt_signals]
-            self.signals = StopSignals(parsed, last_words=self.last_words)
+        self.signals = signals
+        if signals is not None:
+            signals.last_words = self.last_words
         self.ckpt = Checkpointer(
             url=config.url,
             storage_options=dict(config.storage_options),

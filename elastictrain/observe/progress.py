@@ -15,6 +15,7 @@ from typing import IO, TYPE_CHECKING, Any
 
 import torch
 
+from elastictrain.observe.events import Event
 from elastictrain.observe.terminal import STATUS
 
 if TYPE_CHECKING:
@@ -105,7 +106,7 @@ class Progress:
                 self.world_size,
             )
         self.events.emit(
-            "progress",
+            Event.PROGRESS,
             step=step,
             loss=value,
             steps_per_s=round(rate, 3),
@@ -113,7 +114,7 @@ class Progress:
         )
         if stragglers is not None and self.world_size > 1:
             logger.info("%s", stragglers.describe())
-            self.events.emit("stragglers", step=step, **stragglers.as_event())
+            self.events.emit(Event.STRAGGLERS, step=step, **stragglers.as_event())
         self._last_t, self._last_step = now, step
 
     def close(self) -> None:

@@ -2,8 +2,9 @@
 
 Workers import this module through ``--task tests.helpers.counting_fs:make_task``, which
 registers the protocol and returns the toy task. Every read appends ``pid<TAB>bytes<TAB>path`` to
-the file named by ``COUNTING_FS_LOG``: whole-file reads (``cat_file``, small payloads) and reads
-through an open file (``read``/``readinto``: payloads of 8 MB and more, and ``inspect``).
+the file named by ``COUNTING_FS_LOG``. Every read goes through ``_open``: whole-file reads
+(``cat_file`` opens and reads; small payloads) and chunked ones (``readinto``: payloads of 8 MB
+and more), so counting there counts each byte once.
 """
 
 from __future__ import annotations
@@ -24,11 +25,6 @@ class CountingFileSystem(LocalFileSystem):
         if isinstance(path, str) and path.startswith("counting://"):
             path = path[len("counting://") :]
         return super()._strip_protocol(path)
-
-    def cat_file(self, path, start=None, end=None, **kwargs):
-        data = super().cat_file(path, start=start, end=end, **kwargs)
-        _record(len(data), path)
-        return data
 
     def _open(self, path, mode="rb", **kwargs):
         f = super()._open(path, mode=mode, **kwargs)

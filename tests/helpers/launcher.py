@@ -207,7 +207,8 @@ def toy_args(
 
 
 def run_single(args: list[str], cwd: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    """``python -m elastictrain`` without torchrun: one process, world size 1."""
+    """``python -m elastictrain ARGS`` without torchrun: a training run of one process (world
+    size 1), or a tool (``ls``, ``bench``, ``chaos``, ...)."""
     return subprocess.run(
         [sys.executable, "-m", "elastictrain", *args],
         cwd=cwd,

@@ -1,14 +1,18 @@
-"""Issue 5's integrity trial: SIGKILL rank 0 while it persists, 20 times (kill_during_persist.py)."""
+"""Issue 5's integrity trial: SIGKILL rank 0 while it persists (tests/helpers/kill_during_persist.py)."""
 
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
 from tests.helpers.kill_during_persist import run_trials
 
-TRIALS = 20
+# CI runs 8 trials (about 90 s) to stay inside its time budget; docs/measurements.md's 20-trial
+# figure comes from `python -m tests.helpers.kill_during_persist --trials 20 --seed 1`, or
+# ELASTICTRAIN_PERSIST_KILL_TRIALS=20 here.
+TRIALS = int(os.environ.get("ELASTICTRAIN_PERSIST_KILL_TRIALS", "8"))
 
 
 @pytest.mark.slow

@@ -74,12 +74,12 @@ def test_gpu_saved_checkpoints_resume_on_this_ranks_device(launch, tmp_path):
     metadata = {**ckpt.manifest.metadata, "state_file": "state.pt"}
     storage.open_store(gpu_dir).commit(60, {"state.pt": blob}, metadata)
 
-    for url, label in ((half_dir, "flat"), (gpu_dir, "cuda:1-tagged")):
-        ev = str(tmp_path / f"{label}.jsonl")
-        job = launch(toy_args(url, ev, max_steps=120, every=60, step_time=0), env=cpu_only)
-        assert job.wait(120) == 0, job.log()[-3000:]
-        assert [e["step"] for e in read_events(ev) if e["event"] == Event.RESUME] == [60], label
-        assert_bitwise_equal(final_state(url), final_state(ref_dir))
+    # The flat file's own resume is every other resume test; this one resumes the tagged file.
+    ev = str(tmp_path / "gpu.jsonl")
+    job = launch(toy_args(gpu_dir, ev, max_steps=120, every=60, step_time=0), env=cpu_only)
+    assert job.wait(120) == 0, job.log()[-3000:]
+    assert [e["step"] for e in read_events(ev) if e["event"] == Event.RESUME] == [60]
+    assert_bitwise_equal(final_state(gpu_dir), final_state(ref_dir))
 
 
 def _tensor_bytes_end(flat: bytes) -> int:

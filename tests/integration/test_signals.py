@@ -9,7 +9,7 @@ import time
 
 import storage
 from elastictrain.observe.events import Cause, Event, read_events
-from tests.helpers.launcher import final_state, toy_args, wait_for_event
+from tests.helpers.launcher import REPO_ROOT, final_state, toy_args, wait_for_event
 
 
 def test_first_ctrl_c_commits_the_current_step_and_exits(launch, tmp_path):
@@ -24,7 +24,9 @@ def test_first_ctrl_c_commits_the_current_step_and_exits(launch, tmp_path):
     # The step it stopped at is committed, though no checkpoint was scheduled before 1000.
     assert final_state(ckpt)["progress"]["step"] == preempted["step"]
     assert log.count(f"PREEMPTED (SIGINT) at step {preempted['step']}:") == 2, log[-3000:]
-    assert "KeyboardInterrupt" not in log and "exitcode: 75" in log
+    # No worker printed a traceback (theirs would run through this repository's files); the one
+    # traceback in the log is torchrun's own SignalException.
+    assert "KeyboardInterrupt" not in log and f'File "{REPO_ROOT}' not in log, log[-3000:]
 
 
 def test_second_ctrl_c_aborts_at_once_and_keeps_the_last_checkpoint(launch, tmp_path):
@@ -42,8 +44,8 @@ def test_second_ctrl_c_aborts_at_once_and_keeps_the_last_checkpoint(launch, tmp_
     elapsed = time.monotonic() - t0
     log = job.log()
     assert elapsed < 5, f"took {elapsed:.1f}s to abort; log:\n{log[-3000:]}"
-    assert "ABORTED: SIGTERM after Ctrl-C; exiting 130" in log, log[-3000:]
-    assert "exitcode: 130" in log and "KeyboardInterrupt" not in log
+    assert log.count("ABORTED: SIGTERM after Ctrl-C; exiting 130") == 2, log[-3000:]  # each rank
+    assert "KeyboardInterrupt" not in log and f'File "{REPO_ROOT}' not in log, log[-3000:]
     events = read_events(ev)
     assert not [e for e in events if e["event"] == Event.PREEMPTED]  # no checkpoint waited for
     assert any(e["event"] == Event.EXIT and e["cause"] == Cause.ABORTED for e in events)

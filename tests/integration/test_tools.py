@@ -4,30 +4,17 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 
 import pytest
 
-from tests.helpers.launcher import REPO_ROOT, final_state, job_env
-
-
-def _tool(args: list[str], cwd: str, timeout: float) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "elastictrain", *args],
-        cwd=cwd,
-        env=job_env(),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+from tests.helpers.launcher import REPO_ROOT, final_state, run_single
 
 
 @pytest.mark.slow
 def test_bench_overhead_and_recovery_give_sane_figures(tmp_path):
     """Tiny runs, so only sanity is asserted: the figures are positive, add up, and the ratios
     are within bounds no working runner misses (the real targets are measured by hand)."""
-    out = _tool(
+    out = run_single(
         ["bench", "--overhead", "--steps", "60", "--repeats", "1", "--json"], REPO_ROOT, 240
     )
     assert out.returncode == 0, out.stderr[-3000:]
@@ -37,7 +24,7 @@ def test_bench_overhead_and_recovery_give_sane_figures(tmp_path):
     assert overhead["runner_overhead"] == pytest.approx(ratio - 1)
     assert -0.5 < overhead["runner_overhead"] < 1.0, overhead  # same loop: never 2x slower
 
-    out = _tool(["bench", "--recovery", "--size", "1MB", "--json"], REPO_ROOT, 240)
+    out = run_single(["bench", "--recovery", "--size", "1MB", "--json"], REPO_ROOT, 240)
     assert out.returncode == 0, out.stderr[-3000:]
     recovery = json.loads(out.stdout)
     ours, bare = recovery["elastictrain"], recovery["bare_torchrun"]
@@ -60,7 +47,7 @@ def test_chaos_kills_a_worker_and_the_job_still_finishes(tmp_path):
     ]
     log = str(tmp_path / "job.log")
     args = ["chaos", "--fault", "kill-worker", "--first", "5", "--seed", "7", "--log", log]
-    out = _tool([*args, "--timeout", "150", "--", *job], str(tmp_path), 200)
+    out = run_single([*args, "--timeout", "150", "--", *job], str(tmp_path), 200)
     assert out.returncode == 0, out.stdout + out.stderr[-3000:]
     (killed,) = re.findall(r"fault 1: kill-worker -> pid (\d+)", out.stdout)
     assert "job exited with 0; 1 fault(s) injected" in out.stdout
@@ -72,5 +59,5 @@ def test_chaos_kills_a_worker_and_the_job_still_finishes(tmp_path):
 
 
 def test_chaos_without_a_command_says_how(tmp_path):
-    out = _tool(["chaos", "--fault", "kill-node"], str(tmp_path), 60)
+    out = run_single(["chaos", "--fault", "kill-node"], str(tmp_path), 60)
     assert out.returncode == 2 and "name the job after --" in out.stderr
