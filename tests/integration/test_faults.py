@@ -126,7 +126,7 @@ def test_slow_and_late_rank_within_budget_completes(launch, tmp_path):
         "--task-option",
         "slow_factor=3",
         "--task-option",
-        "start_delay=20",
+        "start_delay=12",  # longer than --hang-timeout: startup has its own, larger budget
         "--init-timeout",
         "60",
         "--collective-timeout",
@@ -140,7 +140,7 @@ def test_slow_and_late_rank_within_budget_completes(launch, tmp_path):
     assert job.wait(150) == 0, job.log()[-3000:]
     events = read_events(ev)
     (start,) = [e for e in events if e["event"] == Event.START]
-    assert start["init_s"] >= 15  # rank 0 waited for the late rank inside the init budget
+    assert start["init_s"] >= 10  # rank 0 waited for the late rank inside the init budget
     reports = [e for e in events if e["event"] == Event.STRAGGLERS]
     assert reports and reports[-1]["slowest_rank"] == 1
     medians = [r["median_s"] for r in reports[-1]["ranks"]]

@@ -13,7 +13,9 @@ from tests.helpers.launcher import assert_bitwise_equal, final_state, toy_args, 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("nproc", [2, 3])
+# 3 workers: where DDP's bucket order decides gloo's summation order (a sum of two is
+# order-independent). Two workers SIGKILLed and bitwise equal: the digits and library-mode tests.
+@pytest.mark.parametrize("nproc", [3])
 def test_sigkill_workers_resume_bitwise(launch, tmp_path, nproc):
     ref_dir, ref_ev = str(tmp_path / "ref"), str(tmp_path / "ref.jsonl")
     ref = launch(toy_args(ref_dir, ref_ev), nproc=nproc, name="ref")
