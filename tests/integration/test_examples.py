@@ -123,6 +123,7 @@ def custom_loop_args(ckpt: str, events: str) -> list[str]:
     ]
 
 
+@pytest.mark.slow
 def test_library_mode_custom_loop_killed_and_preempted_resumes_exactly(launch, tmp_path):
     """The tutorial's loop shape under plain torchrun, with no special environment: SIGKILLed
     three times (each restart must get through init, where plain init_process_group fails now and

@@ -14,6 +14,7 @@ from elastictrain.observe.timeline import Outcome, build_timeline
 from tests.helpers.launcher import assert_bitwise_equal, final_state, toy_args, wait_for_event
 
 
+@pytest.mark.slow
 def test_sigterm_preemption_loses_zero_steps(launch, tmp_path):
     ref_dir = str(tmp_path / "ref")
     ref = launch(

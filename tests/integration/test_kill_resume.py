@@ -12,9 +12,9 @@ from elastictrain.observe.events import Event, read_events
 from tests.helpers.launcher import assert_bitwise_equal, final_state, toy_args, wait_for_event
 
 
-@pytest.mark.slow
 # 3 workers: where DDP's bucket order decides gloo's summation order (a sum of two is
 # order-independent). Two workers SIGKILLed and bitwise equal: the digits and library-mode tests.
+@pytest.mark.slow
 @pytest.mark.parametrize("nproc", [3])
 def test_sigkill_workers_resume_bitwise(launch, tmp_path, nproc):
     ref_dir, ref_ev = str(tmp_path / "ref"), str(tmp_path / "ref.jsonl")
@@ -89,6 +89,7 @@ def test_user_task_example_trains_and_resumes(launch, tmp_path):
     assert progress[-1]["step"] == 60 and progress[-1]["loss"] < progress[0]["loss"]
 
 
+@pytest.mark.slow
 def test_sigkill_resume_on_s3(launch, tmp_path, s3_bucket):
     """The same kill/resume contract with checkpoints on a real S3 endpoint (moto_server)."""
     bucket_url, options = s3_bucket

@@ -59,6 +59,7 @@ def signal_like_slurm(job, how: str) -> None:
         os.kill(pid, signal.SIGTERM)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["usr1", "preempt"])
 def test_sbatch_script_saves_requeues_and_resumes(launch, tmp_path, slurm_env, how):
     events = str(tmp_path / f"events-{JOB_ID}.jsonl")

@@ -85,6 +85,7 @@ def _tensor_bytes_end(flat: bytes) -> int:
     return header_end - header_len - header["skeleton_bytes"]
 
 
+@pytest.mark.slow
 def test_corrupted_latest_falls_back_to_previous(launch, tmp_path):
     ref_dir, run_dir = str(tmp_path / "ref"), str(tmp_path / "run")
     ref = launch(

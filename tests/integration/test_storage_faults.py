@@ -38,6 +38,7 @@ def _events(ev: str, kind: str) -> list[dict]:
     return [e for e in read_events(ev) if e["event"] == kind]
 
 
+@pytest.mark.slow
 def test_ten_percent_faults_every_checkpoint_committed_or_reported(launch, tmp_path, s3_bucket):
     bucket_url, options = s3_bucket
     url, ev = f"{bucket_url}/faulty", str(tmp_path / "ev.jsonl")
@@ -158,6 +159,7 @@ def test_storage_down_stops_the_job_when_it_must(launch, tmp_path, s3_bucket, po
     assert [c.step for c in listed] == [20] and listed[0].ok
 
 
+@pytest.mark.slow
 def test_async_persist_on_slow_storage_waits_and_the_final_checkpoint_lands(
     launch, tmp_path, s3_bucket
 ):
