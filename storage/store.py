@@ -193,9 +193,7 @@ class CheckpointStore:
         retry = dataclasses.replace(self._retry, deadline_s=min(deadline_s, self._retry.deadline_s))
         outcome: list[BaseException | None] = []
         worker = threading.Thread(
-            target=lambda: outcome.append(
-                self._probe_once(retry) if write else self._probe_read(retry)
-            ),
+            target=lambda: outcome.append(self._probe_once(retry, write)),
             name="storage-probe",
             daemon=True,
         )
@@ -218,12 +216,16 @@ class CheckpointStore:
             f"({type(cause).__name__}: {str(cause).splitlines()[0][:300] if str(cause) else ''})"
         ) from error
 
-    def _probe_once(self, retry: RetryPolicy) -> BaseException | None:
-        """Write, read back and delete the probe object; the error, or None when usable."""
+    def _probe_once(self, retry: RetryPolicy, write: bool) -> BaseException | None:
+        """Write, read back and delete the probe object (or only list the root); the error, or
+        None when usable."""
         path = self._backend.join(self._backend.root, f".probe-{uuid.uuid4().hex}")
         payload = b"elastictrain storage probe"
         written = False
         try:
+            if not write:
+                self._call("probe list", self._backend.check_readable, retry)
+                return None
             self._call("probe write", lambda: self._backend.write(path, payload), retry)
             written = True
             if self._call("probe read", lambda: self._backend.read(path), retry) != payload:
@@ -237,13 +239,6 @@ class CheckpointStore:
             if written:
                 with contextlib.suppress(Exception):
                     self._backend.delete_file(path)
-
-    def _probe_read(self, retry: RetryPolicy) -> BaseException | None:
-        try:
-            self._call("probe list", self._backend.check_readable, retry)
-            return None
-        except Exception as e:  # noqa: BLE001 - every failure here means "not usable"; diagnose it
-            return e
 
     # -- read --------------------------------------------------------------------------------
     def _step_dirs(self) -> list[int]:

@@ -20,7 +20,7 @@ from tests.helpers.net import free_port
 
 
 def pytest_collection_modifyitems(config, items):
-    """Longest tests first. The suite runs on two xdist workers (pyproject addopts); started last,
+    """Longest tests first. The suite runs on three xdist workers (pyproject addopts); started last,
     a 100 s test would run alone at the end while the other worker idles."""
 
     def weight(item) -> int:

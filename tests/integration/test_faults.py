@@ -148,6 +148,7 @@ def test_slow_and_late_rank_within_budget_completes(launch, tmp_path):
     assert 2.0 < medians[1] / medians[0] < 4.0
 
 
+@pytest.mark.slow
 def test_budget_below_skew_fails_naming_the_timeout(launch, tmp_path):
     args = [
         *toy_args(

@@ -67,6 +67,7 @@ def test_time_based_checkpoints_follow_rank0s_clock_alone(launch, tmp_path):
     assert 2 <= reasons.count(Reason.TIME) <= trained_s / 1.0 + 1, (reasons, trained_s)
 
 
+@pytest.mark.slow
 def test_user_task_example_trains_and_resumes(launch, tmp_path):
     args = [
         "--task",

@@ -38,6 +38,7 @@ def _save_with_location(state: dict, location: str) -> bytes:
         torch.serialization.location_tag = original
 
 
+@pytest.mark.slow
 def test_gpu_saved_checkpoints_resume_on_this_ranks_device(launch, tmp_path):
     """Both formats a run may find: the flat ``state-g*.bin`` the runner writes (it records no
     device at all; ``map_location`` places every tensor, optimizer state included) and a

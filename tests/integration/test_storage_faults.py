@@ -91,6 +91,7 @@ def test_ten_percent_faults_every_checkpoint_committed_or_reported(launch, tmp_p
     )
 
 
+@pytest.mark.slow
 def test_storage_down_warn_skips_keeps_training_and_recovers(launch, tmp_path, s3_bucket):
     bucket_url, options = s3_bucket
     url, ev = f"{bucket_url}/down-warn", str(tmp_path / "ev.jsonl")
@@ -124,6 +125,7 @@ def test_storage_down_warn_skips_keeps_training_and_recovers(launch, tmp_path, s
     assert listed and all(c.ok for c in listed) and listed[-1].step == 200
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["fail", "warn"])
 def test_storage_down_stops_the_job_when_it_must(launch, tmp_path, s3_bucket, policy):
     """``fail``: the first checkpoint storage rejects stops the job. ``warn``: scheduled ones are

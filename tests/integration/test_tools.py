@@ -38,15 +38,16 @@ def test_bench_overhead_and_recovery_give_sane_figures(tmp_path):
     )  # a restart with a load costs more than one without
 
 
+@pytest.mark.slow
 def test_chaos_kills_a_worker_and_the_job_still_finishes(tmp_path):
     ckpt = str(tmp_path / "c")
     job = [
         *("torchrun", "--standalone", "--nproc_per_node=2", "--max-restarts=2"),
         *("-m", "elastictrain", "--checkpoint-dir", ckpt, "--max-steps", "200"),
-        *("--checkpoint-every-steps", "50", "--task-option", "step_time=0.02"),
+        *("--checkpoint-every-steps", "50", "--task-option", "step_time=0.01"),
     ]
     log = str(tmp_path / "job.log")
-    args = ["chaos", "--fault", "kill-worker", "--first", "5", "--seed", "7", "--log", log]
+    args = ["chaos", "--fault", "kill-worker", "--first", "3", "--seed", "7", "--log", log]
     out = run_single([*args, "--timeout", "150", "--", *job], str(tmp_path), 200)
     assert out.returncode == 0, out.stdout + out.stderr[-3000:]
     (killed,) = re.findall(r"fault 1: kill-worker -> pid (\d+)", out.stdout)
