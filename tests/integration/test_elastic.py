@@ -191,4 +191,7 @@ def test_two_nodes_example_script_runs(tmp_path):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     starts = [e for e in read_events(str(tmp_path / "ev.jsonl")) if e["event"] == Event.START]
-    assert starts and starts[0]["world_size"] == 2
+    # The two agents formed one job of world size 2. Not necessarily at the first rendezvous: the
+    # script starts the second agent 1 s after the first, against a 2 s last call, and under load it
+    # can miss it and join at the next round (issue 16 makes this ordering robust).
+    assert starts and any(s["world_size"] == 2 for s in starts), starts
