@@ -14,6 +14,7 @@ import sys
 import time
 
 import torch
+import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from elastictrain import dist as edist
@@ -85,7 +86,9 @@ def run(cfg: RunConfig, early_signals: StopSignals | None = None) -> int:
             generation=groups.attempt.generation,
             gate=groups.control,
             device=device,
-            agree_group=None,  # the default group: the fast one, on the training device
+            # The default group (nccl on GPUs), on the training device: the per-step agreement must
+            # be as cheap as the step's own collectives, and time out like them.
+            agree_group=dist.group.WORLD,
             agree_device=device,
             watchdog=watchdog,
             attached=attached,
@@ -239,9 +242,9 @@ class _Attempt:
             )
         else:
             session.save(cfg.max_steps, state, Reason.FINAL)
+        progress.last_checkpoint = session.last_committed
         if resumed.step < cfg.max_steps:
             progress.report(cfg.max_steps, loss)
-        progress.last_checkpoint = session.last_committed
         progress.close()
         session.close()
         elapsed = time.monotonic() - t_loop

@@ -179,7 +179,8 @@ class CheckpointSession:
     ) -> None:
         """``gate``: a gloo group bounded by ``timeout_s`` for the resume and save barriers (None:
         a single process without torch.distributed). ``agree_group``/``agree_device``: where the
-        per-step agreement runs (default: ``gate``, on the CPU). ``attached``: False once the
+        per-step agreement runs (default: ``gate``, on the CPU; the runner uses the default group
+        on the training device). ``attached``: False once the
         torchrun agent is gone, so an orphan never commits. ``signals``: the stop-signal handlers,
         installed by the caller as early as it can (a signal during init is honoured at step 1);
         :meth:`close` puts the previous handlers back."""

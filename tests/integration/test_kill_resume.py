@@ -88,6 +88,8 @@ def test_user_task_example_trains_and_resumes(launch, tmp_path):
     assert [e["step"] for e in resumes] == [0, 40]
     progress = [e for e in read_events(str(tmp_path / "ev.jsonl")) if e["event"] == Event.PROGRESS]
     assert progress[-1]["step"] == 60 and progress[-1]["loss"] < progress[0]["loss"]
+    # The last plain progress line (logs are not a terminal) names the final checkpoint.
+    assert "progress 60/60" in job.log() and "last checkpoint 60 world size" in job.log()
 
 
 @pytest.mark.slow
