@@ -28,9 +28,10 @@ import time
 from typing import Any
 
 import storage
+from elastictrain.observe.events import Event
 from storage.layout import MANIFEST_NAME, parse_step_dir, step_dir_name
 from tests.helpers.launcher import Job
-from tests.helpers.restart_loop import count_events, waitcount_events
+from tests.helpers.restart_loop import count_events, wait_for_count
 
 # About 40 MB of state (weights + momentum): writing and fsyncing it takes long enough to aim at.
 TOY = ("hidden=1024", "layers=5", "batch_size=32")
@@ -120,11 +121,11 @@ def run_trials(workdir: str, trials: int, *, seed: int = 0, max_attempts: int | 
             attempt += 1
             if attempt > max_attempts:
                 raise AssertionError(f"only {len(results)} kills in {max_attempts} attempts")
-            waitcount_events(events, "resume", attempt, 120, job)
+            wait_for_count(events, Event.RESUME, attempt, 120, job)
             # Let this attempt commit one checkpoint first, so every resume has one to find and
             # retention runs; then aim at the next one.
-            waitcount_events(
-                events, "checkpoint", len(count_events(events, "checkpoint")) + 1, 120, job
+            wait_for_count(
+                events, Event.CHECKPOINT, len(count_events(events, Event.CHECKPOINT)) + 1, 120, job
             )
             rank0 = job.workers()[0]
             step = _wait_half_written(ckpt, 120, job)
@@ -135,7 +136,7 @@ def run_trials(workdir: str, trials: int, *, seed: int = 0, max_attempts: int | 
             committed_after = store.committed_steps()
             listed = store.list()  # verifies every committed checkpoint's sizes and checksums
             bad = [c.step for c in listed if not c.ok]
-            resumed = waitcount_events(events, "resume", attempt + 1, 120, job)
+            resumed = wait_for_count(events, Event.RESUME, attempt + 1, 120, job)
             newest = max(committed_after) if committed_after else 0
             results.append(
                 {
@@ -153,7 +154,7 @@ def run_trials(workdir: str, trials: int, *, seed: int = 0, max_attempts: int | 
     finally:
         job.kill()
     corrupt_logged = "CORRUPT CHECKPOINT" in job.log()
-    full = max((e["bytes"] for e in count_events(events, "checkpoint")), default=None)
+    full = max((e["bytes"] for e in count_events(events, Event.CHECKPOINT)), default=None)
     written = sorted(
         r["payload_bytes_on_disk"] / full for r in results if r["during_persist"] and full
     )
@@ -165,7 +166,7 @@ def run_trials(workdir: str, trials: int, *, seed: int = 0, max_attempts: int | 
             r["resumed_from"] == r["newest_committed"] for r in results
         ),
         "corrupt_checkpoint_logged": corrupt_logged,
-        "restarts": len(count_events(events, "start")) - 1,
+        "restarts": len(count_events(events, Event.START)) - 1,
         "checkpoint_bytes": full,
         # How far the killed write had got: 1.0 means the payload was whole but not yet committed.
         "payload_written_at_kill": {

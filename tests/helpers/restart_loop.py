@@ -18,7 +18,7 @@ import tempfile
 import time
 from typing import Any
 
-from elastictrain.observe.events import read_events
+from elastictrain.observe.events import Event, read_events
 from tests.helpers.launcher import Job, job_env
 
 
@@ -26,7 +26,7 @@ def count_events(path: str, name: str) -> list[dict[str, Any]]:
     return [e for e in read_events(path) if e["event"] == name] if os.path.exists(path) else []
 
 
-def waitcount_events(path: str, name: str, n: int, timeout: float, job: Job) -> dict[str, Any]:
+def wait_for_count(path: str, name: str, n: int, timeout: float, job: Job) -> dict[str, Any]:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         events = count_events(path, name)
@@ -83,12 +83,12 @@ def run_cycles(
     restarts = []
     try:
         for k in range(cycles):
-            waitcount_events(events, "resume", k + 1, cycle_timeout, job)
+            wait_for_count(events, Event.RESUME, k + 1, cycle_timeout, job)
             time.sleep(rng.uniform(0.0, 0.5))
             t_kill = time.time()
             job.kill_worker(rng.randrange(nproc))
-            resumed = waitcount_events(events, "resume", k + 2, cycle_timeout, job)
-            start = count_events(events, "start")[k + 1]
+            resumed = wait_for_count(events, Event.RESUME, k + 2, cycle_timeout, job)
+            start = count_events(events, Event.START)[k + 1]
             restarts.append(
                 {
                     "cycle": k + 1,

@@ -66,11 +66,11 @@ def test_ten_percent_faults_every_checkpoint_committed_or_reported(launch, tmp_p
         stats = proxy.stats()
     log = job.log() + again.log()
     assert "s3cr3t" not in log + (tmp_path / "ev.jsonl").read_text()
-    assert [e["step"] for e in _events(ev, "resume")] == [0, 240]
+    assert [e["step"] for e in _events(ev, Event.RESUME)] == [0, 240]
 
     scheduled = set(range(20, 301, 20))
-    committed = {e["step"] for e in _events(ev, "checkpoint")}
-    skipped = {e["step"] for e in _events(ev, "checkpoint_skipped")}
+    committed = {e["step"] for e in _events(ev, Event.CHECKPOINT)}
+    skipped = {e["step"] for e in _events(ev, Event.CHECKPOINT_SKIPPED)}
     missing = scheduled - committed - skipped
     assert not missing, f"scheduled checkpoints neither committed nor reported skipped: {missing}"
     # Every committed checkpoint still present verifies, read over a clean connection.
@@ -113,14 +113,14 @@ def test_storage_down_warn_skips_keeps_training_and_recovers(launch, tmp_path, s
         proxy.down = False
         assert job.wait(180) == 0, job.log()[-4000:]
     log = job.log()
-    skipped = [e["step"] for e in _events(ev, "checkpoint_skipped")]
-    committed = [e["step"] for e in _events(ev, "checkpoint")]
+    skipped = [e["step"] for e in _events(ev, Event.CHECKPOINT_SKIPPED)]
+    committed = [e["step"] for e in _events(ev, Event.CHECKPOINT)]
     assert "CHECKPOINT SKIPPED" in log and "--on-storage-failure warn" in log
     assert skipped and not set(skipped) & set(committed)
     assert max(committed) == 200 and max(committed) > max(skipped)  # recovered, final committed
-    (end,) = _events(ev, "end")
+    (end,) = _events(ev, Event.END)
     assert end["skipped_checkpoints"] == len(skipped)
-    assert all("s3cr3t" not in e["error"] for e in _events(ev, "checkpoint_skipped"))
+    assert all("s3cr3t" not in e["error"] for e in _events(ev, Event.CHECKPOINT_SKIPPED))
     listed = storage.open_store(url, storage_options=options).list()
     assert listed and all(c.ok for c in listed) and listed[-1].step == 200
 
@@ -150,12 +150,12 @@ def test_storage_down_stops_the_job_when_it_must(launch, tmp_path, s3_bucket, po
         proxy.down = True
         assert job.wait(180) != 0
     log = job.log()
-    (failed,) = _events(ev, "checkpoint_failed")
-    assert failed["reason"] == ("steps" if policy == "fail" else "final")
+    (failed,) = _events(ev, Event.CHECKPOINT_FAILED)
+    assert failed["reason"] == (Reason.STEPS if policy == "fail" else Reason.FINAL)
     assert "CHECKPOINT FAILED" in log and log.count("FAILED (exit 7)") == 2, log[-4000:]
     assert "s3cr3t" not in log
     if policy == "warn":
-        assert [e["step"] for e in _events(ev, "checkpoint_skipped")] == [40, 60, 80]
+        assert [e["step"] for e in _events(ev, Event.CHECKPOINT_SKIPPED)] == [40, 60, 80]
     # What was committed before the outage is intact.
     listed = storage.open_store(url, storage_options=options).list()
     assert [c.step for c in listed] == [20] and listed[0].ok
@@ -180,11 +180,11 @@ def test_async_persist_on_slow_storage_waits_and_the_final_checkpoint_lands(
             assert job.wait(240) == 0, job.log()[-4000:]
             runs[mode] = (url, ev, job.log())
     url, ev, log = runs["--async-checkpoint"]
-    checkpoints = _events(ev, "checkpoint")
+    checkpoints = _events(ev, Event.CHECKPOINT)
     assert [e["step"] for e in checkpoints] == list(range(5, 21, 5))
     assert any(e["waited_s"] > 0 for e in checkpoints) and "waited" in log
     assert checkpoints[-1]["reason"] == Reason.FINAL
-    sync = _events(runs["--no-async-checkpoint"][1], "checkpoint")
+    sync = _events(runs["--no-async-checkpoint"][1], Event.CHECKPOINT)
     # The loop is blocked for the snapshot (and any wait) instead of the whole persist.
     blocked_async = sorted(e["blocked_s"] - e["waited_s"] for e in checkpoints)
     blocked_sync = sorted(e["blocked_s"] for e in sync)
