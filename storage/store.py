@@ -86,7 +86,6 @@ class CheckpointStore:
         self._backend: Backend = open_backend(url, storage_options)
         self._retry = retry or RetryPolicy()
 
-    # -- helpers -----------------------------------------------------------------------------
     def _step_dir(self, step: int) -> str:
         return self._backend.join(self._backend.root, step_dir_name(step))
 
@@ -132,8 +131,10 @@ class CheckpointStore:
         files: Mapping[str, bytes | memoryview],
         metadata: Mapping[str, Any],
         generation: int = 0,
+        before_commit: Callable[[], None] | None = None,
     ) -> Manifest:
-        """Write ``files`` for ``step``, then the manifest that commits them. Returns the manifest."""
+        """Write ``files`` for ``step``, then the manifest that commits them; returns the manifest.
+        ``before_commit`` runs right before the commit point: what it raises aborts the commit."""
         step_dir = self._step_dir(step)
         manifest_path = self._backend.join(step_dir, MANIFEST_NAME)
         if self.is_committed(step):
@@ -172,6 +173,8 @@ class CheckpointStore:
                 f"Refusing to commit step {step} under {self.safe_url!r}: this writer's generation "
                 f"{generation} is older than the store's {fence}; a newer attempt owns it now."
             )
+        if before_commit is not None:
+            before_commit()
         manifest = Manifest(
             step=step, files=entries, metadata=dict(metadata), generation=generation
         )
@@ -224,18 +227,16 @@ class CheckpointStore:
         written = False
         try:
             if not write:
-                self._call("probe list", self._backend.check_readable, retry)
-                return None
+                return self._call("probe list", self._backend.check_readable, retry)
             self._call("probe write", lambda: self._backend.write(path, payload), retry)
             written = True
             if self._call("probe read", lambda: self._backend.read(path), retry) != payload:
                 raise StorageUnavailableError("the probe object read back different bytes")
-            return None
         except Exception as e:  # noqa: BLE001 - every failure here means "not usable"; diagnose it
             return e
         finally:
-            # A leftover probe object is harmless; a failed cleanup must not mask the real error.
-            # Nothing to clean when the write failed (and against a dead endpoint it costs seconds).
+            # A leftover probe object is harmless, and a failed cleanup must not mask the real error;
+            # nothing to clean when the write failed (against a dead endpoint it costs seconds).
             if written:
                 with contextlib.suppress(Exception):
                     self._backend.delete_file(path)

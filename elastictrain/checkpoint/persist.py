@@ -172,14 +172,14 @@ class Persister:
         if self._already_committed(step):
             self.last_committed = step
             return
-        if not self.attached():
-            raise OrphanedError(f"the torchrun agent is gone; not committing step {step}.")
+        self._check_attached(step)  # before writing anything, and again right before the commit
         generation = self.generation()
         manifest = self.store.commit(
             step,
             {tstate.state_file_name(generation): job.snap.data},
             self._metadata(step, job.epoch, generation),
             generation=generation,
+            before_commit=lambda: self._check_attached(step),
         )
         self.last_committed = step
         persist = time.monotonic() - t0
@@ -209,6 +209,10 @@ class Persister:
             background=job.background,
             deleted=deleted,
         )
+
+    def _check_attached(self, step: int) -> None:
+        if not self.attached():
+            raise OrphanedError(f"the torchrun agent is gone; not committing step {step}.")
 
     def _on_failure(self, step: int, reason: str, e: storage.StorageError) -> int:
         """Apply ``--on-storage-failure`` to a storage error; never silent."""

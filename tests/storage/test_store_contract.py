@@ -49,6 +49,23 @@ def test_commit_roundtrip(store):
     assert got.manifest.total_bytes == 95
 
 
+def test_a_veto_right_before_the_commit_point_leaves_the_step_uncommitted(store):
+    """The writer's last check (an orphaned rank 0 must not commit) runs after the payload is
+    written, immediately before the manifest: its error aborts the commit."""
+
+    class Orphaned(Exception):
+        pass
+
+    def veto():
+        raise Orphaned
+
+    with pytest.raises(Orphaned):
+        store.commit(3, {"state.pt": b"x" * 100}, {"step": 3}, before_commit=veto)
+    assert not store.is_committed(3) and store.latest() is None
+    store.commit(3, {"state.pt": b"x" * 100}, {"step": 3}, before_commit=lambda: None)
+    assert store.is_committed(3)
+
+
 def test_payload_without_manifest_does_not_exist(store):
     _commit(store, 1)
     _overwrite(store, 2, "state.pt", b"half-written")  # a writer that died before committing
