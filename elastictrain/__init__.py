@@ -35,12 +35,13 @@ if TYPE_CHECKING:
     from elastictrain.checkpoint.manager import CheckpointManager
     from elastictrain.checkpoint.session import Preempted
     from elastictrain.dist import init_distributed
-    from elastictrain.task import Task
+    from elastictrain.task import Task, eval_shard
 
 _LAZY = {
     "CheckpointManager": "elastictrain.checkpoint.manager",
     "Preempted": "elastictrain.checkpoint.session",
     "Task": "elastictrain.task",
+    "eval_shard": "elastictrain.task",
     "init_distributed": "elastictrain.dist",
     "load_checkpoint": "elastictrain.checkpoint.inspection",
 }
@@ -74,6 +75,7 @@ __all__ = [
     "TaskLoadError",
     "UnsafeCheckpointError",
     "__version__",
+    "eval_shard",
     "init_distributed",
     "load_checkpoint",
 ]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import ast
 import functools
+import importlib.util
 import inspect
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -44,6 +45,26 @@ class RunConfig:
     """Also keep every checkpoint whose step is a multiple of M (milestones), forever."""
     seed: int = 0
     """Seeds model init, the data order of every epoch, and per-step randomness."""
+    precision: str = "fp32"
+    """bf16 or fp16 run the forward pass and the loss under torch.autocast on the rank's device
+    (CPU too); fp16 adds a GradScaler whose state is checkpointed, and its skipped steps are
+    counted."""
+    grad_accum_steps: int = 1
+    """Split each rank's share of the global batch into N micro-batches; DDP syncs gradients on
+    the last only. The global batch (samples per optimizer step) is unchanged."""
+    clip_grad_norm: float | None = None
+    """Clip the total gradient norm to X before each optimizer step; the norm is logged."""
+    num_workers: int = 0
+    """DataLoader worker processes that load batches ahead of the loop; 0 loads in the training
+    process. The data order is the same for any N."""
+    prefetch_factor: int | None = None
+    """Micro-batches each loader worker loads ahead (torch's default, 2, when unset)."""
+    eval_every_steps: int | None = None
+    """Run Task.evaluate every N completed steps and at the end; 0 or unset: only at the end (if
+    the task has one)."""
+    tensorboard: str | None = None
+    """Directory rank 0 writes TensorBoard scalars to (pip install 'elastictrain[tensorboard]');
+    a resumed run continues the same curves, without duplicate steps."""
     init_timeout: float = 900.0
     """Seconds for process-group creation and the startup handshake. Generous: nodes start
     minutes apart (image pulls, slow schedulers)."""
@@ -97,6 +118,28 @@ class RunConfig:
             value = getattr(self, name)
             if value is None or value <= 0:
                 raise ConfigError(f"{flag(name)} must be > 0, got {value!r}.")
+        if self.precision not in ("fp32", "bf16", "fp16"):
+            raise ConfigError(f"--precision must be fp32, bf16 or fp16, got {self.precision!r}.")
+        if self.eval_every_steps == 0:
+            self.eval_every_steps = None
+        for name in ("grad_accum_steps", "prefetch_factor", "eval_every_steps"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ConfigError(f"{flag(name)} must be a positive whole number, got {value!r}.")
+        if self.num_workers < 0:
+            raise ConfigError(f"--num-workers must be 0 or more, got {self.num_workers!r}.")
+        if self.prefetch_factor is not None and self.num_workers == 0:
+            raise ConfigError(
+                f"--prefetch-factor {self.prefetch_factor} needs loader workers: add "
+                "--num-workers N (N >= 1), or drop --prefetch-factor."
+            )
+        if self.clip_grad_norm is not None and self.clip_grad_norm <= 0:
+            raise ConfigError(f"--clip-grad-norm must be > 0, got {self.clip_grad_norm!r}.")
+        if self.tensorboard and importlib.util.find_spec("tensorboard") is None:
+            raise ConfigError(
+                f"--tensorboard {self.tensorboard} needs the tensorboard package: "
+                "pip install 'elastictrain[tensorboard]' (or drop --tensorboard)."
+            )
         self.session_config()  # the checkpoint settings: validated where library mode's are
 
     def session_config(self):  # -> SessionConfig (imported here: it needs torch)
@@ -223,6 +266,13 @@ def build_parser() -> argparse.ArgumentParser:
     add("keep_last", type=int, metavar="K")
     add("keep_every_steps", type=int, metavar="M")
     add("seed", type=int)
+    add("precision", choices=["fp32", "bf16", "fp16"])
+    add("grad_accum_steps", type=int, metavar="N")
+    add("clip_grad_norm", type=float, metavar="X")
+    add("num_workers", type=int, metavar="N")
+    add("prefetch_factor", type=int, metavar="N")
+    add("eval_every_steps", type=int, metavar="N")
+    add("tensorboard", metavar="DIR")
     for name in ("init_timeout", "collective_timeout", "checkpoint_timeout", "hang_timeout"):
         add(name, type=float, metavar="SECONDS")
     add("preempt_signal", action="append", default=None, metavar="SIGNAL")

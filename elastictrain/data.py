@@ -7,8 +7,10 @@ data position is therefore just the step count, and it means the same at any wor
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from elastictrain.errors import ConfigError
@@ -92,3 +94,17 @@ def _mix(*values: int) -> int:
 def step_seed(seed: int, step: int, rank: int) -> int:
     """Seed for randomness inside a step (dropout...): no per-rank RNG state needs saving."""
     return _mix(seed, step, rank)
+
+
+def load_seed(seed: int, step: int, rank: int, micro: int) -> int:
+    """Seed for loading one micro-batch (augmentations in ``dataset[i]``), wherever it loads."""
+    return _mix(seed, step, rank, micro, 0x10AD)
+
+
+def seed_all(seed: int) -> None:
+    """Seed the global generators a task may draw from: torch (CPU and every CUDA device),
+    Python's ``random`` and NumPy's legacy global RNG. Generators the task creates itself
+    (``np.random.default_rng()``, ``torch.Generator``) are its own to seed or checkpoint."""
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed & 0xFFFFFFFF)

@@ -1,7 +1,8 @@
-"""One optimizer step at a time: sampling, per-step seeding, forward/backward/step. No I/O."""
+"""One optimizer step at a time: micro-batches, per-step seeding, precision, clipping. No I/O."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from typing import Any
@@ -9,8 +10,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from elastictrain.data import GlobalBatchSampler, Share, step_seed
+from elastictrain.data import Share, seed_all, step_seed
+from elastictrain.loader import StepLoader
+from elastictrain.observe.metrics import RunningMeans, split_loss
 from elastictrain.observe.stragglers import StepTimer
+from elastictrain.precision import Precision
 from elastictrain.task import Task
 
 
@@ -25,6 +29,9 @@ def to_device(batch: Any, device: torch.device) -> Any:
 
 
 class Trainer:
+    """Trains one optimizer step at a time: its micro-batches (DDP syncs only on the last), the
+    run's precision, optional clipping, then the optimizer and scheduler steps."""
+
     def __init__(
         self,
         *,
@@ -32,25 +39,30 @@ class Trainer:
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
         scheduler: Any,
-        sampler: GlobalBatchSampler,
+        loader: StepLoader,
+        precision: Precision,
         device: torch.device,
         rank: int,
-        world_size: int,
         seed: int,
-        on_share: Callable[[int, Share], None] | None = None,
+        clip_grad_norm: float | None = None,
+        on_share: Callable[[int, int, Share], None] | None = None,
     ) -> None:
         self.task = task
         self.model = model
         self.optimizer = optimizer
         self.scheduler = scheduler
-        self.sampler = sampler
+        self.loader = loader
+        self.precision = precision
         self.device = device
         self.rank = rank
-        self.world_size = world_size
         self.seed = seed
+        self.clip_grad_norm = clip_grad_norm
         self.on_share = on_share
+        """Called with (step, micro, share) before any collective: a hook for the sample ledger."""
         self.timer = StepTimer()
-        """Called with each step's share before any collective: a hook for the sample ledger."""
+        self.means = RunningMeans()
+        self.grad_norm: torch.Tensor | None = None
+        """The last step's total gradient norm before clipping (with ``clip_grad_norm``)."""
 
     def prime_buckets(self, step: int) -> None:
         """Run one discarded forward/backward so DDP rebuilds its gradient buckets now.
@@ -59,39 +71,64 @@ class Trainer:
         two ranks the position of a gradient in the bucket decides the order gloo sums it in, so a
         resumed attempt would reduce its first step in another order than an uninterrupted run and
         lose bitwise equality. Priming at every start makes every real step use the rebuilt layout.
-        Eval mode keeps BatchNorm statistics untouched; the gradients are thrown away.
+        Eval mode keeps BatchNorm statistics untouched; the gradients are thrown away (a GradScaler
+        is not touched: its state changes only in ``update``).
         """
         was_training = self.model.training
         self.model.eval()
         try:
-            batch, _ = self._batch(step)
-            self.task.loss_fn(self.model, batch).backward()
+            batch = to_device(self.loader.load_one(step), self.device)
+            with self.precision.autocast():
+                loss, _ = split_loss(self.task.loss_fn(self.model, batch))
+            loss.backward()
         finally:
             self.optimizer.zero_grad(set_to_none=True)
             self.model.train(was_training)
 
-    def _batch(self, step: int):
-        share = self.sampler.share(step, self.rank, self.world_size)
-        batch = self.task.collate_fn([self.task.dataset[i] for i in share.indices.tolist()])
-        return to_device(batch, self.device), share
-
     def step(self, step: int) -> torch.Tensor:
-        """Train global step ``step`` (0-based); returns this rank's weighted loss (not synced)."""
+        """Train global step ``step`` (0-based); returns this rank's mean loss (not synced)."""
         t0 = time.perf_counter()
-        # Randomness inside a step depends only on (seed, step, rank): nothing to checkpoint.
-        torch.manual_seed(step_seed(self.seed, step, self.rank))
-        batch, share = self._batch(step)
+        pieces = self.loader.next_step(step)
         if self.on_share is not None:
             # Before the collective: if any rank finished this step, every rank recorded it.
-            self.on_share(step, share)
+            for micro, (share, _) in enumerate(pieces):
+                self.on_share(step, micro, share)
+        # Randomness inside a step depends only on (seed, step, rank): nothing to checkpoint.
+        # Seeded after loading, so in-process loading draws from its own seed, as workers do.
+        seed_all(step_seed(self.seed, step, self.rank))
         self.optimizer.zero_grad(set_to_none=True)
-        loss = self.task.loss_fn(self.model, batch)
-        # Work before the first synchronisation (the all-reduce inside backward): the straggler signal.
-        self.timer.add(time.perf_counter() - t0)
-        # DDP averages gradients over ranks; the weight turns that into the global-batch mean.
-        weighted = loss * share.weight if share.weight != 1.0 else loss
-        weighted.backward()
-        self.optimizer.step()
+        samples = sum(len(share.indices) for share, _ in pieces)
+        total = torch.zeros((), device=self.device)
+        for micro, (share, batch) in enumerate(pieces):
+            last = micro == len(pieces) - 1
+            # DDP all-reduces in the backward of the last micro-batch only; the others accumulate.
+            sync = contextlib.nullcontext() if last else _no_sync(self.model)
+            with sync:
+                with self.precision.autocast():
+                    loss, metrics = split_loss(
+                        self.task.loss_fn(self.model, to_device(batch, self.device))
+                    )
+                n = len(share.indices)
+                self.means.add(loss, metrics, n)
+                total = total + loss.detach().float() * (n / samples)
+                if last:
+                    # Work before the first synchronisation (the all-reduce inside the last
+                    # backward): the straggler signal.
+                    self.timer.add(time.perf_counter() - t0)
+                # DDP averages gradients over ranks; the weight makes that the global-batch mean.
+                self.precision.backward(loss * share.weight if share.weight != 1.0 else loss)
+        if self.clip_grad_norm is not None:
+            self.precision.unscale(self.optimizer)
+            self.grad_norm = torch.nn.utils.clip_grad_norm_(
+                self.model.parameters(), self.clip_grad_norm
+            )
+        self.precision.step(self.optimizer)
         if self.scheduler is not None:
             self.scheduler.step()
-        return loss.detach()
+        if self.task.after_step is not None:
+            self.task.after_step(step + 1, getattr(self.model, "module", self.model))
+        return total
+
+
+def _no_sync(model: nn.Module) -> contextlib.AbstractContextManager[Any]:
+    return model.no_sync() if hasattr(model, "no_sync") else contextlib.nullcontext()

@@ -22,20 +22,23 @@ from elastictrain.checkpoint.persist import Reason
 from elastictrain.checkpoint.session import (
     CheckpointSession,
     Preempted,
-    TrainState,
     install_stop_signals,
 )
-from elastictrain.checkpoint.state import DataFingerprint
+from elastictrain.checkpoint.state import DataFingerprint, TrainState, check_plain, unwrap
 from elastictrain.config import RunConfig
 from elastictrain.data import GlobalBatchSampler
 from elastictrain.env import DistEnv, read_env
 from elastictrain.errors import EXIT_PREEMPTED, named_timeout
+from elastictrain.loader import StepLoader, check_micro_steps
 from elastictrain.loop import Trainer
 from elastictrain.observe import stragglers
 from elastictrain.observe.events import Event, SampleLog
 from elastictrain.observe.logs import CONTEXT, setup_logging
+from elastictrain.observe.metrics import evaluate
 from elastictrain.observe.progress import Progress
+from elastictrain.observe.tensorboard import Scalars
 from elastictrain.observe.terminal import STATUS, live_terminal
+from elastictrain.precision import Precision
 from elastictrain.signals import StopSignals
 from elastictrain.task import Task, build_task
 from elastictrain.watchdog import HangWatchdog
@@ -58,6 +61,7 @@ def run(cfg: RunConfig, early_signals: StopSignals | None = None) -> int:
     task = build_task(cfg.task, cfg.task_options)
     sampler = GlobalBatchSampler(len(task.dataset), task.batch_size, cfg.seed)
     sampler.share(0, env.rank, env.world_size)  # validates world size against the batch
+    check_micro_steps(task.batch_size, env.world_size, cfg.grad_accum_steps)
     device = edist.pick_device(env, task.model_devices)
     # Started before init: an orphan (agent gone) must exit even while it waits in init or resume.
     # The startup budget covers init + resume + the first step; init keeps its own hard bound.
@@ -135,12 +139,15 @@ class _Attempt:
         self.cfg, self.env, self.task, self.sampler, self.device = cfg, env, task, sampler, device
         self.groups, self.session, self.events = groups, session, session.events
 
-    def _build(self) -> TrainState:
+    def _build(self, precision: Precision) -> TrainState:
         # A model-parallel task placed its own layers; otherwise the whole model goes here.
         model = self.task.model if self.task.model_devices else self.task.model.to(self.device)
         # The first optimizer construction imports torch._dynamo (about 1.5 s here).
         optimizer = self.task.make_optimizer(model.parameters())
         scheduler = self.task.make_scheduler(optimizer) if self.task.make_scheduler else None
+        for name, obj in self.task.state.items():
+            # Now, not at the first checkpoint: what the payload cannot carry fails before training.
+            check_plain(obj.state_dict(), f"Task.state[{name!r}].state_dict()")
         return TrainState(
             model,
             optimizer,
@@ -149,14 +156,61 @@ class _Attempt:
                 self.task.batch_size, len(self.task.dataset), self.cfg.seed
             ),
             epoch_of=lambda step: self.sampler.epoch_of(max(step - 1, 0)),
+            stateful=self.task.state,
+            scaler=precision.scaler,
         )
+
+    def _loader(self, start: int) -> StepLoader:
+        cfg, watchdog = self.cfg, self.session.watchdog
+
+        def waiting():
+            # A hung or dead-slow worker is a hang like any other: stacks, exit 4, restart.
+            return watchdog.phase("waiting for the data loader", cfg.hang_timeout, "--hang-timeout")
+
+        return StepLoader(
+            task=self.task,
+            sampler=self.sampler,
+            rank=self.env.rank,
+            world_size=self.env.world_size,
+            micro_steps=cfg.grad_accum_steps,
+            seed=cfg.seed,
+            start=start,
+            stop=cfg.max_steps,
+            num_workers=cfg.num_workers,
+            prefetch_factor=cfg.prefetch_factor,
+            pin_memory=self.device.type == "cuda",
+            waiting=waiting,
+        )
+
+    def _evaluate(self, step: int, model: torch.nn.Module, precision: Precision) -> None:
+        """``Task.evaluate`` on every rank, averaged; rank 0 logs and records it."""
+        cfg, watchdog = self.cfg, self.session.watchdog
+        t0 = time.monotonic()
+        with (
+            watchdog.phase("evaluation", cfg.hang_timeout, "--hang-timeout"),
+            named_timeout(
+                "--checkpoint-timeout", cfg.checkpoint_timeout, f"evaluation at step {step}"
+            ),
+        ):
+            metrics = evaluate(
+                self.task.evaluate, unwrap(model), precision.autocast, self.groups.control
+            )
+        if self.env.is_rank0:
+            logger.info(
+                "eval step %d: %s", step, " ".join(f"{k} {v:.5g}" for k, v in metrics.items())
+            )
+            self.events.emit(
+                Event.EVAL, step=step, metrics=metrics, seconds=round(time.monotonic() - t0, 4)
+            )
+            self.scalars.write(step, "eval", metrics)
 
     def train(self) -> int:
         cfg, env, session = self.cfg, self.env, self.session
         t0 = time.monotonic()
         session.preflight()  # before any compute is spent on building the model
         t1 = time.monotonic()
-        state = self._build()
+        precision = Precision(cfg.precision, self.device)
+        state = self._build(precision)
         t2 = time.monotonic()
         resumed = session.resume(state)
         # Where a (re)start's time goes, for the first_step event.
@@ -170,16 +224,27 @@ class _Attempt:
             world_size=env.world_size,
             generation=session.generation,  # fenced: strictly above every earlier attempt
         )
+        self.scalars = Scalars(cfg.tensorboard, resume_step=resumed.step, enabled=env.is_rank0)
+        loader = self._loader(resumed.step)
+        try:
+            return self._loop(state, ddp, precision, loader, sample_log, resumed, startup, t2)
+        finally:
+            loader.close()
+            self.scalars.close()
+
+    def _loop(self, state, ddp, precision, loader, sample_log, resumed, startup, t2) -> int:
+        cfg, env, session = self.cfg, self.env, self.session
         trainer = Trainer(
             task=self.task,
             model=ddp,
             optimizer=state.optimizer,
             scheduler=state.scheduler,
-            sampler=self.sampler,
+            loader=loader,
+            precision=precision,
             device=self.device,
             rank=env.rank,
-            world_size=env.world_size,
             seed=cfg.seed,
+            clip_grad_norm=cfg.clip_grad_norm,
             on_share=sample_log.record,
         )
         progress = Progress(
@@ -200,6 +265,24 @@ class _Attempt:
                 trainer.prime_buckets(resumed.step)
 
         loss = torch.zeros(())
+        skips = 0
+        last_means: dict[str, float] = {}
+
+        def report(step: int, stragglers=None) -> None:
+            """Every rank (the means are one all-reduce); rank 0 logs and records."""
+            nonlocal skips, last_means
+            means = trainer.means.reduce(dist.group.WORLD) or last_means
+            last_means = means
+            fields = {}
+            if trainer.grad_norm is not None:
+                fields["grad_norm"] = round(float(trainer.grad_norm), 6)
+            if precision.scaler is not None:
+                fields["overflow_skips"] = precision.take_skips()
+                skips += fields["overflow_skips"]
+            metrics = {k: v for k, v in means.items() if k != "loss"}
+            progress.report(step, means.get("loss", loss), stragglers, metrics=metrics, **fields)
+            self.scalars.write(step, "train", {**means, **fields})
+
         t_loop = time.monotonic()
         startup["ddp_s"] = t_loop - t2 - startup["resume_s"]  # DDP wrap + bucket priming
         t_first = t_done = t_loop
@@ -224,14 +307,14 @@ class _Attempt:
                         loss=float(loss.item()) if env.is_rank0 else None,
                         **{k: round(v, 4) for k, v in startup.items()},
                     )
+                if self._eval_due(done):
+                    self._evaluate(done, ddp, precision)
                 outcome = session.step(
                     done, state, report=progress.due(), may_save=done < cfg.max_steps
                 )
                 if outcome.report:
                     progress.last_checkpoint = session.last_committed
-                    progress.report(
-                        done, loss, stragglers.gather(trainer.timer, self.groups.control)
-                    )
+                    report(done, stragglers.gather(trainer.timer, self.groups.control))
 
         if resumed.step > cfg.max_steps:
             # Never label step-k state as an earlier step: there is nothing to train or save.
@@ -244,7 +327,9 @@ class _Attempt:
             session.save(cfg.max_steps, state, Reason.FINAL)
         progress.last_checkpoint = session.last_committed
         if resumed.step < cfg.max_steps:
-            progress.report(cfg.max_steps, loss)
+            report(cfg.max_steps)
+            if self.task.evaluate is not None:
+                self._evaluate(cfg.max_steps, ddp, precision)  # the final model's score
         progress.close()
         session.close()
         elapsed = time.monotonic() - t_loop
@@ -259,5 +344,16 @@ class _Attempt:
             # Steady-state training time: from the first step's end to the last step's end.
             after_first_step_s=round(t_done - t_first, 6) if trained > 1 else None,
             skipped_checkpoints=session.ckpt.skipped,
+            **({"overflow_skips": skips} if precision.scaler is not None else {}),
         )
         return 0
+
+    def _eval_due(self, done: int) -> bool:
+        every = self.cfg.eval_every_steps
+        # The last step's eval runs after the final checkpoint instead.
+        return (
+            self.task.evaluate is not None
+            and every is not None
+            and done % every == 0
+            and done < self.cfg.max_steps
+        )

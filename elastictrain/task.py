@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils.data import Dataset
 from torch.utils.data._utils.collate import default_collate
@@ -22,8 +23,10 @@ class Task:
     """What to train.
 
     ``loss_fn(model, batch)`` returns the **mean** loss over the samples of ``batch`` (PyTorch's
-    default reduction). The runner rescales it so the gradient equals the mean over the whole
-    global batch, whatever the world size.
+    default reduction), or ``(loss, {"name": value})`` to log metrics beside it. The runner
+    rescales the loss so the gradient equals the mean over the whole global batch, whatever the
+    world size and ``--grad-accum-steps``. It runs under ``torch.autocast`` with ``--precision
+    bf16|fp16``, and after the per-step seeding of torch, ``random`` and NumPy.
     """
 
     model: nn.Module
@@ -33,10 +36,24 @@ class Task:
     batch_size: int
     """Global batch: samples per optimizer step across all ranks. Constant when ranks come and go."""
     make_optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
-    loss_fn: Callable[[nn.Module, Any], torch.Tensor]
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor | tuple[torch.Tensor, Mapping[str, Any]]]
     make_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None
     """Optional LR scheduler factory; stepped once per optimizer step."""
     collate_fn: Callable[[list[Any]], Any] = default_collate
+    state: Mapping[str, Any] = field(default_factory=dict)
+    """Extra state checkpointed with the model: name -> an object with ``state_dict()`` and
+    ``load_state_dict()`` (DCP's ``Stateful`` shape), e.g. an EMA of the weights or a token
+    counter. Its state_dict may hold tensors, numbers, strings and dicts/lists of them; the names
+    must match the checkpoint's on resume."""
+    after_step: Callable[[int, nn.Module], None] | None = None
+    """``after_step(done, model)``: called on every rank after each optimizer step with the count
+    of completed steps and the unwrapped model; update an EMA or a counter in ``state`` here.
+    (``loss_fn`` is also called once, discarded, at every start to prime DDP: keep side effects
+    out of it.)"""
+    evaluate: Callable[[nn.Module], Mapping[str, Any]] | None = None
+    """``evaluate(model) -> {"name": value}``, run every ``--eval-every-steps`` on every rank in
+    eval mode under ``torch.no_grad``; the ranks' results are averaged. Shard a large eval set
+    with :func:`eval_shard`."""
     model_devices: Sequence[torch.device] | None = None
     """Model parallel: the devices the task already spread the model over (two GPUs per process,
     say). The runner then leaves placement alone, wraps DDP with ``device_ids=None`` and sends each
@@ -53,11 +70,27 @@ class Task:
             )
         if not isinstance(self.batch_size, int) or self.batch_size < 1:
             raise ConfigError(f"Task.batch_size must be a positive int, got {self.batch_size!r}.")
+        for name, obj in self.state.items():
+            if not isinstance(name, str) or not all(
+                callable(getattr(obj, m, None)) for m in ("state_dict", "load_state_dict")
+            ):
+                raise ConfigError(
+                    f"Task.state[{name!r}] is a {type(obj).__name__}: each entry needs a str name "
+                    "and state_dict() and load_state_dict() methods."
+                )
         if len(self.dataset) < self.batch_size:
             raise ConfigError(
                 f"Task.dataset has {len(self.dataset)} samples, fewer than one global batch "
                 f"({self.batch_size}); lower batch_size or grow the dataset."
             )
+
+
+def eval_shard(size: int) -> range:
+    """This rank's part of an eval set of ``size`` samples (every ``world_size``-th one), for
+    ``Task.evaluate``; the whole range outside torch.distributed."""
+    if not dist.is_initialized():
+        return range(size)
+    return range(dist.get_rank(), size, dist.get_world_size())
 
 
 TaskFactory = Callable[[Mapping[str, str]], Task]

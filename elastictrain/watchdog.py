@@ -52,6 +52,7 @@ class HangWatchdog:
         self._step: int | None = None
         # Until the first step completes (resume, first-step compilation), the startup budget rules.
         self._phase, self._budget = "startup", startup_s
+        self._setting = budget_names[1]
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="elastictrain-watchdog", daemon=True)
         self.last_words: Callable[[str, str], None] = lambda cause, detail: None
@@ -70,17 +71,21 @@ class HangWatchdog:
         self._last = self._clock()
         if self._phase == "startup":
             self._phase, self._budget = "training", self.timeout
+            self._setting = self._budget_names[0]
 
     @contextlib.contextmanager
-    def phase(self, name: str, budget: float) -> Iterator[None]:
-        """Run a non-step phase (resume, checkpoint save) under its own, usually longer, budget."""
-        previous = (self._phase, self._budget)
+    def phase(self, name: str, budget: float, setting: str | None = None) -> Iterator[None]:
+        """Run a non-step phase (resume, checkpoint save, a wait for the data loader) under its own
+        budget; ``setting`` names the budget in the hang message (default: the second of
+        ``budget_names``)."""
+        previous = (self._phase, self._budget, self._setting)
         self._phase, self._budget = name, budget
+        self._setting = setting or self._budget_names[1]
         self._last = self._clock()
         try:
             yield
         finally:
-            (self._phase, self._budget), self._last = previous, self._clock()
+            (self._phase, self._budget, self._setting), self._last = previous, self._clock()
 
     def check(self) -> bool:
         """True (and the handler called) on a hang or a dead agent; used by the thread."""
@@ -93,8 +98,7 @@ class HangWatchdog:
             return False
         reason = (
             f"no progress for {idle:.1f}s in phase '{self._phase}' after step {self._step} "
-            f"(budget {self._budget:.0f}s, from "
-            f"{self._budget_names[0 if self._phase == 'training' else 1]})"
+            f"(budget {self._budget:.0f}s, from {self._setting})"
         )
         self._say(Cause.HANG, reason)
         self._on_hang(reason)

@@ -115,13 +115,7 @@ class Checkpointer:
         return self.generation
 
     # -- resume --------------------------------------------------------------------------------
-    def resume(
-        self,
-        model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
-        scheduler: Any,
-        fingerprint: tstate.DataFingerprint | None,
-    ) -> Resumed:
+    def resume(self, state: tstate.TrainState) -> Resumed:
         """Rank 0 picks the latest good checkpoint; its bytes reach every rank (``read_mode``)."""
         t0 = time.monotonic()
         data, manifest, where = self._fetch_latest()
@@ -130,9 +124,9 @@ class Checkpointer:
             logger.info("no committed checkpoint found: starting fresh")
             self.events.emit(Event.RESUME, fresh=True, step=0, world_size=self.world_size)
             return Resumed(step=0, checkpoint_step=None)
-        state = tstate.from_bytes(data, map_location=self.device)
-        tstate.check_compatible(model, state, fingerprint, where=where)
-        step = tstate.restore(model, optimizer, scheduler, state)
+        payload = tstate.from_bytes(data, map_location=self.device)
+        tstate.check_compatible(state, payload, where=where)
+        step = tstate.restore(state, payload)
         self.last_committed = step
         seconds = time.monotonic() - t0
         edist.barrier(self.control)
@@ -162,7 +156,7 @@ class Checkpointer:
                 new_world_size=self.world_size,
                 step=step,
             )
-        return Resumed(step=step, checkpoint_step=step, extra=state.get("extra"))
+        return Resumed(step=step, checkpoint_step=step, extra=payload.get("extra"))
 
     def _fetch_latest(self) -> tuple[bytes | bytearray, storage.Manifest | None, str]:
         """The chosen checkpoint's state bytes on every rank (empty when there is none).
@@ -186,18 +180,7 @@ class Checkpointer:
         return edist.broadcast_bytes(payload, self.control), ckpt.manifest if ckpt else None, where
 
     # -- save ----------------------------------------------------------------------------------
-    def save(
-        self,
-        *,
-        step: int,
-        epoch: int,
-        model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
-        scheduler: Any,
-        fingerprint: tstate.DataFingerprint | None,
-        reason: str,
-        extra: dict[str, Any] | None = None,
-    ) -> bool:
+    def save(self, step: int, state: tstate.TrainState, reason: str) -> bool:
         """Checkpoint ``step``. Rank 0 snapshots the state; other ranks do not wait for it.
 
         A scheduled checkpoint with ``async_persist`` is persisted in the background: this returns
@@ -216,11 +199,9 @@ class Checkpointer:
         if self.is_writer:
             outcome, error = self.writer.save(
                 step,
-                epoch,
+                state.epoch_of(step),
                 reason,
-                lambda: tstate.capture(
-                    model, optimizer, scheduler, step=step, fingerprint=fingerprint, extra=extra
-                ),
+                lambda: tstate.capture(state, step=step),
                 background=not wait_for_commit,
             )
             if not wait_for_commit:

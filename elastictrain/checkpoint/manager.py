@@ -35,10 +35,9 @@ from elastictrain.checkpoint.session import (
     CheckpointSession,
     Preempted,
     SessionConfig,
-    TrainState,
     install_stop_signals,
-    unwrap,
 )
+from elastictrain.checkpoint.state import TrainState, unwrap
 from elastictrain.errors import ConfigError
 from elastictrain.watchdog import HangWatchdog
 

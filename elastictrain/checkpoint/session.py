@@ -29,13 +29,12 @@ from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from elastictrain import knobs
 from elastictrain.checkpoint.checkpointer import Checkpointer, Resumed
 from elastictrain.checkpoint.persist import Reason
 from elastictrain.checkpoint.schedule import CheckpointSchedule
-from elastictrain.checkpoint.state import DataFingerprint
+from elastictrain.checkpoint.state import TrainState
 from elastictrain.control import Control
 from elastictrain.errors import EXIT_PREEMPTED, ConfigError, named_timeout
 from elastictrain.observe.events import Event, EventLog, LastWords
@@ -132,31 +131,11 @@ class Preempted(SystemExit):
         return f"preempted ({self.signal_name}) at step {self.step}: checkpoint committed"
 
 
-@dataclass
-class TrainState:
-    """What a checkpoint holds."""
-
-    model: nn.Module
-    optimizer: torch.optim.Optimizer
-    scheduler: Any = None
-    extra: dict[str, Any] | None = None
-    """Library mode's own values (tensors and plain Python), back on resume."""
-    fingerprint: DataFingerprint | None = None
-    """The runner's data settings, checked on resume so another batch size is refused."""
-    epoch_of: Callable[[int], int] = lambda step: 0
-    """The data epoch a checkpoint after ``step`` completed steps is in."""
-
-
 class StepOutcome(NamedTuple):
     report: bool
     """Every rank agreed that a progress report is due (rank 0's clock)."""
     saved: bool
     """A checkpoint of this step was taken (False: none due, or skipped under ``warn``)."""
-
-
-def unwrap(model: nn.Module) -> nn.Module:
-    """The module inside DDP/FSDP-style wrappers, so keys carry no ``module.`` prefix."""
-    return getattr(model, "module", model)
 
 
 class CheckpointSession:
@@ -259,9 +238,7 @@ class CheckpointSession:
         if not self._probed:
             self.preflight()
         with self.gate("resume"):
-            resumed = self.ckpt.resume(
-                unwrap(state.model), state.optimizer, state.scheduler, state.fingerprint
-            )
+            resumed = self.ckpt.resume(state)
             self.ckpt.claim()
         return resumed
 
@@ -294,16 +271,7 @@ class CheckpointSession:
         """Checkpoint ``step`` on every rank; the final and preemption ones commit before this
         returns. False only when a scheduled one was skipped under ``on_storage_failure=warn``."""
         with self.gate("checkpoint", f"the {reason} checkpoint at step {step}"):
-            committed = self.ckpt.save(
-                step=step,
-                epoch=state.epoch_of(step),
-                model=unwrap(state.model),
-                optimizer=state.optimizer,
-                scheduler=state.scheduler,
-                fingerprint=state.fingerprint,
-                reason=reason,
-                extra=state.extra,
-            )
+            committed = self.ckpt.save(step, state, reason)
         # A skipped checkpoint restarts the clock too: storage that is down is retried at the
         # next scheduled checkpoint, not every step.
         self.schedule.mark_saved()

@@ -1,4 +1,5 @@
-"""Capture and restore training state: model, optimizer, LR scheduler, data position.
+"""Capture and restore training state: model, optimizer, LR scheduler, GradScaler, the task's
+extra ``Stateful`` entries, and the data position.
 
 Written in the flat format of ``snapshot`` (tensor bytes + a ``weights_only`` skeleton); files
 written by ``torch.save`` (older elastictrain, or by hand) are still read. Loading never runs pickled
@@ -9,15 +10,19 @@ from __future__ import annotations
 
 import contextlib
 import io
+import logging
 import pickle
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
 from elastictrain.checkpoint import staging as snapshot
-from elastictrain.errors import CheckpointMismatchError, UnsafeCheckpointError
+from elastictrain.errors import CheckpointMismatchError, ConfigError, UnsafeCheckpointError
+
+logger = logging.getLogger(__name__)
 
 STATE_FILE = "state.pt"  # the name before generations were part of it; still read
 
@@ -47,28 +52,73 @@ class DataFingerprint:
         return {"batch_size": self.batch_size, "dataset_size": self.dataset_size, "seed": self.seed}
 
 
-def capture(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scheduler: Any,
-    *,
-    step: int,
-    fingerprint: DataFingerprint | None,
-    extra: dict[str, Any] | None = None,
-) -> dict[str, Any]:
-    """References to the live state (serialize before the next optimizer step). ``extra`` is the
-    library user's own state: tensors and plain Python values."""
-    state = {
+@dataclass
+class TrainState:
+    """What a checkpoint holds."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any = None
+    extra: dict[str, Any] | None = None
+    """Library mode's own values (tensors and plain Python), back on resume."""
+    fingerprint: DataFingerprint | None = None
+    """The runner's data settings, checked on resume so another batch size is refused."""
+    epoch_of: Callable[[int], int] = lambda step: 0
+    """The data epoch a checkpoint after ``step`` completed steps is in."""
+    stateful: Mapping[str, Any] = field(default_factory=dict)
+    """``Task.state``: name -> object with ``state_dict()``/``load_state_dict()`` (DCP's
+    ``Stateful`` shape), saved and restored with the rest; the names must match on resume."""
+    scaler: Any = None
+    """fp16's ``torch.amp.GradScaler``; its scale and growth tracker are restored exactly."""
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The module inside DDP/FSDP-style wrappers, so keys carry no ``module.`` prefix."""
+    return getattr(model, "module", model)
+
+
+# What the flat payload's skeleton may hold: it is loaded with ``weights_only=True``.
+_PLAIN = (str, int, float, bool, type(None), torch.Tensor, torch.dtype, torch.Size)
+
+
+def check_plain(tree: Any, where: str) -> None:
+    """Raise ConfigError at the first value the flat payload cannot carry (loading never
+    unpickles code, so a custom object saved now could never be loaded back)."""
+    if isinstance(tree, Mapping):
+        for k, v in tree.items():
+            if not isinstance(k, (str, int)):
+                raise ConfigError(
+                    f"{where} has a key {k!r} of type {type(k).__name__}; use str or int keys."
+                )
+            check_plain(v, f"{where}[{k!r}]")
+    elif isinstance(tree, (list, tuple)):
+        for i, v in enumerate(tree):
+            check_plain(v, f"{where}[{i}]")
+    elif not isinstance(tree, _PLAIN):
+        raise ConfigError(
+            f"{where} is a {type(tree).__name__}: a checkpoint carries only tensors, numbers, "
+            "strings, None and dicts/lists of them (loading never unpickles code). Convert it in "
+            "that object's state_dict()/load_state_dict()."
+        )
+
+
+def capture(state: TrainState, *, step: int) -> dict[str, Any]:
+    """References to the live state (serialize before the next optimizer step)."""
+    payload = {
         "version": STATE_VERSION,
-        "model": model.state_dict(),
-        "optimizer": optimizer.state_dict(),
-        "scheduler": scheduler.state_dict() if scheduler is not None else None,
+        "model": unwrap(state.model).state_dict(),
+        "optimizer": state.optimizer.state_dict(),
+        "scheduler": state.scheduler.state_dict() if state.scheduler is not None else None,
         "progress": {"step": step},
-        "data": fingerprint.as_dict() if fingerprint is not None else {},
+        "data": state.fingerprint.as_dict() if state.fingerprint is not None else {},
     }
-    if extra is not None:
-        state["extra"] = extra
-    return state
+    if state.stateful:
+        payload["stateful"] = {name: obj.state_dict() for name, obj in state.stateful.items()}
+    if state.scaler is not None:
+        payload["scaler"] = state.scaler.state_dict()
+    if state.extra is not None:
+        payload["extra"] = state.extra
+    return payload
 
 
 def to_bytes(state: dict[str, Any]) -> bytes:
@@ -109,11 +159,10 @@ def _refuse_unsafe():
         ) from e
 
 
-def check_compatible(
-    model: nn.Module, state: dict[str, Any], fingerprint: DataFingerprint | None, where: str
-) -> None:
+def check_compatible(state: TrainState, payload: dict[str, Any], where: str) -> None:
     """Raise CheckpointMismatchError naming the first offending keys before anything is loaded."""
-    saved = state.get("model")
+    model, fingerprint = unwrap(state.model), state.fingerprint
+    saved = payload.get("model")
     if not isinstance(saved, dict):
         raise CheckpointMismatchError(
             f"Checkpoint {where} has no model state; it was not written by elastictrain."
@@ -133,7 +182,13 @@ def check_compatible(
         problems.append(f"unexpected keys {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}")
     if shapes:
         problems.append(f"shape mismatch {shapes[:5]}{' ...' if len(shapes) > 5 else ''}")
-    saved_data = state.get("data", {})
+    saved_entries, entries = set(payload.get("stateful", {})), set(state.stateful)
+    if saved_entries != entries:
+        # An entry started fresh (or dropped) would silently break exact resume.
+        problems.append(
+            f"Task.state entries {sorted(entries)} vs {sorted(saved_entries)} in the checkpoint"
+        )
+    saved_data = payload.get("data", {})
     for name, value in (fingerprint.as_dict() if fingerprint else {}).items():
         if name in saved_data and saved_data[name] != value:
             problems.append(f"{name} was {saved_data[name]} when saved, is {value} now")
@@ -144,12 +199,21 @@ def check_compatible(
         )
 
 
-def restore(
-    model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, state: dict[str, Any]
-) -> int:
-    """Load ``state`` in place; returns the number of completed steps it holds."""
-    model.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
-    if scheduler is not None and state.get("scheduler") is not None:
-        scheduler.load_state_dict(state["scheduler"])
-    return int(state["progress"]["step"])
+def restore(state: TrainState, payload: dict[str, Any]) -> int:
+    """Load ``payload`` into ``state`` in place; returns the number of completed steps it holds."""
+    unwrap(state.model).load_state_dict(payload["model"])
+    state.optimizer.load_state_dict(payload["optimizer"])
+    if state.scheduler is not None and payload.get("scheduler") is not None:
+        state.scheduler.load_state_dict(payload["scheduler"])
+    for name, obj in state.stateful.items():
+        obj.load_state_dict(payload["stateful"][name])
+    saved_scaler = payload.get("scaler")
+    if state.scaler is not None and saved_scaler is not None:
+        state.scaler.load_state_dict(saved_scaler)
+    elif state.scaler is not None:
+        # Switching to fp16 mid-run is allowed: the scaler starts as a fresh run's would.
+        logger.warning(
+            "the checkpoint has no GradScaler state (not saved under fp16): the loss "
+            "scale starts at its default"
+        )
+    return int(payload["progress"]["step"])

@@ -29,7 +29,8 @@ class Event(Name):
     FIRST_STEP = (
         "first_step"  # the first step of an attempt completed: where the restart's time went
     )
-    PROGRESS = "progress"  # periodic: step, loss, steps/s, world size
+    PROGRESS = "progress"  # periodic: step, loss and task metrics (means since the last one), steps/s, world size, grad norm, fp16 overflow skips
+    EVAL = "eval"  # Task.evaluate's metrics at a step, averaged over ranks
     STRAGGLERS = "stragglers"  # periodic: per-rank step-time spread
     CHECKPOINT = (
         "checkpoint"  # a checkpoint committed: step, reason, bytes, blocked/persist seconds
@@ -98,8 +99,9 @@ def _append_line(path: str, record: dict[str, Any]) -> None:
 class SampleLog:
     """Every rank's ledger of the dataset indices it trained on, one file per (generation, rank).
 
-    Lines: ``step, epoch, rank, world_size, generation, indices``. For each step the entries of the
-    highest generation are the ones in the committed history.
+    Lines: ``step, micro, epoch, rank, world_size, generation, indices``, one per micro-batch
+    (``--grad-accum-steps``). For each step the entries of the highest generation are the ones in
+    the committed history.
     """
 
     def __init__(
@@ -111,12 +113,13 @@ class SampleLog:
             self.path = os.path.join(directory, f"samples-g{generation}-r{rank}.jsonl")
         self.rank, self.world_size, self.generation = rank, world_size, generation
 
-    def record(self, step: int, share: Any) -> None:
+    def record(self, step: int, micro: int, share: Any) -> None:
         if self.path:
             _append_line(
                 self.path,
                 {
                     "step": step,
+                    "micro": micro,
                     "epoch": share.epoch,
                     "rank": self.rank,
                     "world_size": self.world_size,

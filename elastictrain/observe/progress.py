@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
+from collections.abc import Mapping
 from typing import IO, TYPE_CHECKING, Any
 
 import torch
@@ -86,20 +87,32 @@ class Progress:
             f"world {self.world_size} | restarts {self.restarts}"
         )
 
-    def report(self, step: int, loss: torch.Tensor, stragglers: Any = None) -> None:
-        """Log and record progress (rank 0 only); ``stragglers`` is a StragglerReport or None."""
+    def report(
+        self,
+        step: int,
+        loss: torch.Tensor | float,
+        stragglers: Any = None,
+        *,
+        metrics: Mapping[str, float] | None = None,
+        **fields: Any,
+    ) -> None:
+        """Log and record progress (rank 0 only); ``stragglers`` is a StragglerReport or None,
+        ``metrics`` the task's own (means since the last report), ``fields`` more event fields
+        (grad norm, overflow skips)."""
         if not self.enabled:
             return
         now = self._clock()
         rate = (step - self._last_step) / max(now - self._last_t, 1e-9)
         eta = (self.max_steps - step) / rate if rate > 0 else float("inf")
-        value = float(loss.item())
+        value = float(loss)
+        metrics = dict(metrics or {})
         if not self.live:  # on a terminal the status line already says all of this
             logger.info(
-                "progress %d/%d loss %.5f %.1f steps/s eta %s last checkpoint %s world size %d",
+                "progress %d/%d loss %.5f%s %.1f steps/s eta %s last checkpoint %s world size %d",
                 step,
                 self.max_steps,
                 value,
+                "".join(f" {k} {v:.5g}" for k, v in {**metrics, **fields}.items()),
                 rate,
                 fmt_eta(eta),
                 self.last_checkpoint,
@@ -111,6 +124,8 @@ class Progress:
             loss=value,
             steps_per_s=round(rate, 3),
             world_size=self.world_size,
+            **({"metrics": metrics} if metrics else {}),
+            **fields,
         )
         if stragglers is not None and self.world_size > 1:
             logger.info("%s", stragglers.describe())

@@ -47,10 +47,18 @@ def assert_exactly_once(
     assert sorted(history) == list(range(max_steps)), "some steps are missing from the ledger"
     steps_per_epoch = dataset_size // batch_size
     per_epoch: dict[int, list[int]] = defaultdict(list)
+    micro_batches = set()
     for step, rows in history.items():
         world = rows[0]["world_size"]
-        assert sorted(r["rank"] for r in rows) == list(range(world)), f"step {step}: ranks {rows}"
-        indices = [i for r in sorted(rows, key=lambda r: r["rank"]) for i in r["indices"]]
+        # One row per (rank, micro-batch): every rank once, each with micro-batches 0..k-1 once.
+        keys = sorted((r["rank"], r.get("micro", 0)) for r in rows)
+        per_rank = len(keys) // world
+        micro_batches.add(per_rank)
+        assert keys == [(r, m) for r in range(world) for m in range(per_rank)], (
+            f"step {step}: {keys}"
+        )
+        ordered = sorted(rows, key=lambda r: (r["rank"], r.get("micro", 0)))
+        indices = [i for r in ordered for i in r["indices"]]
         assert len(indices) == batch_size, f"step {step} trained {len(indices)} samples"
         per_epoch[step // steps_per_epoch].extend(indices)
     full_epochs = max_steps // steps_per_epoch
@@ -61,4 +69,9 @@ def assert_exactly_once(
         if dataset_size % batch_size == 0:
             assert sorted(samples) == list(range(dataset_size)), f"epoch {epoch}: samples missing"
     worlds = sorted({rows[0]["world_size"] for rows in history.values()})
-    return {"steps": len(history), "full_epochs": full_epochs, "world_sizes": worlds}
+    return {
+        "steps": len(history),
+        "full_epochs": full_epochs,
+        "world_sizes": worlds,
+        "micro_batches": sorted(micro_batches),
+    }

@@ -32,6 +32,14 @@ def _environ(pid: int) -> dict[str, str]:
     return {k.decode(errors="replace"): v.decode(errors="replace") for k, v in pairs}
 
 
+def _parent(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def job_env(**extra: str) -> dict[str, str]:
     env = dict(os.environ)
     env.update(
@@ -81,13 +89,14 @@ class Job:
         )
 
     def workers(self) -> dict[int, int]:
-        """Live worker pids by global rank."""
-        out = {}
+        """Live worker pids by global rank (not their DataLoader workers, which inherit the
+        environment: a rank's process is the one whose parent is not a rank's process)."""
+        ranked = {}
         for pid in descendants(self.proc.pid):
             env = _environ(pid)
             if "RANK" in env and "TORCHELASTIC_RUN_ID" in env:
-                out[int(env["RANK"])] = pid
-        return out
+                ranked[pid] = int(env["RANK"])
+        return {rank: pid for pid, rank in ranked.items() if _parent(pid) not in ranked}
 
     def kill_worker(self, rank: int, sig: int = signal.SIGKILL, timeout: float = 30) -> int:
         deadline = time.monotonic() + timeout

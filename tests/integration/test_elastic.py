@@ -18,7 +18,12 @@ from tests.helpers.net import free_port
 DATASET, BATCH, STEPS = 2048, 64, 640  # 32 steps per epoch, 20 epochs
 
 
-def app_args(tmp_path, name: str, step_time: float = 0.03) -> list[str]:
+# The node-loss test also runs what real jobs use: 2 micro-batches per step (step_time is per
+# micro-batch) and 2 loader workers per rank, so the ledger is checked across world sizes for both.
+REAL_JOB = ("--grad-accum-steps", "2", "--num-workers", "2")
+
+
+def app_args(tmp_path, name: str, step_time: float = 0.03, extra=()) -> list[str]:
     return [
         "--checkpoint-dir",
         str(tmp_path / f"{name}-ckpt"),
@@ -38,6 +43,7 @@ def app_args(tmp_path, name: str, step_time: float = 0.03) -> list[str]:
         f"batch_size={BATCH}",
         "--task-option",
         f"step_time={step_time}",
+        *extra,
     ]
 
 
@@ -50,14 +56,14 @@ def _relative_error(a: dict, b: dict) -> float:
 @pytest.mark.slow
 def test_node_loss_then_rejoin_trains_every_sample_once(launch, tmp_path):
     # Reference: a fixed world size of 2, same global batch.
-    ref = launch([*app_args(tmp_path, "ref", step_time=0)], nproc=2, name="ref")
+    ref = launch([*app_args(tmp_path, "ref", step_time=0, extra=REAL_JOB)], nproc=2, name="ref")
     assert ref.wait(180) == 0, ref.log()[-3000:]
 
     port, run_id = free_port(), f"run-{uuid.uuid4().hex[:8]}"
     # Needed for nodes to *join* a running job on torch 2.13; see README "Elastic membership".
     env = job_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
     ev = str(tmp_path / "elastic.jsonl")
-    args = app_args(tmp_path, "elastic")
+    args = app_args(tmp_path, "elastic", step_time=0.015, extra=REAL_JOB)
     host = launch(
         args, torchrun_args=node_args(port, run_id, is_host=True), env=env, name="node-a"
     )  # hosts the rendezvous store
@@ -101,6 +107,7 @@ def test_node_loss_then_rejoin_trains_every_sample_once(launch, tmp_path):
         max_steps=STEPS,
     )
     assert ledger["world_sizes"] == [1, 2]
+    assert ledger["micro_batches"] == [2]  # every step of every rank in 2 micro-batches
 
     final, reference = (
         final_state(str(tmp_path / "elastic-ckpt")),

@@ -24,13 +24,12 @@ def single_process_step(seed: int) -> dict[str, torch.Tensor]:
     return task.model.state_dict()
 
 
-@pytest.mark.parametrize("nproc", [3, 4])  # 10 samples: shares 4/3/3 and 3/3/2/2
-def test_uneven_shares_match_single_process_global_batch(launch, tmp_path, nproc):
+# 10 samples: shares 4/3/3; and 3/3/2/2, each cut into 2 micro-batches (2+1, 2+1, 1+1, 1+1).
+@pytest.mark.parametrize("nproc,accum", [(3, 1), (4, 2)])
+def test_uneven_shares_match_single_process_global_batch(launch, tmp_path, nproc, accum):
     opts = [a for k, v in OPTIONS.items() for a in ("--task-option", f"{k}={v}")]
-    job = launch(
-        ["--checkpoint-dir", str(tmp_path / "c"), "--max-steps", "1", "--seed", "3", *opts],
-        nproc=nproc,
-    )
+    args = ["--checkpoint-dir", str(tmp_path / "c"), "--max-steps", "1", "--seed", "3", *opts]
+    job = launch([*args, "--grad-accum-steps", str(accum)], nproc=nproc)
     assert job.wait(120) == 0, job.log()[-3000:]
     got = final_state(str(tmp_path / "c"))["model"]
     want = single_process_step(seed=3)

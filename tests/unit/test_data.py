@@ -51,3 +51,24 @@ def test_world_larger_than_batch_is_a_clear_error():
 def test_step_seed_is_stable_and_distinct():
     assert step_seed(0, 5, 1) == step_seed(0, 5, 1)
     assert len({step_seed(0, s, r) for s in range(50) for r in range(4)}) == 200
+
+
+@pytest.mark.parametrize("world,accum", [(1, 4), (3, 2), (3, 3), (4, 2)])
+def test_micro_batches_cover_the_share_and_weigh_to_the_global_mean(world, accum):
+    from elastictrain.loader import micro_shares
+
+    sampler = GlobalBatchSampler(dataset_size=100, batch_size=10, seed=3)
+    for rank in range(world):
+        share = sampler.share(5, rank, world)
+        pieces = micro_shares(sampler, 5, rank, world, accum)
+        assert len(pieces) == accum and all(len(p.indices) for p in pieces)
+        assert torch.equal(torch.cat([p.indices for p in pieces]), share.indices)
+        # Each piece's weight is its sample count * W / B: the pieces add up to the share's.
+        assert sum(p.weight for p in pieces) == pytest.approx(share.weight)
+
+
+def test_more_micro_batches_than_samples_is_refused_with_the_fix():
+    from elastictrain.loader import check_micro_steps
+
+    with pytest.raises(ConfigError, match="--grad-accum-steps 4 is more than the 3 samples"):
+        check_micro_steps(batch_size=10, world_size=3, micro_steps=4)

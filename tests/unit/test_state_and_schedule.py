@@ -8,6 +8,7 @@ import torch
 from elastictrain.checkpoint.schedule import CheckpointSchedule
 from elastictrain.checkpoint.state import (
     DataFingerprint,
+    TrainState,
     capture,
     check_compatible,
     from_bytes,
@@ -25,7 +26,12 @@ def _state(model):
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     model(torch.randn(4, 10)).sum().backward()
     opt.step()
-    return opt, capture(model, opt, None, step=7, fingerprint=FP)
+    return opt, capture(TrainState(model, opt, fingerprint=FP), step=7)
+
+
+def _fits(model, payload, fingerprint=FP, **kw):
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    check_compatible(TrainState(model, opt, fingerprint=fingerprint, **kw), payload, "step 7")
 
 
 def test_roundtrip_restores_everything():
@@ -35,8 +41,9 @@ def test_roundtrip_restores_everything():
     loaded = from_bytes(to_bytes(state))
     model2 = ToyModel()
     opt2 = torch.optim.SGD(model2.parameters(), lr=0.1, momentum=0.9)
-    check_compatible(model2, loaded, FP, "test")
-    assert restore(model2, opt2, None, loaded) == 7
+    state2 = TrainState(model2, opt2, fingerprint=FP)
+    check_compatible(state2, loaded, "test")
+    assert restore(state2, loaded) == 7
     for a, b in zip(model.parameters(), model2.parameters(), strict=True):
         assert torch.equal(a, b)
     assert torch.equal(
@@ -50,7 +57,7 @@ def test_shape_mismatch_names_the_key():
     with pytest.raises(
         CheckpointMismatchError, match=r"net1.weight: checkpoint \(10, 10\) vs model \(12, 10\)"
     ):
-        check_compatible(ToyModel(hidden=12), from_bytes(to_bytes(state)), FP, "step 7")
+        _fits(ToyModel(hidden=12), from_bytes(to_bytes(state)))
 
 
 def test_key_mismatch_names_the_keys():
@@ -58,14 +65,14 @@ def test_key_mismatch_names_the_keys():
     with pytest.raises(
         CheckpointMismatchError, match=r"missing keys \['extra.0.bias', 'extra.0.weight'\]"
     ):
-        check_compatible(ToyModel(layers=2), from_bytes(to_bytes(state)), FP, "step 7")
+        _fits(ToyModel(layers=2), from_bytes(to_bytes(state)))
 
 
 def test_batch_size_change_is_a_mismatch():
     model = ToyModel()
     _, state = _state(model)
     with pytest.raises(CheckpointMismatchError, match="batch_size was 64 when saved, is 32 now"):
-        check_compatible(model, state, DataFingerprint(32, 4096, 0), "step 7")
+        _fits(model, state, DataFingerprint(32, 4096, 0))
 
 
 def test_loading_refuses_pickled_code():

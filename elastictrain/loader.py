@@ -1,0 +1,159 @@
+"""This rank's micro-batches, step after step, loaded in-process or by DataLoader workers.
+
+``data.GlobalBatchSampler`` decides which samples each rank trains on at each step; this module
+only loads them. A step's share is cut into ``--grad-accum-steps`` contiguous micro-batches, and
+each is one item of a ``torch.utils.data.DataLoader`` keyed by ``(step, micro, indices)``:
+
+- the order is the runner's, whatever ``--num-workers`` is: the DataLoader returns items in the
+  order of its sampler, and the loop checks every key it receives;
+- each micro-batch loads under its own seed (``data.load_seed``), so its bytes, augmentations
+  included, are the same in-process or in any worker, and after any restart;
+- a restart builds the loader at the resume step; there is no loader state to checkpoint.
+
+A worker that dies makes the DataLoader raise (exit 1, torchrun restarts the group); one that hangs
+is caught by the hang watchdog, which the loop arms around every wait for a batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from elastictrain.data import GlobalBatchSampler, Share, load_seed, seed_all, share_bounds
+from elastictrain.errors import ConfigError
+from elastictrain.task import Task
+
+
+def micro_shares(
+    sampler: GlobalBatchSampler, step: int, rank: int, world_size: int, micro_steps: int
+) -> list[Share]:
+    """This rank's share of ``step`` in ``micro_steps`` contiguous pieces. Each piece's weight
+    turns its mean loss into its part of the global-batch mean once DDP averages over ranks."""
+    share = sampler.share(step, rank, world_size)
+    pieces = []
+    for micro in range(micro_steps):
+        start, end = share_bounds(len(share.indices), micro, micro_steps)
+        pieces.append(
+            Share(
+                epoch=share.epoch,
+                indices=share.indices[start:end],
+                weight=(end - start) * world_size / sampler.batch_size,
+            )
+        )
+    return pieces
+
+
+def check_micro_steps(batch_size: int, world_size: int, micro_steps: int) -> None:
+    smallest = batch_size // world_size
+    if micro_steps > smallest:
+        raise ConfigError(
+            f"--grad-accum-steps {micro_steps} is more than the {smallest} samples the smallest "
+            f"rank gets per step (global batch {batch_size} over {world_size} ranks): every "
+            "micro-batch needs a sample. Lower --grad-accum-steps or raise the task's batch_size."
+        )
+
+
+class _Keys(Sampler):
+    """``(step, micro, indices)`` for every micro-batch of steps ``[start, stop)``, in order."""
+
+    def __init__(self, plan: Callable[[int], list[Share]], start: int, stop: int) -> None:
+        self.plan, self.start, self.stop = plan, start, stop
+
+    def __iter__(self) -> Iterator[tuple[int, int, list[int]]]:
+        for step in range(self.start, self.stop):
+            for micro, piece in enumerate(self.plan(step)):
+                yield step, micro, piece.indices.tolist()
+
+    def __len__(self) -> int:
+        return max(self.stop - self.start, 0)
+
+
+class _MicroBatches(Dataset):
+    """Item ``(step, micro, indices)``: that micro-batch, collated, loaded under its own seed."""
+
+    def __init__(self, task: Task, seed: int, rank: int) -> None:
+        self.dataset, self.collate_fn = task.dataset, task.collate_fn
+        self.seed, self.rank = seed, rank
+
+    def __getitem__(self, key: tuple[int, int, list[int]]) -> tuple[tuple[int, int], Any]:
+        step, micro, indices = key
+        seed_all(load_seed(self.seed, step, self.rank, micro))
+        return (step, micro), self.collate_fn([self.dataset[i] for i in indices])
+
+
+def _as_is(item: Any) -> Any:
+    return item  # the batch is collated already; module-level so workers can unpickle it
+
+
+class StepLoader:
+    """Yields each step's micro-batches, from ``start`` on, with ``num_workers`` loading ahead."""
+
+    def __init__(
+        self,
+        *,
+        task: Task,
+        sampler: GlobalBatchSampler,
+        rank: int,
+        world_size: int,
+        micro_steps: int,
+        seed: int,
+        start: int,
+        stop: int,
+        num_workers: int = 0,
+        prefetch_factor: int | None = None,
+        pin_memory: bool = False,
+        waiting: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
+    ) -> None:
+        """``waiting``: entered around every wait for a batch (the runner arms its watchdog)."""
+        check_micro_steps(sampler.batch_size, world_size, micro_steps)
+        self.sampler, self.rank, self.world_size = sampler, rank, world_size
+        self.micro_steps, self.waiting = micro_steps, waiting
+        self._items = _MicroBatches(task, seed, rank)
+        # The key stream gets its own sampler: it runs ahead of the loop by the prefetch depth,
+        # and sharing one would thrash the per-epoch permutation cache at epoch boundaries.
+        ahead = GlobalBatchSampler(sampler.dataset_size, sampler.batch_size, sampler.seed)
+        self._loader = DataLoader(
+            self._items,
+            batch_size=None,
+            sampler=_Keys(self._plan_with(ahead), start, stop),
+            collate_fn=_as_is,
+            num_workers=num_workers,
+            prefetch_factor=prefetch_factor if num_workers > 0 else None,
+            pin_memory=pin_memory,
+        )
+        self._it: Iterator[Any] | None = None
+
+    def _plan_with(self, sampler: GlobalBatchSampler) -> Callable[[int], list[Share]]:
+        return lambda step: micro_shares(
+            sampler, step, self.rank, self.world_size, self.micro_steps
+        )
+
+    def plan(self, step: int) -> list[Share]:
+        return micro_shares(self.sampler, step, self.rank, self.world_size, self.micro_steps)
+
+    def next_step(self, step: int) -> list[tuple[Share, Any]]:
+        """Every micro-batch of ``step`` (the next step of the stream), with its share."""
+        if self._it is None:
+            self._it = iter(self._loader)  # workers start here: after resume, not at build
+        out = []
+        for micro, piece in enumerate(self.plan(step)):
+            with self.waiting():
+                key, batch = next(self._it)
+            if key != (step, micro):
+                raise RuntimeError(
+                    f"data loader out of order: expected step {step} micro-batch {micro}, got {key}"
+                )
+            out.append((piece, batch))
+        return out
+
+    def load_one(self, step: int) -> Any:
+        """Step ``step``'s first micro-batch, loaded here (DDP's bucket priming)."""
+        piece = self.plan(step)[0]
+        return self._items[(step, 0, piece.indices.tolist())][1]
+
+    def close(self) -> None:
+        """Stop the workers (the iterator's shutdown joins them)."""
+        self._it = None
