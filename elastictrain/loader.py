@@ -17,6 +17,11 @@ is caught by the hang watchdog, which the loop arms around every wait for a batc
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import functools
+import os
+import signal
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -84,6 +89,24 @@ class _MicroBatches(Dataset):
         return (step, micro), self.collate_fn([self.dataset[i] for i in indices])
 
 
+def _worker_init(parent_pid: int, worker_id: int) -> None:
+    _die_with_parent(parent_pid)
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """In each loader worker: die when the training process does, however it ends. A worker
+    stuck in ``dataset[i]`` never reaches DataLoader's own parent check, so without this a hang
+    exit (or a SIGKILL of the rank) would leave it running forever, holding memory and pipes."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+_PR_SET_PDEATHSIG = 1
+
+
 def _as_is(item: Any) -> Any:
     return item  # the batch is collated already; module-level so workers can unpickle it
 
@@ -123,6 +146,7 @@ class StepLoader:
             num_workers=num_workers,
             prefetch_factor=prefetch_factor if num_workers > 0 else None,
             pin_memory=pin_memory,
+            worker_init_fn=functools.partial(_worker_init, os.getpid()),
         )
         self._it: Iterator[Any] | None = None
 

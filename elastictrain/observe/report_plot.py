@@ -24,7 +24,13 @@ _CAUSE_COLOURS = {
 
 def draw(timeline: Timeline, title: str) -> Figure:
     fig = Figure(figsize=(11, 10), layout="constrained")
-    steps, ckpt, world, loss = fig.subplots(4, 1, height_ratios=[3, 2, 1, 2])
+    grid = fig.add_gridspec(4, 2, height_ratios=[3, 2, 1, 2])
+    steps, ckpt, world = (fig.add_subplot(grid[row, :]) for row in range(3))
+    evals = None
+    if any(a.evals for a in timeline.attempts):  # the eval curve beside the loss, on the same steps
+        loss, evals = fig.add_subplot(grid[3, 0]), fig.add_subplot(grid[3, 1])
+    else:
+        loss = fig.add_subplot(grid[3, :])
     t0 = timeline.t0
     colours = [f"C{i % 10}" for i in range(len(timeline.attempts))]
 
@@ -40,6 +46,16 @@ def draw(timeline: Timeline, title: str) -> Figure:
         if a.losses:
             ls, lv = zip(*sorted(a.losses), strict=True)
             loss.plot(ls, lv, color=colour, marker=".", ms=3, label=label)
+        if evals is not None:
+            for i, name in enumerate(sorted({k for _, m in a.evals for k in m})):
+                points = sorted((s, m[name]) for s, m in a.evals if name in m)
+                evals.plot(
+                    *zip(*points, strict=True),
+                    color=colour,
+                    marker="os^D"[i % 4],
+                    ms=4,
+                    label=f"{name} ({label})",
+                )
         end = a.end if a.end is not None else a.start
         world.hlines(a.world_size, a.start - t0, end - t0, color=colour, lw=4)
     for prev, nxt in timeline.restarts:
@@ -102,6 +118,9 @@ def draw(timeline: Timeline, title: str) -> Figure:
         loss.text(0.5, 0.5, "no loss in this event log", ha="center", transform=loss.transAxes)
     elif all(v > 0 for a in timeline.attempts for _, v in a.losses):
         loss.set_yscale("log")  # early losses are orders of magnitude above the rest
+    if evals is not None:
+        evals.set(xlabel="step", ylabel="metric", title="Task.evaluate (mean over ranks)")
+        evals.legend(loc="best", fontsize=7)
     return fig
 
 

@@ -44,6 +44,10 @@ class Attempt:
     points: list[tuple[float, int]] = field(default_factory=list)
     """(time, completed steps) from every event that names a step."""
     losses: list[tuple[int, float]] = field(default_factory=list)
+    evals: list[tuple[int, dict[str, float]]] = field(default_factory=list)
+    """(step, metrics) of each ``eval`` event."""
+    overflow_skips: int = 0
+    """Optimizer steps fp16's GradScaler skipped (an overflow), from the progress events."""
     checkpoints: list[dict[str, Any]] = field(default_factory=list)
     skipped: list[dict[str, Any]] = field(default_factory=list)
     last_words: dict[int, dict[str, Any]] = field(default_factory=dict)
@@ -104,6 +108,9 @@ def build_timeline(events: list[dict[str, Any]]) -> Timeline:
             a.trained_at = t
         if kind in (Event.PROGRESS, Event.FIRST_STEP) and e.get("loss") is not None:
             a.losses.append((step, float(e["loss"])))
+            a.overflow_skips += int(e.get("overflow_skips", 0))
+        elif kind == Event.EVAL:
+            a.evals.append((step, dict(e.get("metrics", {}))))
         elif kind == Event.CHECKPOINT:
             a.checkpoints.append(e)
         elif kind == Event.CHECKPOINT_SKIPPED:
@@ -165,10 +172,16 @@ def summary(timeline: Timeline) -> str:
         if len(steps) > 6:
             steps = [f"{len(steps)}: {steps[0]}", steps[1], "...", steps[-1]]
         ckpts = ", ".join(steps) or "none"
+        extras = ""
+        if a.overflow_skips:
+            extras += f", fp16 overflow skips {a.overflow_skips}"
+        if a.evals:
+            step, metrics = a.evals[-1]
+            extras += f", eval at {step}: " + " ".join(f"{k} {v:.4g}" for k, v in metrics.items())
         lines.append(
             f"attempt {a.index} at +{a.start - timeline.t0:.1f}s: world size {a.world_size}, "
             f"{f'steps {a.resumed_step}->{a.last_step}' if a.resumed else 'ended before resuming'}"
-            f", checkpoints {ckpts}; "
+            f", checkpoints {ckpts}{extras}; "
             f"ended: {a.outcome}{' (' + a.detail + ')' if a.detail else ''}"
         )
     return "\n".join(lines)

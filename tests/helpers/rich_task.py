@@ -8,6 +8,7 @@ step_time (0.01 s per micro-batch), eval (1: define Task.evaluate), dataset_size
 
 from __future__ import annotations
 
+import os
 import random
 import time
 from collections.abc import Mapping
@@ -81,3 +82,34 @@ def make_task(options: Mapping[str, str]) -> Task:
         after_step=(lambda done, m: ema.update(m)) if ema else None,
         evaluate=evaluate if option(options, "eval", 1) else None,
     )
+
+
+class FaultyDataset(torch.utils.data.Dataset):
+    """``dataset`` whose loader workers crash (``os._exit``) or hang once each has served
+    ``after`` samples; in the training process it never fails."""
+
+    def __init__(self, dataset, fault: str, after: int) -> None:
+        self.dataset, self.fault, self.after, self.served = dataset, fault, after, 0
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, i: int):
+        if torch.utils.data.get_worker_info() is not None:
+            self.served += 1
+            if self.served > self.after and self.fault == "crash":
+                os._exit(9)
+            while self.served > self.after and self.fault == "hang":
+                time.sleep(1)
+        return self.dataset[i]
+
+
+def make_faulty_loader_task(options: Mapping[str, str]) -> Task:
+    """The toy task with a FaultyDataset (options: fault=crash|hang, after=320)."""
+    from elastictrain.toy import make_task as toy
+
+    task = toy({})
+    task.dataset = FaultyDataset(
+        task.dataset, options.get("fault", "crash"), option(options, "after", 320)
+    )
+    return task

@@ -11,7 +11,13 @@ import pytest
 import torch
 
 from elastictrain.observe.events import Event, read_events
-from tests.helpers.launcher import assert_bitwise_equal, final_state, toy_args, wait_for_event
+from tests.helpers.launcher import (
+    assert_bitwise_equal,
+    final_state,
+    run_single,
+    toy_args,
+    wait_for_event,
+)
 
 RICH = ("--task", "tests.helpers.rich_task:make_task")
 
@@ -59,3 +65,30 @@ def test_sigkill_resume_is_bitwise_equal(launch, tmp_path, name):
     if name == "fp16-gradscaler":
         assert run["scaler"] == reference["scaler"] and run["scaler"]["scale"] > 0
     print(f"\n{name}: resumed from step {resumes[1]['step']}, bitwise equal")
+
+
+FAULTY = ("--task", "tests.helpers.rich_task:make_faulty_loader_task", "--num-workers", "2")
+
+
+def test_a_crashed_loader_worker_fails_the_attempt_with_a_clear_error(tmp_path):
+    """Exit 1 with the DataLoader's error: torchrun restarts the group (as after any crash)."""
+    args = ["--checkpoint-dir", str(tmp_path / "c"), "--max-steps", "50", *FAULTY]
+    result = run_single([*args, "--task-option", "fault=crash"], cwd=str(tmp_path))
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "DataLoader worker (pid" in result.stderr and "exited unexpectedly" in result.stderr
+    assert ls_steps(tmp_path / "c") == []  # nothing committed was touched (there was none)
+
+
+def test_a_hung_loader_worker_is_a_hang_exit_4_naming_the_loader(tmp_path):
+    args = ["--checkpoint-dir", str(tmp_path / "c"), "--max-steps", "50", "--hang-timeout", "3"]
+    result = run_single([*args, *FAULTY, "--task-option", "fault=hang"], cwd=str(tmp_path))
+    assert result.returncode == 4, result.stderr[-3000:]
+    assert "HANG DETECTED" in result.stderr
+    assert "in phase 'waiting for the data loader'" in result.stderr
+    assert "from --hang-timeout" in result.stderr
+
+
+def ls_steps(path) -> list[int]:
+    import os
+
+    return sorted(int(n.split("-")[1]) for n in os.listdir(path) if n.startswith("step-"))
