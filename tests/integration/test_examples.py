@@ -7,8 +7,10 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 
 import pytest
+import torch
 
 from elastictrain.observe import report, timeline
 from elastictrain.observe.events import Event, read_events
@@ -18,41 +20,53 @@ from tests.helpers.launcher import (
     assert_bitwise_equal,
     final_state,
     job_env,
+    run_single,
     wait_for_event,
 )
 
 DIGITS_STEPS = 300
+# The README's full-job command: everything a real job adds, at once.
+FULL_JOB = ("--task", "examples.digits.full_job:make_task", "--precision", "bf16")
+FULL_JOB += ("--grad-accum-steps", "2", "--clip-grad-norm", "1.0", "--num-workers", "2")
+FULL_JOB += ("--eval-every-steps", "100")
 
 
-def digits_args(ckpt: str, events: str, step_time: float = 0.01) -> list[str]:
-    args = ["--task", "examples.digits.task:make_task", "--checkpoint-dir", ckpt]
+def digits_args(ckpt: str, events: str, step_time: float = 0.005) -> list[str]:
+    args = [*FULL_JOB, "--checkpoint-dir", ckpt]
     args += ["--event-log", events, "--max-steps", str(DIGITS_STEPS)]
     args += ["--checkpoint-every-steps", "50", "--log-every-seconds", "0.5"]
     # Slowed down only so the kills land mid-run on a fast machine; the arithmetic is unchanged.
     return [*args, "--task-option", f"step_time={step_time}"]
 
 
+def final_eval(events: str) -> dict[str, float]:
+    return [e for e in read_events(events) if e["event"] == Event.EVAL][-1]["metrics"]
+
+
 @pytest.mark.slow
-def test_digits_trains_to_95_percent_through_a_kill_and_report_draws_it(launch, tmp_path, capsys):
-    from examples.digits.task import accuracy
-
-    clean = launch(
-        digits_args(str(tmp_path / "clean"), str(tmp_path / "clean.jsonl")), name="clean"
-    )
-    assert clean.wait(180) == 0, clean.log()[-3000:]
-
+def test_digits_full_job_trains_to_95_percent_through_a_kill_and_report_draws_it(
+    launch, tmp_path, capsys
+):
+    """bf16, accumulation, clipping, dropout, an EMA, augmentation in loader workers and eval:
+    rank 0 SIGKILLed mid-run, and the final model, EMA and eval are those of a clean run."""
+    clean_ev = str(tmp_path / "clean.jsonl")
+    clean = launch(digits_args(str(tmp_path / "clean"), clean_ev), name="clean")
     ckpt, ev = str(tmp_path / "killed"), str(tmp_path / "killed.jsonl")
     job = launch(digits_args(ckpt, ev), max_restarts=3, name="killed")
     wait_for_event(ev, lambda e: e["event"] == Event.CHECKPOINT and e["step"] >= 100, 90, job)
     job.kill_worker(0)  # SIGKILL rank 0, the writer, mid-run
     assert job.wait(180) == 0, job.log()[-3000:]
+    assert clean.wait(180) == 0, clean.log()[-3000:]
 
     ref, got = final_state(str(tmp_path / "clean")), final_state(ckpt)
-    ref_acc, got_acc = accuracy(ref["model"]), accuracy(got["model"])
+    ref_eval, got_eval = final_eval(clean_ev), final_eval(ev)
     with capsys.disabled():  # the figure the README quotes, shown with -s
-        print(f"\ndigits test accuracy: uninterrupted {ref_acc:.4f}, killed mid-run {got_acc:.4f}")
-    assert ref_acc >= 0.95 and got_acc >= 0.95
+        print(f"\ndigits full job, final eval: uninterrupted {ref_eval}, killed mid-run {got_eval}")
+    assert ref_eval["test_acc"] >= 0.95 and ref_eval["ema_test_acc"] >= 0.95
+    assert got_eval == ref_eval
     assert_bitwise_equal(ref, got)  # so the accuracy is not just as good: it is the same model
+    for k, v in ref["stateful"]["ema"]["model"].items():
+        assert torch.equal(v, got["stateful"]["ema"]["model"][k]), f"EMA {k} differs"
     resumes = [e for e in read_events(ev) if e["event"] == Event.RESUME]
     assert [r["fresh"] for r in resumes] == [True, False] and resumes[1]["step"] >= 100
 
@@ -64,12 +78,34 @@ def test_digits_trains_to_95_percent_through_a_kill_and_report_draws_it(launch, 
         # The summary names the restart as a kill and the last attempt as finished.
         stdout = capsys.readouterr().out
         assert stdout.count("ended: kill") == 1 and "ended: finished" in stdout, stdout
+        assert "eval at 300: ema_test_acc" in stdout, stdout
     assert (tmp_path / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     html = (tmp_path / "report.html").read_text()
     assert "data:image/png;base64," in html and html.count("<tr>") >= 1 + 2
     keep = os.environ.get("ELASTICTRAIN_KEEP_REPORT")
     if keep:  # e.g. to look at it, or to refresh docs/report-example.png
         shutil.copy(tmp_path / "report.png", keep)
+
+
+@pytest.mark.slow
+def test_plain_digits_example_trains_to_95_percent(tmp_path):
+    """The README's first digits command (one process here) and its accuracy command."""
+    ckpt = str(tmp_path / "ckpt-digits")
+    args = ["--task", "examples.digits.task:make_task", "--max-steps", "300"]
+    done = run_single([*args, "--checkpoint-dir", ckpt], cwd=REPO_ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    scored = subprocess.run(
+        [sys.executable, "-m", "examples.digits.task", ckpt],
+        cwd=REPO_ROOT,
+        env=job_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert scored.returncode == 0, scored.stderr[-3000:]
+    accuracy = float(scored.stdout.split("test accuracy")[1])
+    print(f"\nplain digits, 300 steps: test accuracy {accuracy:.4f}")
+    assert accuracy >= 0.95
 
 
 def test_toy_example_script_runs_and_draws_its_report(tmp_path):
