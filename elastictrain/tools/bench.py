@@ -341,12 +341,30 @@ def main(argv: list[str]) -> int:
         action="store_true",
         help="instead: the runner's per-step cost against a plain DDP loop on the same task",
     )
-    p.add_argument("--steps", type=int, default=2000, help="steps per run for --overhead")
+    p.add_argument(
+        "--loader",
+        action="store_true",
+        help="instead: step time with --workers DataLoader workers against in-process loading, "
+        "on a task that sleeps --load-ms per batch and --compute-ms per step",
+    )
+    p.add_argument("--workers", type=int, default=2, help="loader workers for --loader")
+    p.add_argument("--load-ms", type=float, default=50.0, help="load time per batch for --loader")
+    p.add_argument("--compute-ms", type=float, default=50.0, help="compute per step for --loader")
+    p.add_argument(
+        "--steps", type=int, default=None, help="steps per run (--overhead 2000, --loader 60)"
+    )
     args = p.parse_args(argv)
+    if args.loader:
+        from elastictrain.tools import loader_bench
+
+        return loader_bench.main(
+            args.workers, args.load_ms / 1e3, args.compute_ms / 1e3, args.steps or 60,
+            args.repeats, args.json,
+        )  # fmt: skip
     if args.overhead:
         from elastictrain.tools import overhead_bench
 
-        return overhead_bench.main(args.steps, args.repeats, args.json)
+        return overhead_bench.main(args.steps or 2000, args.repeats, args.json)
     if args.recovery:
         from elastictrain.tools import recovery_bench
 

@@ -29,7 +29,9 @@ TASK_OPTIONS = {"hidden": "512", "layers": "4", "batch_size": "64", "step_time":
 def plain_loop(steps: int, out: str) -> None:
     """The plain DDP loop, run by each torchrun worker."""
     from elastictrain.data import GlobalBatchSampler
+    from elastictrain.loader import StepLoader
     from elastictrain.loop import Trainer
+    from elastictrain.precision import Precision
     from elastictrain.task import build_task
 
     torch.set_num_threads(1)
@@ -40,9 +42,14 @@ def plain_loop(steps: int, out: str) -> None:
     sampler = GlobalBatchSampler(len(task.dataset), task.batch_size, 0)
     model = DDP(task.model)
     optimizer = task.make_optimizer(task.model.parameters())
+    cpu = torch.device("cpu")
+    loader = StepLoader(
+        task=task, sampler=sampler, rank=rank, world_size=world, micro_steps=1, seed=0,
+        start=0, stop=steps,
+    )  # fmt: skip
     trainer = Trainer(
-        task=task, model=model, optimizer=optimizer, scheduler=None, sampler=sampler,
-        device=torch.device("cpu"), rank=rank, world_size=world, seed=0,
+        task=task, model=model, optimizer=optimizer, scheduler=None, loader=loader,
+        precision=Precision("fp32", cpu), device=cpu, rank=rank, seed=0,
     )  # fmt: skip
     trainer.prime_buckets(0)
     trainer.step(0)

@@ -24,6 +24,19 @@ def test_bench_overhead_and_recovery_give_sane_figures(tmp_path):
     assert overhead["runner_overhead"] == pytest.approx(ratio - 1)
     assert -0.5 < overhead["runner_overhead"] < 1.0, overhead  # same loop: never 2x slower
 
+    out = run_single(
+        ["bench", "--loader", "--steps", "12", "--repeats", "1", "--json", "--load-ms", "30"],
+        REPO_ROOT,
+        240,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    loader = json.loads(out.stdout)
+    # Sleeps cannot overlap in one process: in-process loading costs at least load + compute.
+    assert loader["in_process_vs_sum"] >= 0.95 and loader["workers_step_s"] > 0, loader
+    assert loader["speedup"] == pytest.approx(
+        loader["in_process_step_s"] / loader["workers_step_s"]
+    )
+
     out = run_single(["bench", "--recovery", "--size", "1MB", "--json"], REPO_ROOT, 240)
     assert out.returncode == 0, out.stderr[-3000:]
     recovery = json.loads(out.stdout)
