@@ -60,7 +60,7 @@ class Trainer:
         self.on_share = on_share
         """Called with (step, micro, share) before any collective: a hook for the sample ledger."""
         self.timer = StepTimer()
-        self.means = RunningMeans()
+        self.means = RunningMeans(device)
         self.grad_norm: torch.Tensor | None = None
         """The last step's total gradient norm before clipping (with ``clip_grad_norm``)."""
 
@@ -110,7 +110,7 @@ class Trainer:
                     )
                 n = len(share.indices)
                 self.means.add(loss, metrics, n)
-                total = total + loss.detach().float() * (n / samples)
+                total = total + loss.detach().float().to(self.device) * (n / samples)
                 if last:
                     # Work before the first synchronisation (the all-reduce inside the last
                     # backward): the straggler signal.

@@ -29,6 +29,17 @@ def pytest_collection_modifyitems(config, items):
         return 1 if "/integration/" in item.nodeid.replace("\\", "/") else 2
 
     items.sort(key=weight)  # stable: file order is kept within each group
+    if not _cuda_available():
+        skip = pytest.mark.skip(reason="needs CUDA: the GPU tier runs with bash tests/gpu/run.sh")
+        for item in items:
+            if item.get_closest_marker("gpu"):
+                item.add_marker(skip)
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -33,7 +33,10 @@ def split_loss(out: Any) -> tuple[torch.Tensor, Mapping[str, Any]]:
 class RunningMeans:
     """Sample-weighted sums of the loss and the task's metrics since the last report."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device | None = None) -> None:
+        """``device``: where the sums live and are all-reduced (the rank's device; a model-parallel
+        loss may come from another of its devices)."""
+        self.device = device
         self.names: tuple[str, ...] | None = None
         self._sums: torch.Tensor | None = None
 
@@ -46,10 +49,11 @@ class RunningMeans:
                 f"Task.loss_fn returned metrics {list(names)} after {list(self.names)}: every "
                 "step must return the same names (they are averaged across ranks)."
             )
-        values = [loss.detach().float()]
-        values += [torch.as_tensor(metrics[n], device=loss.device).detach().float() for n in names]
+        device = self.device or loss.device
+        values = [loss.detach().float().to(device)]
+        values += [torch.as_tensor(metrics[n]).detach().float().to(device) for n in names]
         row = torch.stack([v.reshape(()) for v in values]) * samples
-        row = torch.cat([row, torch.tensor([float(samples)], device=loss.device)])
+        row = torch.cat([row, torch.tensor([float(samples)], device=device)])
         self._sums = row if self._sums is None else self._sums + row
 
     def reduce(self, group: dist.ProcessGroup | None) -> dict[str, float] | None:

@@ -82,15 +82,28 @@ def _timed(fn: Callable[[], Any]) -> float:
     return time.perf_counter() - t0
 
 
+def _to(tree: Any, device: torch.device) -> Any:
+    if isinstance(tree, torch.Tensor):
+        return tree.to(device)
+    if isinstance(tree, dict):
+        return {k: _to(v, device) for k, v in tree.items()}
+    return tree
+
+
 class Bench:
-    def __init__(self, url: str, options: dict[str, Any], size: int, repeats: int) -> None:
+    def __init__(
+        self, url: str, options: dict[str, Any], size: int, repeats: int, device: str = "cpu"
+    ) -> None:
         self.root = f"{url.rstrip('/')}/elastictrain-bench-{uuid.uuid4().hex[:8]}"
         self.options = options
         self.store = storage.open_store(self.root, storage_options=options)
         self.local = storage.urls.is_local(url)
         self.fs, self.fs_root = storage.urls.open_url(self.root, options)
         self.repeats = repeats
-        self.state = synthetic_state(size)
+        self.device = torch.device(device)
+        # On a GPU the state lives in device memory, as a model's does: every figure then
+        # includes the device-to-host copy (into pinned memory for elastictrain).
+        self.state = _to(synthetic_state(size), self.device)
         self.nbytes = sum(t.numel() * t.element_size() for t in _tensors(self.state))
         if self.local:
             os.makedirs(self.fs_root, exist_ok=True)
@@ -100,14 +113,20 @@ class Bench:
 
     # -- the floors --------------------------------------------------------------------------
     def copy_s(self) -> float:
+        """Every tensor copied into warm host buffers (pinned, from a GPU), and nothing else."""
         src = _tensors(self.state)
-        dst = [torch.empty_like(t) for t in src]
+        on_gpu = self.device.type == "cuda"
+        dst = [torch.empty(t.shape, dtype=t.dtype, pin_memory=on_gpu) for t in src]
         for d in dst:
             d.zero_()  # warm: touched before timing
-        return _median(
-            lambda: _timed(lambda: [d.copy_(s) for d, s in zip(dst, src, strict=True)]),
-            self.repeats,
-        )
+
+        def copy() -> None:
+            for d, s in zip(dst, src, strict=True):
+                d.copy_(s, non_blocking=on_gpu)
+            if on_gpu:
+                torch.cuda.synchronize()
+
+        return _median(lambda: _timed(copy), self.repeats)
 
     def _raw_write(self, path: str, data: memoryview) -> float:
         """Write ``data`` as one new file, and nothing else (plus fsync on a local disk)."""
@@ -191,6 +210,9 @@ class Bench:
         for step in range(1, self.repeats + 1):
             t0 = time.perf_counter()
             snap = staging.snapshot(self.state)
+            # On a GPU the copies run on a side stream and only the GPU waits for them; counted
+            # here until they land, the most a training step could be held up.
+            snap.wait()
             blocked.append(time.perf_counter() - t0)
             raw = self._path(f"raw-{step}.bin")
             raw_write.append(self._raw_write(raw, snap.data))
@@ -252,6 +274,7 @@ class Bench:
         ours = self.elastictrain()
         result = {
             "bytes": self.nbytes,
+            "device": str(self.device),
             "repeats": self.repeats,
             "location": storage.redact_url(self.root),
             "copy_s": copy,
@@ -329,6 +352,9 @@ def main(argv: list[str]) -> int:
         "--size", type=parse_size, default=parse_size("1GB"), help="state size (default 1GB)"
     )
     p.add_argument("--repeats", type=int, default=3, help="each figure is the median of this many")
+    p.add_argument(
+        "--device", default="cpu", help="where the state lives: cpu, or cuda for GPU memory"
+    )
     p.add_argument("--json", action="store_true")
     p.add_argument(
         "--recovery",
@@ -374,6 +400,6 @@ def main(argv: list[str]) -> int:
     # The runner's preflight, so a missing bucket or a dead endpoint is named in seconds.
     storage.open_store(args.checkpoint_dir, storage_options=options).probe()
     torch.set_num_threads(1)  # like a worker under torchrun (OMP_NUM_THREADS=1): fair to everyone
-    result = Bench(args.checkpoint_dir, options, args.size, args.repeats).run()
+    result = Bench(args.checkpoint_dir, options, args.size, args.repeats, args.device).run()
     print(json.dumps(result, indent=1) if args.json else table(result))
     return 0
