@@ -12,7 +12,7 @@ import signal
 import sys
 
 import storage
-from elastictrain.errors import EXIT_STORAGE, EXIT_USER_ERROR, ElasticTrainError
+from elastictrain.errors import EXIT_CRASH, EXIT_STORAGE, EXIT_USER_ERROR, ElasticTrainError
 from elastictrain.signals import StopSignals
 from elastictrain.tools import TOOLS
 
@@ -37,7 +37,9 @@ def main(argv: list[str] | None = None, early_signals: StopSignals | None = None
     except (ElasticTrainError, storage.StorageError) as e:
         # Expected failures: one clear line, no traceback to dig through, and a code that says which.
         code = getattr(e, "exit_code", _storage_exit_code(e))
-        logger.error("FAILED (exit %d): %s: %s", code, type(e).__name__, e)
+        # A crash keeps its cause's traceback (a dataset bug is found there); the rest need none.
+        trace = e if code == EXIT_CRASH else None
+        logger.error("FAILED (exit %d): %s: %s", code, type(e).__name__, e, exc_info=trace)
         return code
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
+EXIT_CRASH = 1  # an unexpected failure: torchrun restarts the group
 EXIT_USER_ERROR = 2
 EXIT_INIT_TIMEOUT = 3
 EXIT_HUNG = 4
@@ -54,6 +55,13 @@ class OrphanedError(ElasticTrainError):
     """The torchrun agent died; this worker must not train or commit any further."""
 
     exit_code = EXIT_ORPHANED
+
+
+class DataLoadError(ElasticTrainError, RuntimeError):
+    """Loading a batch failed: a loader worker died, or ``dataset[i]``/``collate_fn`` raised. A
+    crash (exit 1, with the cause's traceback): torchrun restarts the group."""
+
+    exit_code = EXIT_CRASH
 
 
 class CheckpointFailedError(ElasticTrainError):

@@ -28,7 +28,7 @@ from typing import Any
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from elastictrain.data import GlobalBatchSampler, Share, load_seed, seed_all, share_bounds
-from elastictrain.errors import ConfigError
+from elastictrain.errors import ConfigError, DataLoadError
 from elastictrain.task import Task
 
 
@@ -90,6 +90,12 @@ class _MicroBatches(Dataset):
 
 
 def _worker_init(parent_pid: int, worker_id: int) -> None:
+    # Stop signals are the training process's to handle: torchrun stops a worker with killpg, so
+    # its SIGTERM reaches the loader workers too, and one dying of it would crash the rank (the
+    # DataLoader raises on a dead worker) instead of letting it commit its preemption checkpoint.
+    # DataLoader set its own SIGTERM handler just before this; the workers end with their rank.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     _die_with_parent(parent_pid)
 
 
@@ -149,6 +155,9 @@ class StepLoader:
             worker_init_fn=functools.partial(_worker_init, os.getpid()),
         )
         self._it: Iterator[Any] | None = None
+        self._where = (
+            f"{num_workers} loader workers (--num-workers)" if num_workers else "in-process loading"
+        )
 
     def _plan_with(self, sampler: GlobalBatchSampler) -> Callable[[int], list[Share]]:
         return lambda step: micro_shares(
@@ -164,8 +173,17 @@ class StepLoader:
             self._it = iter(self._loader)  # workers start here: after resume, not at build
         out = []
         for micro, piece in enumerate(self.plan(step)):
-            with self.waiting():
-                key, batch = next(self._it)
+            try:
+                with self.waiting():
+                    key, batch = next(self._it)
+            except Exception as e:
+                # A dead worker surfaces as DataLoader's RuntimeError, or, caught mid-message, as a
+                # bare ConnectionResetError/EOFError; a dataset bug as its own exception. Name the
+                # step either way; the cause (and its worker traceback) stays chained.
+                raise DataLoadError(
+                    f"loading step {step} micro-batch {micro} failed ({self._where}): "
+                    f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+                ) from e
             if key != (step, micro):
                 raise RuntimeError(
                     f"data loader out of order: expected step {step} micro-batch {micro}, got {key}"

@@ -16,15 +16,21 @@ from tests.helpers.launcher import assert_bitwise_equal, final_state, toy_args, 
 
 @pytest.mark.slow
 def test_sigterm_preemption_loses_zero_steps(launch, tmp_path):
+    """With loader workers: torchrun forwards the SIGTERM with killpg, so it reaches them too (one
+    dying of it used to crash the rank instead of letting it commit)."""
+    workers = ("--num-workers", "2")
     ref_dir = str(tmp_path / "ref")
     ref = launch(
-        toy_args(ref_dir, str(tmp_path / "ref.jsonl"), max_steps=400, every=100, step_time=0),
+        toy_args(
+            ref_dir, str(tmp_path / "ref.jsonl"), max_steps=400, every=100, step_time=0,
+            extra=workers,
+        ),
         name="ref",
-    )
+    )  # fmt: skip
     assert ref.wait(120) == 0
 
     run_dir, ev = str(tmp_path / "run"), str(tmp_path / "run.jsonl")
-    args = toy_args(run_dir, ev, max_steps=400, every=100, step_time=0.01)
+    args = toy_args(run_dir, ev, max_steps=400, every=100, step_time=0.01, extra=workers)
     job = launch(args, name="preempted")
     wait_for_event(ev, lambda e: e["event"] == Event.PROGRESS and 30 < e["step"] < 300, 90, job)
     t_term = time.monotonic()

@@ -102,6 +102,24 @@ def test_timeline_of_a_run_still_going_says_so():
     assert tl.attempts[0].outcome == "running or killed" and tl.attempts[0].last_step == 10
 
 
+def test_timeline_counts_fp16_overflow_skips_and_keeps_the_eval_curve(tmp_path):
+    events = [
+        *attempt(0, 2, 0, 0),
+        ev(Event.PROGRESS, 2, step=10, loss=1.0, overflow_skips=3),
+        ev(Event.EVAL, 3, step=10, metrics={"acc": 0.5}),
+        ev(Event.PROGRESS, 4, step=20, loss=0.5, overflow_skips=1),
+        ev(Event.EVAL, 5, step=20, metrics={"acc": 0.75}),
+        ev(Event.END, 6, step=20),
+    ]
+    tl = timeline.build_timeline(events)
+    assert tl.attempts[0].overflow_skips == 4
+    assert tl.attempts[0].evals == [(10, {"acc": 0.5}), (20, {"acc": 0.75})]
+    text = timeline.summary(tl)
+    assert "fp16 overflow skips 4" in text and "eval at 20: acc 0.75" in text, text
+    assert report.main([write_log(tmp_path, events), "-o", str(tmp_path / "r.svg")]) == 0
+    assert "Task.evaluate" in (tmp_path / "r.svg").read_text()  # the eval panel is drawn
+
+
 def write_log(tmp_path, events, name: str = "events.jsonl") -> str:
     path = tmp_path / name
     path.write_text("".join(json.dumps(e) + "\n" for e in events))
