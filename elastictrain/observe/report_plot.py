@@ -112,7 +112,11 @@ def draw(timeline: Timeline, title: str) -> Figure:
     for ax in (ckpt, world):
         ax.sharex(steps)
     steps.set_xlim(left=0)  # the first start: time before the first step is part of the story
-    loss.set(xlabel="step", ylabel="loss (rank 0)", title="loss across restarts (dashed: resume)")
+    loss.set(
+        xlabel="step",
+        ylabel="loss (mean over ranks)",
+        title="loss across restarts (dashed: resume)",
+    )
     if not any(a.losses for a in timeline.attempts):
         # Library mode logs checkpoints, not progress: say so rather than draw an empty frame.
         loss.text(0.5, 0.5, "no loss in this event log", ha="center", transform=loss.transAxes)
