@@ -105,3 +105,29 @@ def ls_steps(path) -> list[int]:
     import os
 
     return sorted(int(n.split("-")[1]) for n in os.listdir(path) if n.startswith("step-"))
+
+
+def test_tensorboard_scalars_continue_across_a_resume_without_duplicate_steps(tmp_path):
+    """The runner end to end: a run stopped at step 30 and resumed to 60 draws one curve."""
+    event_accumulator = pytest.importorskip(
+        "tensorboard.backend.event_processing.event_accumulator"
+    )
+    tb = str(tmp_path / "tb")
+    args = [*RICH, "--checkpoint-dir", str(tmp_path / "c"), "--tensorboard", tb]
+    args += [
+        "--log-every-seconds",
+        "0.05",
+        "--eval-every-steps",
+        "20",
+        "--task-option",
+        "step_time=0.005",
+    ]
+    for max_steps in ("30", "60"):
+        done = run_single([*args, "--max-steps", max_steps], cwd=str(tmp_path))
+        assert done.returncode == 0, done.stderr[-3000:]
+    acc = event_accumulator.EventAccumulator(tb)
+    acc.Reload()
+    for tag in ("train/loss", "train/mae", "eval/mse"):
+        steps = [e.step for e in acc.Scalars(tag)]
+        assert steps == sorted(set(steps)) and steps[-1] == 60, (tag, steps)
+    assert [e.step for e in acc.Scalars("eval/mse")] == [20, 30, 40, 60]
