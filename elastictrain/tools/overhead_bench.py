@@ -71,10 +71,17 @@ def _torchrun(args: list[str], workdir: str) -> None:
         "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
     }
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    with open(os.path.join(workdir, "torchrun.log"), "ab") as log:
-        subprocess.run(
-            [*cmd, *args], env=env, stdout=log, stderr=subprocess.STDOUT, check=True, timeout=600
+    path = os.path.join(workdir, "torchrun.log")
+    with open(path, "ab") as log:
+        start = log.tell()
+        done = subprocess.run(
+            [*cmd, *args], env=env, stdout=log, stderr=subprocess.STDOUT, timeout=600
         )
+    if done.returncode != 0:  # the log dies with the temp dir: show why before raising
+        with open(path, "rb") as f:
+            f.seek(start)
+            print(f.read().decode(errors="replace")[-4000:], file=sys.stderr)
+        done.check_returncode()
 
 
 def _elastictrain_step_s(steps: int, workdir: str, i: int) -> float:
