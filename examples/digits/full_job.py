@@ -25,7 +25,7 @@ from torch.utils.data import Dataset
 
 from elastictrain import Task, eval_shard
 from elastictrain.task import option
-from examples.digits.task import splits
+from examples.digits.task import build_model, splits
 
 
 class Shifted(Dataset):
@@ -64,24 +64,11 @@ class EMA:
         self.model.load_state_dict(state["model"])
 
 
-def build_model(channels: int = 16) -> nn.Module:
-    return nn.Sequential(
-        nn.Conv2d(1, channels, 3, padding=1),
-        nn.ReLU(),
-        nn.Conv2d(channels, 2 * channels, 3, padding=1),
-        nn.ReLU(),
-        nn.MaxPool2d(2),
-        nn.Flatten(),
-        nn.Dropout(0.2),
-        nn.Linear(2 * channels * 16, 10),
-    )
-
-
 def make_task(options: Mapping[str, str]) -> Task:
     train, test = splits()
     step_time = option(options, "step_time", 0.0, float)
     lr = option(options, "lr", 0.003, float)
-    model = build_model()
+    model = build_model(dropout=0.2)
     ema = EMA(model, option(options, "ema", 0.99, float))
     cross_entropy = nn.CrossEntropyLoss()
 

@@ -42,7 +42,9 @@ def splits() -> tuple[TensorDataset, TensorDataset]:
     return TensorDataset(x[train], y[train]), TensorDataset(x[test], y[test])
 
 
-def build_model(channels: int = 16) -> nn.Module:
+def build_model(channels: int = 16, dropout: float | None = None) -> nn.Module:
+    """``dropout``: a Dropout before the classifier (``full_job``); None keeps this model's keys."""
+    head = [nn.Dropout(dropout)] if dropout is not None else []
     return nn.Sequential(
         nn.Conv2d(1, channels, 3, padding=1),
         nn.ReLU(),
@@ -50,6 +52,7 @@ def build_model(channels: int = 16) -> nn.Module:
         nn.ReLU(),
         nn.MaxPool2d(2),  # 8x8 -> 4x4
         nn.Flatten(),
+        *head,
         nn.Linear(2 * channels * 16, 10),
     )
 

@@ -150,14 +150,18 @@ class _Augmented(torch.utils.data.Dataset):
         return torch.tensor([float(i)]) + torch.rand(1) + float(np.random.rand())
 
 
-def _batches(num_workers: int, start: int = 0, accum: int = 2):
-    task = Task(
+def _linear_task(dataset, batch_size: int) -> Task:
+    return Task(
         model=nn.Linear(1, 1),
-        dataset=_Augmented(),
-        batch_size=8,
+        dataset=dataset,
+        batch_size=batch_size,
         make_optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
         loss_fn=lambda m, b: m(b).sum(),
     )
+
+
+def _batches(num_workers: int, start: int = 0, accum: int = 2):
+    task = _linear_task(_Augmented(), batch_size=8)
     loader = StepLoader(
         task=task,
         sampler=GlobalBatchSampler(64, 8, seed=1),
@@ -295,13 +299,7 @@ class _Broken(torch.utils.data.Dataset):
 def test_a_dataset_error_names_the_step_and_keeps_its_cause():
     from elastictrain.errors import DataLoadError
 
-    task = Task(
-        model=nn.Linear(1, 1),
-        dataset=_Broken(),
-        batch_size=64,
-        make_optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
-        loss_fn=lambda m, b: m(b).sum(),
-    )
+    task = _linear_task(_Broken(), batch_size=64)
     loader = StepLoader(
         task=task, sampler=GlobalBatchSampler(64, 64, seed=1), rank=0, world_size=1,
         micro_steps=1, seed=1, start=0, stop=2,
