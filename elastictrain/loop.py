@@ -63,6 +63,9 @@ class Trainer:
         self.means = RunningMeans(device)
         self.grad_norm: torch.Tensor | None = None
         """The last step's total gradient norm before clipping (with ``clip_grad_norm``)."""
+        self.overflow_skips = 0
+        """fp16 steps the scaler skipped, counted at each :meth:`summary`."""
+        self._last_means: dict[str, float] = {}
 
     def prime_buckets(self, step: int) -> None:
         """Run one discarded forward/backward so DDP rebuilds its gradient buckets now.
@@ -128,6 +131,19 @@ class Trainer:
         if self.task.after_step is not None:
             self.task.after_step(step + 1, getattr(self.model, "module", self.model))
         return total
+
+    def summary(self, group: Any) -> tuple[dict[str, float], dict[str, Any]]:
+        """Every rank, at an agreed report: (the loss and task metrics averaged over samples and
+        ranks since the last report, in one all-reduce; the grad norm and fp16 skips)."""
+        means = self.means.reduce(group) or self._last_means  # nothing new: repeat the last
+        self._last_means = means
+        fields: dict[str, Any] = {}
+        if self.grad_norm is not None:
+            fields["grad_norm"] = round(float(self.grad_norm), 6)
+        if self.precision.scaler is not None:
+            fields["overflow_skips"] = self.precision.take_skips()
+            self.overflow_skips += fields["overflow_skips"]
+        return means, fields
 
 
 def _no_sync(model: nn.Module) -> contextlib.AbstractContextManager[Any]:

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from elastictrain import dist as edist
+from elastictrain.checkpoint.checkpointer import Resumed
 from elastictrain.checkpoint.persist import Reason
 from elastictrain.checkpoint.session import (
     CheckpointSession,
@@ -213,8 +214,10 @@ class _Attempt:
         state = self._build(precision)
         t2 = time.monotonic()
         resumed = session.resume(state)
-        # Where a (re)start's time goes, for the first_step event.
-        startup = {"probe_s": t1 - t0, "build_s": t2 - t1, "resume_s": time.monotonic() - t2}
+        t3 = time.monotonic()
+        # Where a (re)start's time goes, for the first_step event. ddp_s (DDP wrap, loader,
+        # bucket priming) runs from here to the loop's start, which adds its own clock to it.
+        startup = {"probe_s": t1 - t0, "build_s": t2 - t1, "resume_s": t3 - t2, "ddp_s": -t3}
         # device_ids=None for a CPU model and for a module that spans devices (the tutorial's MP-DDP).
         single_gpu = self.device.type == "cuda" and not self.task.model_devices
         ddp = DDP(state.model, device_ids=[self.device.index] if single_gpu else None)
@@ -226,14 +229,6 @@ class _Attempt:
         )
         self.scalars = Scalars(cfg.tensorboard, resume_step=resumed.step, enabled=env.is_rank0)
         loader = self._loader(resumed.step)
-        try:
-            return self._loop(state, ddp, precision, loader, sample_log, resumed, startup, t2)
-        finally:
-            loader.close()
-            self.scalars.close()
-
-    def _loop(self, state, ddp, precision, loader, sample_log, resumed, startup, t2) -> int:
-        cfg, env, session = self.cfg, self.env, self.session
         trainer = Trainer(
             task=self.task,
             model=ddp,
@@ -247,6 +242,16 @@ class _Attempt:
             clip_grad_norm=cfg.clip_grad_norm,
             on_share=sample_log.record,
         )
+        try:
+            return self._loop(state, trainer, resumed, startup)
+        finally:
+            loader.close()
+            self.scalars.close()
+
+    def _loop(
+        self, state: TrainState, trainer: Trainer, resumed: Resumed, startup: dict[str, float]
+    ) -> int:
+        cfg, env, session = self.cfg, self.env, self.session
         progress = Progress(
             world_size=env.world_size,
             start_step=resumed.step,
@@ -265,26 +270,16 @@ class _Attempt:
                 trainer.prime_buckets(resumed.step)
 
         loss = torch.zeros(())
-        skips = 0
-        last_means: dict[str, float] = {}
 
         def report(step: int, stragglers=None) -> None:
             """Every rank (the means are one all-reduce); rank 0 logs and records."""
-            nonlocal skips, last_means
-            means = trainer.means.reduce(dist.group.WORLD) or last_means
-            last_means = means
-            fields = {}
-            if trainer.grad_norm is not None:
-                fields["grad_norm"] = round(float(trainer.grad_norm), 6)
-            if precision.scaler is not None:
-                fields["overflow_skips"] = precision.take_skips()
-                skips += fields["overflow_skips"]
+            means, fields = trainer.summary(dist.group.WORLD)
             metrics = {k: v for k, v in means.items() if k != "loss"}
             progress.report(step, means.get("loss", loss), stragglers, metrics=metrics, **fields)
             self.scalars.write(step, "train", {**means, **fields})
 
         t_loop = time.monotonic()
-        startup["ddp_s"] = t_loop - t2 - startup["resume_s"]  # DDP wrap + bucket priming
+        startup["ddp_s"] += t_loop
         t_first = t_done = t_loop
         for step in range(resumed.step, cfg.max_steps):
             CONTEXT.step = step
@@ -308,7 +303,7 @@ class _Attempt:
                         **{k: round(v, 4) for k, v in startup.items()},
                     )
                 if self._eval_due(done):
-                    self._evaluate(done, ddp, precision)
+                    self._evaluate(done, trainer.model, trainer.precision)
                 outcome = session.step(
                     done, state, report=progress.due(), may_save=done < cfg.max_steps
                 )
@@ -329,7 +324,7 @@ class _Attempt:
         if resumed.step < cfg.max_steps:
             report(cfg.max_steps)
             if self.task.evaluate is not None:
-                self._evaluate(cfg.max_steps, ddp, precision)  # the final model's score
+                self._evaluate(cfg.max_steps, trainer.model, trainer.precision)  # the final score
         progress.close()
         session.close()
         elapsed = time.monotonic() - t_loop
@@ -344,7 +339,7 @@ class _Attempt:
             # Steady-state training time: from the first step's end to the last step's end.
             after_first_step_s=round(t_done - t_first, 6) if trained > 1 else None,
             skipped_checkpoints=session.ckpt.skipped,
-            **({"overflow_skips": skips} if precision.scaler is not None else {}),
+            **({"overflow_skips": trainer.overflow_skips} if trainer.precision.scaler else {}),
         )
         return 0
 
