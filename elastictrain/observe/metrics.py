@@ -31,14 +31,19 @@ def split_loss(out: Any) -> tuple[torch.Tensor, Mapping[str, Any]]:
 
 
 class RunningMeans:
-    """Sample-weighted sums of the loss and the task's metrics since the last report."""
+    """Sample-weighted sums of the loss and the task's metrics since the last report.
+
+    Tensor values are summed where they live and Python numbers on the host, so a step never
+    waits for the device (building a CUDA tensor from a Python number would be a host sync).
+    """
 
     def __init__(self, device: torch.device | None = None) -> None:
-        """``device``: where the sums live and are all-reduced (the rank's device; a model-parallel
-        loss may come from another of its devices)."""
+        """``device``: where the sums are all-reduced (the rank's device; a model-parallel loss
+        may come from another of its devices)."""
         self.device = device
         self.names: tuple[str, ...] | None = None
-        self._sums: torch.Tensor | None = None
+        self._sums: dict[str, Any] = {}
+        self._samples = 0
 
     def add(self, loss: torch.Tensor, metrics: Mapping[str, Any], samples: int) -> None:
         names = tuple(sorted(metrics))
@@ -49,23 +54,32 @@ class RunningMeans:
                 f"Task.loss_fn returned metrics {list(names)} after {list(self.names)}: every "
                 "step must return the same names (they are averaged across ranks)."
             )
-        device = self.device or loss.device
-        values = [loss.detach().float().to(device)]
-        values += [torch.as_tensor(metrics[n]).detach().float().to(device) for n in names]
-        row = torch.stack([v.reshape(()) for v in values]) * samples
-        row = torch.cat([row, torch.tensor([float(samples)], device=device)])
-        self._sums = row if self._sums is None else self._sums + row
+        for name, value in (("loss", loss), *((n, metrics[n]) for n in names)):
+            if isinstance(value, torch.Tensor):
+                value = value.detach().float().reshape(()) * samples
+            else:
+                value = float(value) * samples
+            self._sums[name] = self._sums[name] + value if name in self._sums else value
+        self._samples += samples
 
     def reduce(self, group: dist.ProcessGroup | None) -> dict[str, float] | None:
         """Every rank: the global means since the last call (one all-reduce), or None if no step
         ran since. Every rank must call it at the same step, as with any collective."""
-        if self._sums is None:
+        if not self._samples:
             return None
-        sums, self._sums = self._sums, None
+        names = ("loss", *self.names)
+        device = self.device or next(
+            (v.device for v in self._sums.values() if isinstance(v, torch.Tensor)), None
+        )
+        sums = torch.stack(
+            [torch.as_tensor(self._sums[n], device=device).float() for n in names]
+            + [torch.tensor(float(self._samples), device=device)]
+        )
+        self._sums, self._samples = {}, 0
         if dist.is_initialized():
             dist.all_reduce(sums, group=group)
         values = (sums[:-1] / sums[-1]).tolist()
-        return dict(zip(("loss", *self.names), values, strict=True))
+        return dict(zip(names, values, strict=True))
 
 
 def evaluate(
