@@ -64,6 +64,14 @@ def start_time(pid: int) -> str | None:
         return None
 
 
+def _zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return True  # gone already
+
+
 def signal_all(pids: list[int], sig: int) -> None:
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):
@@ -136,7 +144,9 @@ class Chaos:
         finally:
             code = job.poll()
             alive = {p for p, st in seen.items() if st is not None and start_time(p) == st}
-            leftovers = sorted(set(descendants(job.pid)) | alive)
+            # A zombie has exited and waits to be reaped (children of a process the agent just
+            # SIGKILLed, for a moment): it did not outlive anything.
+            leftovers = sorted(p for p in set(descendants(job.pid)) | alive if not _zombie(p))
             if code is None:
                 self.say(f"timeout after {self.timeout_s:.0f}s: killing the job")
             signal_all(stopped, signal.SIGCONT)
