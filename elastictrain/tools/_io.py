@@ -1,4 +1,4 @@
-"""I/O helpers the benches share."""
+"""I/O and process helpers the benches share."""
 
 from __future__ import annotations
 
@@ -12,3 +12,14 @@ def drop_cache(path: str) -> None:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
+
+
+def child_env() -> dict[str, str]:
+    """The environment for a bench's child job: one thread per process, as under torchrun, and
+    this checkout importable (``-m elastictrain`` runs the code being measured)."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    return {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
+    }

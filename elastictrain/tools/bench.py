@@ -21,7 +21,6 @@ import contextlib
 import json
 import mmap
 import os
-import re
 import statistics
 import sys
 import tempfile
@@ -37,39 +36,7 @@ import storage
 from elastictrain.checkpoint import staging as snapshot
 from elastictrain.checkpoint.state import from_bytes
 from elastictrain.tools._io import drop_cache
-
-_UNITS = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
-
-
-def parse_size(text: str) -> int:
-    m = re.fullmatch(r"\s*([\d.]+)\s*([a-zA-Z]*)\s*", text)
-    if not m or m.group(2).upper() not in _UNITS:
-        raise argparse.ArgumentTypeError(f"expected a size such as 512MB or 2GB, got {text!r}")
-    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
-
-
-def synthetic_state(nbytes: int, tensor_bytes: int = 64 << 20) -> dict[str, Any]:
-    """About ``nbytes`` of float32: weights (1/3) and two Adam moments (2/3), in ~64 MB tensors."""
-    per_kind = max(nbytes // 3 // 4, 1)
-    sizes = [tensor_bytes // 4] * (per_kind // (tensor_bytes // 4)) + [
-        per_kind % (tensor_bytes // 4)
-    ]
-    sizes = [n for n in sizes if n]
-    g = torch.Generator().manual_seed(0)
-    model = {f"layer{i}.weight": torch.randn(n, generator=g) for i, n in enumerate(sizes)}
-    moments = {
-        i: {"exp_avg": torch.randn(n, generator=g), "exp_avg_sq": torch.rand(n, generator=g)}
-        for i, n in enumerate(sizes)
-    }
-    return {"model": model, "optimizer": {"state": moments, "param_groups": [{"lr": 1e-3}]}}
-
-
-def _tensors(tree: Any) -> list[torch.Tensor]:
-    if isinstance(tree, torch.Tensor):
-        return [tree]
-    if isinstance(tree, dict):
-        return [t for v in tree.values() for t in _tensors(v)]
-    return []
+from elastictrain.tools._state import _tensors, _to, parse_size, synthetic_state
 
 
 def _median(fn: Callable[[], float], repeats: int) -> float:
@@ -80,14 +47,6 @@ def _timed(fn: Callable[[], Any]) -> float:
     t0 = time.perf_counter()
     fn()
     return time.perf_counter() - t0
-
-
-def _to(tree: Any, device: torch.device) -> Any:
-    if isinstance(tree, torch.Tensor):
-        return tree.to(device)
-    if isinstance(tree, dict):
-        return {k: _to(v, device) for k, v in tree.items()}
-    return tree
 
 
 class Bench:

@@ -24,6 +24,7 @@ from torch.utils.data import Dataset
 
 from elastictrain.observe.events import Event, read_events
 from elastictrain.task import Task, option
+from elastictrain.tools._io import child_env
 
 BATCH = 16
 
@@ -63,12 +64,7 @@ def make_task(options: Mapping[str, str]) -> Task:
 def step_s(workers: int, load_s: float, compute_s: float, steps: int, workdir: str) -> float:
     """Mean step time of the real runner (steps after the first, from its ``end`` event)."""
     ev = os.path.join(workdir, f"ev-{workers}-{time.monotonic_ns()}.jsonl")
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
-    }
+    env = child_env()
     subprocess.run(
         [sys.executable, "-m", "elastictrain", "--task", "elastictrain.tools.loader_bench:make_task",
          "--task-option", f"load_s={load_s}", "--task-option", f"compute_s={compute_s}",

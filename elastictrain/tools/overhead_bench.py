@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from elastictrain.observe.events import Event
+from elastictrain.tools._io import child_env
 
 TASK_OPTIONS = {"hidden": "512", "layers": "4", "batch_size": "64", "step_time": "0"}
 
@@ -64,12 +65,7 @@ def plain_loop(steps: int, out: str) -> None:
 
 
 def _torchrun(args: list[str], workdir: str) -> None:
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
-    }
+    env = child_env()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     path = os.path.join(workdir, "torchrun.log")
     with open(path, "ab") as log:

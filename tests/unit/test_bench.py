@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from elastictrain.tools.bench import parse_size, synthetic_state
+from elastictrain.tools._state import parse_size, synthetic_state
 from tests.helpers.launcher import REPO_ROOT, job_env
 
 KEYS = {

@@ -1,0 +1,50 @@
+"""The synthetic training state the checkpoint benches measure, and its size argument."""
+
+from __future__ import annotations
+
+import argparse
+import re
+from typing import Any
+
+import torch
+
+_UNITS = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+
+
+def parse_size(text: str) -> int:
+    m = re.fullmatch(r"\s*([\d.]+)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).upper() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"expected a size such as 512MB or 2GB, got {text!r}")
+    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+
+
+def synthetic_state(nbytes: int, tensor_bytes: int = 64 << 20) -> dict[str, Any]:
+    """About ``nbytes`` of float32: weights (1/3) and two Adam moments (2/3), in ~64 MB tensors."""
+    per_kind = max(nbytes // 3 // 4, 1)
+    sizes = [tensor_bytes // 4] * (per_kind // (tensor_bytes // 4)) + [
+        per_kind % (tensor_bytes // 4)
+    ]
+    sizes = [n for n in sizes if n]
+    g = torch.Generator().manual_seed(0)
+    model = {f"layer{i}.weight": torch.randn(n, generator=g) for i, n in enumerate(sizes)}
+    moments = {
+        i: {"exp_avg": torch.randn(n, generator=g), "exp_avg_sq": torch.rand(n, generator=g)}
+        for i, n in enumerate(sizes)
+    }
+    return {"model": model, "optimizer": {"state": moments, "param_groups": [{"lr": 1e-3}]}}
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    if isinstance(tree, dict):
+        return [t for v in tree.values() for t in _tensors(v)]
+    return []
+
+
+def _to(tree: Any, device: torch.device) -> Any:
+    if isinstance(tree, torch.Tensor):
+        return tree.to(device)
+    if isinstance(tree, dict):
+        return {k: _to(v, device) for k, v in tree.items()}
+    return tree
