@@ -49,6 +49,11 @@ class RunConfig:
     """bf16 or fp16 run the forward pass and the loss under torch.autocast on the rank's device
     (CPU too); fp16 adds a GradScaler whose state is checkpointed, and its skipped steps are
     counted."""
+    parallel: str = "ddp"
+    """ddp: every rank holds the whole model and rank 0 checkpoints it. fsdp: FSDP2 shards the
+    parameters, gradients and optimizer state over all ranks (Task.shard picks the units; default:
+    each child module with parameters, then the root); every rank checkpoints its own shards, and a
+    checkpoint resumes at any world size."""
     grad_accum_steps: int = 1
     """Split each rank's share of the global batch into N micro-batches; DDP syncs gradients on
     the last only. The global batch (samples per optimizer step) is unchanged."""
@@ -120,6 +125,8 @@ class RunConfig:
                 raise ConfigError(f"{flag(name)} must be > 0, got {value!r}.")
         if self.precision not in ("fp32", "bf16", "fp16"):
             raise ConfigError(f"--precision must be fp32, bf16 or fp16, got {self.precision!r}.")
+        if self.parallel not in ("ddp", "fsdp"):
+            raise ConfigError(f"--parallel must be ddp or fsdp, got {self.parallel!r}.")
         if self.eval_every_steps == 0:
             self.eval_every_steps = None
         for name in ("grad_accum_steps", "prefetch_factor", "eval_every_steps"):
@@ -267,6 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("keep_every_steps", type=int, metavar="M")
     add("seed", type=int)
     add("precision", choices=["fp32", "bf16", "fp16"])
+    add("parallel", choices=["ddp", "fsdp"])
     add("grad_accum_steps", type=int, metavar="N")
     add("clip_grad_norm", type=float, metavar="X")
     add("num_workers", type=int, metavar="N")

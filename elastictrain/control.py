@@ -28,6 +28,8 @@ class Decisions:
     checkpoint_by_time: bool = False
     report: bool = False
     persist_failed: bool = False
+    abandoned_step: int | None = None
+    """The newest step some rank gave up writing in the background (sharded checkpoints)."""
 
 
 class Control:
@@ -51,11 +53,18 @@ class Control:
         self._last: tuple[int, float] | None = None
 
     def agree(
-        self, done: int, *, stop: bool, by_time: bool, report: bool, persist_failed: bool
+        self,
+        done: int,
+        *,
+        stop: bool,
+        by_time: bool,
+        report: bool,
+        persist_failed: bool,
+        abandoned_step: int | None = None,
     ) -> Decisions:
         """Called by every rank after every step; collective only at agreed steps."""
         if self.alone:  # no collective to amortise: the opinions are the decisions, every step
-            return Decisions(stop, by_time, report, persist_failed)
+            return Decisions(stop, by_time, report, persist_failed, abandoned_step)
         if done < self._next:
             return Decisions()
         proposal = 1
@@ -64,10 +73,11 @@ class Control:
             per_step = (now - self._last[1]) / (done - self._last[0])
             proposal = min(max(math.ceil(self.interval_s / max(per_step, 1e-6)), 1), 1000)
         self._last = (done, now)
-        values = [int(stop), int(by_time), int(report), int(persist_failed), proposal]
+        abandoned = -1 if abandoned_step is None else abandoned_step
+        values = [int(stop), int(by_time), int(report), int(persist_failed), proposal, abandoned]
         t = torch.tensor(values, dtype=torch.int32, device=self.device)
         if not self.alone:
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         agreed = t.tolist()
         self._next = done + agreed[4]
-        return Decisions(*(bool(v) for v in agreed[:4]))
+        return Decisions(*(bool(v) for v in agreed[:4]), agreed[5] if agreed[5] >= 0 else None)

@@ -242,6 +242,15 @@ def broadcast_int(value: int, group: dist.ProcessGroup | None) -> int:
     return int(t.item())
 
 
+def max_int(value: int, group: dist.ProcessGroup | None) -> int:
+    """The largest of every rank's ``value`` (e.g. the worst outcome)."""
+    if group is None:
+        return value
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return int(t.item())
+
+
 def shutdown() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from elastictrain import parallel
 from elastictrain.data import Share, seed_all, step_seed
 from elastictrain.loader import StepLoader
 from elastictrain.observe.metrics import RunningMeans, split_loss
@@ -104,8 +105,9 @@ class Trainer:
         total = torch.zeros((), device=self.device)
         for micro, (share, batch) in enumerate(pieces):
             last = micro == len(pieces) - 1
-            # DDP all-reduces in the backward of the last micro-batch only; the others accumulate.
-            sync = contextlib.nullcontext() if last else _no_sync(self.model)
+            # Gradients are reduced in the backward of the last micro-batch only (DDP's all-reduce,
+            # FSDP's reduce-scatter); the others accumulate.
+            sync = contextlib.nullcontext() if last else parallel.no_sync(self.model)
             with sync:
                 with self.precision.autocast():
                     loss, metrics = split_loss(
@@ -122,8 +124,8 @@ class Trainer:
                 self.precision.backward(loss * share.weight if share.weight != 1.0 else loss)
         if self.clip_grad_norm is not None:
             self.precision.unscale(self.optimizer)
-            self.grad_norm = torch.nn.utils.clip_grad_norm_(
-                self.model.parameters(), self.clip_grad_norm
+            self.grad_norm = parallel.full(
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip_grad_norm)
             )
         self.precision.step(self.optimizer)
         if self.scheduler is not None:
@@ -144,7 +146,3 @@ class Trainer:
             fields["overflow_skips"] = self.precision.take_skips()
             self.overflow_skips += fields["overflow_skips"]
         return means, fields
-
-
-def _no_sync(model: nn.Module) -> contextlib.AbstractContextManager[Any]:
-    return model.no_sync() if hasattr(model, "no_sync") else contextlib.nullcontext()

@@ -15,9 +15,9 @@ import time
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from elastictrain import dist as edist
+from elastictrain import parallel
 from elastictrain.checkpoint.checkpointer import Resumed
 from elastictrain.checkpoint.persist import Reason
 from elastictrain.checkpoint.session import (
@@ -143,6 +143,8 @@ class _Attempt:
     def _build(self, precision: Precision) -> TrainState:
         # A model-parallel task placed its own layers; otherwise the whole model goes here.
         model = self.task.model if self.task.model_devices else self.task.model.to(self.device)
+        if self.cfg.parallel == "fsdp":  # before the optimizer: it steps the local shards
+            parallel.shard(model, self.task.shard, self.device, self.env.world_size)
         # The first optimizer construction imports torch._dynamo (about 1.5 s here).
         optimizer = self.task.make_optimizer(model.parameters())
         scheduler = self.task.make_scheduler(optimizer) if self.task.make_scheduler else None
@@ -218,9 +220,10 @@ class _Attempt:
         # Where a (re)start's time goes, for the first_step event. ddp_s (DDP wrap, loader,
         # bucket priming) runs from here to the loop's start, which adds its own clock to it.
         startup = {"probe_s": t1 - t0, "build_s": t2 - t1, "resume_s": t3 - t2, "ddp_s": -t3}
-        # device_ids=None for a CPU model and for a module that spans devices (the tutorial's MP-DDP).
-        single_gpu = self.device.type == "cuda" and not self.task.model_devices
-        ddp = DDP(state.model, device_ids=[self.device.index] if single_gpu else None)
+        if self.cfg.parallel == "ddp":
+            model = parallel.wrap_ddp(state.model, self.device, self.task.model_devices)
+        else:
+            model = state.model  # sharded in place by _build
         sample_log = SampleLog(
             cfg.sample_log,
             rank=env.rank,
@@ -231,7 +234,7 @@ class _Attempt:
         loader = self._loader(resumed.step)
         trainer = Trainer(
             task=self.task,
-            model=ddp,
+            model=model,
             optimizer=state.optimizer,
             scheduler=state.scheduler,
             loader=loader,
@@ -263,7 +266,7 @@ class _Attempt:
             live=live_terminal(cfg.progress, sys.stderr),
         )
         progress.last_checkpoint = resumed.checkpoint_step
-        if resumed.step < cfg.max_steps:
+        if resumed.step < cfg.max_steps and cfg.parallel == "ddp":
             with named_timeout(
                 "--collective-timeout", cfg.collective_timeout, "the first step's all-reduce"
             ):

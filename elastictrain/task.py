@@ -53,7 +53,14 @@ class Task:
     evaluate: Callable[[nn.Module], Mapping[str, Any]] | None = None
     """``evaluate(model) -> {"name": value}``, run every ``--eval-every-steps`` on every rank in
     eval mode under ``torch.no_grad``; the ranks' results are averaged. Shard a large eval set
-    with :func:`eval_shard`."""
+    with :func:`eval_shard`. With ``--parallel fsdp`` every forward gathers parameters from all
+    ranks, so every rank must call the model the same number of times."""
+    shard: Callable[[nn.Module, Any], None] | None = None
+    """``shard(model, mesh)`` with ``--parallel fsdp``: apply ``fully_shard`` to the units you
+    choose (transformer blocks, say), then to the root; called on every rank with the 1-D device
+    mesh over all ranks, before the optimizer is built. Re-create here any ``state`` that mirrors
+    the parameters (an EMA), so it is sharded like them. Default: each child module that has
+    parameters, then the root."""
     model_devices: Sequence[torch.device] | None = None
     """Model parallel: the devices the task already spread the model over (two GPUs per process,
     say). The runner then leaves placement alone, wraps DDP with ``device_ids=None`` and sends each

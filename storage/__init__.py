@@ -18,7 +18,7 @@ from storage.errors import (
     StorageNotUsableError,
     StorageUnavailableError,
 )
-from storage.layout import Manifest
+from storage.layout import FileEntry, Manifest
 from storage.retry import RetryPolicy, is_transient
 from storage.store import Checkpoint, CheckpointExistsError, CheckpointStore, ListedCheckpoint
 from storage.urls import parse_option, redact_options, redact_url
@@ -37,6 +37,7 @@ __all__ = [
     "CheckpointExistsError",
     "CheckpointNotFoundError",
     "CheckpointStore",
+    "FileEntry",
     "ListedCheckpoint",
     "Manifest",
     "RetryPolicy",

@@ -54,6 +54,10 @@ def parse_step_dir(name: str) -> int | None:
 class FileEntry:
     size: int
     sha256: str
+    """The file's SHA-256; with ``block_size``, the SHA-256 of its blocks' digests."""
+    block_size: int = 0
+    """0: hashed whole. Else hashed in blocks of this many bytes (a shard), so any byte range of it
+    can be verified alone against the block digests its checkpoint's index records."""
 
 
 @dataclass(frozen=True)
@@ -85,7 +89,11 @@ class Manifest:
             if doc.get("format_version") != FORMAT_VERSION:
                 raise ValueError(f"unsupported format_version {doc.get('format_version')!r}")
             files = {
-                check_file_name(name): FileEntry(size=int(e["size"]), sha256=str(e["sha256"]))
+                check_file_name(name): FileEntry(
+                    size=int(e["size"]),
+                    sha256=str(e["sha256"]),
+                    block_size=int(e.get("block_size", 0)),
+                )
                 for name, e in doc["files"].items()
             }
             return cls(

@@ -46,6 +46,11 @@ class LocalBackend:
         with open(path, "rb") as f:
             return f.read()
 
+    def read_range(self, path: str, start: int, end: int) -> bytes:
+        with open(path, "rb", buffering=0) as f:
+            f.seek(start)
+            return f.read(end - start)
+
     def open_read(self, path: str):
         return open(path, "rb", buffering=0)  # noqa: SIM115 - the caller closes it; no extra copy
 

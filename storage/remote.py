@@ -50,6 +50,10 @@ class FsspecBackend:
     def read(self, path: str) -> bytes:
         return self.fs.cat_file(path)
 
+    def read_range(self, path: str, start: int, end: int) -> bytes:
+        """One ranged GET on object stores."""
+        return self.fs.cat_file(path, start=start, end=end)
+
     def open_read(self, path: str):
         """Random-access reads: only the bytes actually read are fetched."""
         return self.fs.open(path, "rb")

@@ -27,7 +27,7 @@ from storage.errors import (
     StorageNotUsableError,
     StorageUnavailableError,
 )
-from storage.hashing import hash_in_background, read_hashed, sha256_hex
+from storage.hashing import Digest, digest, hash_in_background, read_hashed
 from storage.layout import (
     FENCE_NAME,
     MANIFEST_NAME,
@@ -37,12 +37,17 @@ from storage.layout import (
     parse_step_dir,
     step_dir_name,
 )
+from storage.ranges import Range, read_verified
 from storage.retention import partial_steps_to_delete, steps_to_delete
 from storage.retry import RetryPolicy, diagnose
 from storage.urls import redact_url
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+
+
+def _log_corrupt(step: int, error: Exception) -> None:
+    logger.error("CORRUPT CHECKPOINT skipped, falling back to an older one: %s", error)
 
 
 class CheckpointExistsError(StorageError, FileExistsError):
@@ -125,6 +130,39 @@ class CheckpointStore:
         self._call("write fence", lambda: self._backend.write_atomic(path, body))
         return claimed
 
+    def write_file(
+        self,
+        step: int,
+        name: str,
+        data: bytes | memoryview,
+        block_size: int = 0,
+        checkpoint_bytes: int | None = None,
+    ) -> tuple[FileEntry, Digest]:
+        """Write one payload file of ``step`` (durable, not yet committed); its manifest entry and
+        digest. Any rank may call this for its own files; only a commit makes them count."""
+        check_file_name(name)
+        step_dir = self._step_dir(step)
+        path = self._backend.join(step_dir, name)
+        # Hash while writing: both release the GIL, so a big payload costs max(write, hash).
+        pending = hash_in_background(data, block_size)
+        try:
+            self._call(
+                f"write {step_dir_name(step)}/{name}", lambda: self._backend.write(path, data)
+            )
+        except StorageUnavailableError as e:
+            if getattr(e.__cause__, "errno", None) not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            with contextlib.suppress(Exception):  # uncommitted leftovers; best effort
+                self._backend.delete_file(path)
+            whole = f", the whole checkpoint {checkpoint_bytes} bytes" if checkpoint_bytes else ""
+            raise StorageFullError(
+                f"No space left (or quota exceeded) under {self.safe_url!r} writing step {step}: "
+                f"{name} needs {len(data)} bytes{whole}. Earlier checkpoints are intact. Free "
+                "space, raise the quota, or lower --keep-last."
+            ) from e.__cause__
+        done = pending.result() if pending else digest(data, block_size)
+        return FileEntry(size=len(data), sha256=done.root, block_size=block_size), done
+
     def commit(
         self,
         step: int,
@@ -135,38 +173,30 @@ class CheckpointStore:
     ) -> Manifest:
         """Write ``files`` for ``step``, then the manifest that commits them; returns the manifest.
         ``before_commit`` runs right before the commit point: what it raises aborts the commit."""
-        step_dir = self._step_dir(step)
-        manifest_path = self._backend.join(step_dir, MANIFEST_NAME)
-        if self.is_committed(step):
-            raise CheckpointExistsError(
-                f"Checkpoint step {step} is already committed under {self.safe_url!r}; "
-                "committed checkpoints are never overwritten."
-            )
-        entries: dict[str, FileEntry] = {}
-        for name, data in files.items():
-            check_file_name(name)
-            path = self._backend.join(step_dir, name)
-            # Hash while writing: both release the GIL, so a big payload costs max(write, hash).
-            digest = hash_in_background(data)
-            try:
-                self._call(
-                    f"write {step_dir_name(step)}/{name}",
-                    lambda p=path, d=data: self._backend.write(p, d),
-                )
-            except StorageUnavailableError as e:
-                if getattr(e.__cause__, "errno", None) not in (errno.ENOSPC, errno.EDQUOT):
-                    raise
-                total = sum(len(d) for d in files.values())
-                with contextlib.suppress(Exception):  # uncommitted leftovers; best effort
-                    self._backend.delete_tree(step_dir)
-                raise StorageFullError(
-                    f"No space left (or quota exceeded) under {self.safe_url!r} writing step {step}: "
-                    f"{name} needs {len(data)} bytes, the whole checkpoint {total} bytes. Earlier "
-                    "checkpoints are intact. Free space, raise the quota, or lower --keep-last."
-                ) from e.__cause__
-            entries[name] = FileEntry(
-                size=len(data), sha256=digest.result() if digest else sha256_hex(data)
-            )
+        self._refuse_committed(step)
+        total = sum(len(d) for d in files.values())
+        try:
+            entries = {
+                name: self.write_file(step, name, data, checkpoint_bytes=total)[0]
+                for name, data in files.items()
+            }
+        except StorageFullError:
+            with contextlib.suppress(Exception):  # uncommitted leftovers; best effort
+                self._backend.delete_tree(self._step_dir(step))
+            raise
+        return self.commit_written(step, entries, metadata, generation, before_commit)
+
+    def commit_written(
+        self,
+        step: int,
+        entries: Mapping[str, FileEntry],
+        metadata: Mapping[str, Any],
+        generation: int = 0,
+        before_commit: Callable[[], None] | None = None,
+    ) -> Manifest:
+        """Commit files already written by :meth:`write_file` (possibly by other processes): the
+        manifest listing them, last. Fenced: an older generation than the store's may not commit."""
+        self._refuse_committed(step)
         fence = self.read_fence()
         if generation < fence:
             raise StaleWriterError(
@@ -176,14 +206,22 @@ class CheckpointStore:
         if before_commit is not None:
             before_commit()
         manifest = Manifest(
-            step=step, files=entries, metadata=dict(metadata), generation=generation
+            step=step, files=dict(entries), metadata=dict(metadata), generation=generation
         )
+        manifest_path = self._backend.join(self._step_dir(step), MANIFEST_NAME)
         # The commit point: before this line the checkpoint does not exist.
         self._call(
             f"commit {step_dir_name(step)}",
             lambda: self._backend.write_atomic(manifest_path, manifest.to_json()),
         )
         return manifest
+
+    def _refuse_committed(self, step: int) -> None:
+        if self.is_committed(step):
+            raise CheckpointExistsError(
+                f"Checkpoint step {step} is already committed under {self.safe_url!r}; "
+                "committed checkpoints are never overwritten."
+            )
 
     def probe(self, deadline_s: float = 10.0, *, write: bool = True) -> None:
         """Write, read back and delete a small object under the root: fail fast on a bad location.
@@ -293,7 +331,7 @@ class CheckpointStore:
             try:
                 data, digest = self._call(
                     f"read {step_dir_name(step)}/{name}",
-                    lambda: read_hashed(self._backend, path, entry.size),
+                    lambda: read_hashed(self._backend, path, entry.size, entry.block_size),
                 )
             except FileNotFoundError as e:
                 raise CheckpointCorruptError(
@@ -326,23 +364,83 @@ class CheckpointStore:
         check_file_name(name)
         return self._backend.open_read(self._backend.join(self._step_dir(step), name))
 
-    def latest(self) -> Checkpoint | None:
-        """The newest committed checkpoint that verifies, ordered by (generation, step); corrupt
-        ones are logged and skipped."""
+    def read_file(self, manifest: Manifest, name: str) -> bytes | memoryview:
+        """One file of a committed checkpoint, verified against ``manifest``."""
+        return self._read_verified(manifest.step, name, manifest.files[name])
+
+    def read_ranges(
+        self, manifest: Manifest, name: str, blocks: list[str], ranges: list[Range]
+    ) -> tuple[dict[Range, memoryview], int]:
+        """Byte ranges of one block-hashed file of a committed checkpoint, each verified against
+        ``blocks`` (its block digests, as recorded in a verified file); a view per range and the
+        bytes read. Raises CheckpointCorruptError on a mismatch that a second read confirms."""
+        entry, step = manifest.files[name], manifest.step
+        path = self._backend.join(self._step_dir(step), name)
+        if not entry.block_size:
+            raise ValueError(f"{name} of step {step} is not block-hashed; read it whole")
+
+        def fail(problem: str) -> CheckpointCorruptError:
+            return CheckpointCorruptError(
+                f"Checkpoint step {step} under {self.safe_url!r}: file {name!r}: {problem}."
+            )
+
+        def read(start: int, end: int) -> bytes:
+            try:
+                return self._call(
+                    f"read {step_dir_name(step)}/{name}[{start}:{end}]",
+                    lambda: self._backend.read_range(path, start, end),
+                )
+            except FileNotFoundError as e:
+                raise fail("missing") from e
+
+        return read_verified(
+            read, ranges, size=entry.size, block_size=entry.block_size, blocks=blocks, fail=fail
+        )
+
+    def check_sizes(self, manifest: Manifest) -> None:
+        """Every file of a committed checkpoint is there with its recorded size: the cheap check
+        (one metadata request per file) that catches a deleted or truncated shard before anyone
+        reads. Raises CheckpointCorruptError."""
+        step_dir = self._step_dir(manifest.step)
+        for name, entry in manifest.files.items():
+            path = self._backend.join(step_dir, name)
+            try:
+                size = self._call(f"size of {name}", lambda p=path: self._backend.size(p))
+            except FileNotFoundError:
+                size = None
+            if size != entry.size:
+                found = "missing" if size is None else f"{size} bytes, manifest says {entry.size}"
+                raise CheckpointCorruptError(
+                    f"Checkpoint step {manifest.step} under {self.safe_url!r}: file {name!r} is "
+                    f"{found}."
+                )
+
+    def ranked_manifests(
+        self, on_corrupt: Callable[[int, Exception], None] | None = None
+    ) -> list[Manifest]:
+        """Manifests of committed checkpoints, newest first by (generation, step): the order in
+        which "latest" is looked for. An unreadable manifest is reported and left out."""
         ranked = []
         for step in self.committed_steps():
             try:
                 manifest = self.read_manifest(step)
             except CheckpointCorruptError as e:
-                logger.error("CORRUPT CHECKPOINT skipped, falling back to an older one: %s", e)
+                (on_corrupt or _log_corrupt)(step, e)
                 continue
             if manifest is not None:
-                ranked.append((manifest.generation, step))
-        for _, step in sorted(ranked, reverse=True):
+                ranked.append(manifest)
+        return sorted(ranked, key=lambda m: (m.generation, m.step), reverse=True)
+
+    def latest(
+        self, on_corrupt: Callable[[int, Exception], None] | None = None
+    ) -> Checkpoint | None:
+        """The newest committed checkpoint that verifies, ordered by (generation, step); corrupt
+        ones are reported (``on_corrupt``, else logged) and skipped."""
+        for manifest in self.ranked_manifests(on_corrupt):
             try:
-                return self.read(step)
+                return self.read(manifest.step)
             except CheckpointCorruptError as e:
-                logger.error("CORRUPT CHECKPOINT skipped, falling back to an older one: %s", e)
+                (on_corrupt or _log_corrupt)(manifest.step, e)
         return None
 
     def list(self, *, verify: bool = True) -> list[ListedCheckpoint]:
@@ -365,6 +463,29 @@ class CheckpointStore:
             lambda: self._backend.delete_file(self._backend.join(step_dir, MANIFEST_NAME)),
         )
         self._call(f"delete step {step}", lambda: self._backend.delete_tree(step_dir))
+
+    def uncommit(self, step: int) -> None:
+        """Delete only the manifest of ``step``: its files stay until retention removes the
+        directory (other writers may be adding this generation's files to it right now)."""
+        path = self._backend.join(self._step_dir(step), MANIFEST_NAME)
+        self._call(f"delete manifest of step {step}", lambda: self._backend.delete_file(path))
+
+    def read_uncommitted(self, step: int, name: str) -> bytes | None:
+        """A file another writer put under ``step`` before any commit (unverified), or None."""
+        path = self._backend.join(self._step_dir(step), check_file_name(name))
+        try:
+            return self._call(
+                f"read {step_dir_name(step)}/{name}", lambda: self._backend.read(path)
+            )
+        except FileNotFoundError:
+            return None
+
+    def names_in(self, step: int) -> set[str]:
+        """The file names under ``step``'s directory, committed or not."""
+        step_dir = self._step_dir(step)
+        return set(
+            self._call(f"list {step_dir_name(step)}", lambda: self._backend.list_names(step_dir))
+        )
 
     def retention_plan(
         self, keep_last: int, newest_good: int, keep_every: int | None = None

@@ -1,4 +1,9 @@
-"""The save/resume protocol across ranks: rank 0 saves, every rank resumes from one storage read."""
+"""The save/resume protocol across ranks.
+
+Replicated state (DDP): rank 0 saves, and every rank resumes from one storage read. Sharded state
+(FSDP2, found from the model's DTensor parameters): every rank saves its own shards and reads only
+the byte ranges it needs at any world size; rank 0 commits (``sharded``, ``layouts``).
+"""
 
 from __future__ import annotations
 
@@ -13,7 +18,9 @@ import torch.distributed as dist
 
 import storage
 from elastictrain import dist as edist
+from elastictrain.checkpoint import sharded
 from elastictrain.checkpoint import state as tstate
+from elastictrain.checkpoint.layouts import FlatLayout, ShardedLayout
 from elastictrain.checkpoint.persist import COMMITTED, FAILED, MUST_COMMIT, Failure, Persister
 from elastictrain.errors import CheckpointFailedError
 from elastictrain.observe.events import Event, EventLog
@@ -54,8 +61,10 @@ class Checkpointer:
         on_failure: str = "warn",
         async_persist: bool = True,
         attached: Callable[[], bool] = lambda: True,
+        gate_timeout_s: float = 1800.0,
     ) -> None:
         self.is_writer = rank == 0
+        self.rank = rank
         self.world_size = world_size
         self.generation = generation
         self.control = control
@@ -65,31 +74,48 @@ class Checkpointer:
         self.async_persist = async_persist
         self.store: storage.CheckpointStore | None = None
         self.writer: Persister | None = None
+        self.sharded: bool | None = None
+        """Known from the state at the first resume or save."""
         self._last_committed: int | None = None
+        self._open_store = lambda: storage.open_store(
+            url,
+            storage_options=storage_options,
+            retry=storage.RetryPolicy(deadline_s=retry_deadline),
+        )
         if self.is_writer or read_mode == "all":
-            self.store = storage.open_store(
-                url,
-                storage_options=storage_options,
-                retry=storage.RetryPolicy(deadline_s=retry_deadline),
-            )
-        if self.is_writer:
+            self.store = self._open_store()
+        self._writer_args = dict(
+            world_size=world_size,
+            generation=lambda: self.generation,
+            events=events,
+            keep_last=keep_last,
+            keep_every=keep_every,
+            on_failure=on_failure,
+            # False once our torchrun agent is gone: an orphan must never commit.
+            attached=attached,
+            reports_timeout_s=gate_timeout_s,
+        )
+
+    def _setup(self, state: tstate.TrainState) -> None:
+        """Pick the layout from the state: sharded parameters are saved by every rank."""
+        if self.sharded is not None:
+            return
+        self.sharded = sharded.is_sharded(state.model)
+        if self.sharded and self.store is None:
+            self.store = self._open_store()
+        if self.is_writer or self.sharded:
+            layout = ShardedLayout(self.rank, self.world_size) if self.sharded else FlatLayout()
             self.writer = Persister(
-                store=self.store,
-                world_size=world_size,
-                generation=lambda: self.generation,
-                events=events,
-                keep_last=keep_last,
-                keep_every=keep_every,
-                on_failure=on_failure,
-                # False once our torchrun agent is gone: an orphan must never commit.
-                attached=attached,
+                store=self.store, layout=layout, is_committer=self.is_writer, **self._writer_args
             )
 
     @property
     def last_committed(self) -> int | None:
         """The newest step this attempt resumed from or committed (rank 0: including ones
         committed in the background)."""
-        return self.writer.last_committed if self.writer else self._last_committed
+        return (
+            self.writer.last_committed if self.is_writer and self.writer else self._last_committed
+        )
 
     @last_committed.setter
     def last_committed(self, step: int | None) -> None:
@@ -116,27 +142,34 @@ class Checkpointer:
 
     # -- resume --------------------------------------------------------------------------------
     def resume(self, state: tstate.TrainState) -> Resumed:
-        """Rank 0 picks the latest good checkpoint; its bytes reach every rank (``read_mode``)."""
+        """Rank 0 picks the latest good checkpoint; its bytes reach every rank (``read_mode``).
+        Sharded: every rank reads the byte ranges of its own new shards."""
+        self._setup(state)
         t0 = time.monotonic()
-        data, manifest, where = self._fetch_latest()
-        if not data:
-            edist.barrier(self.control)
-            logger.info("no committed checkpoint found: starting fresh")
-            self.events.emit(Event.RESUME, fresh=True, step=0, world_size=self.world_size)
-            return Resumed(step=0, checkpoint_step=None)
-        payload = tstate.from_bytes(data, map_location=self.device)
-        tstate.check_compatible(state, payload, where=where)
-        step = tstate.restore(state, payload)
+        if self.sharded:
+            found = self._load_sharded(state)
+            if found is None:
+                return self._fresh()
+            payload, manifest, nbytes = found
+        else:
+            data, manifest, where = self._fetch_latest()
+            if not data:
+                return self._fresh()
+            payload = tstate.from_bytes(data, map_location=self.device)
+            tstate.check_compatible(state, payload, where=where)
+            tstate.restore(state, payload)
+            nbytes = len(data)
+        step = int(payload["progress"]["step"])
         self.last_committed = step
         seconds = time.monotonic() - t0
         edist.barrier(self.control)
-        logger.info("resumed from checkpoint step %d (%d bytes, %.2fs)", step, len(data), seconds)
+        logger.info("resumed from checkpoint step %d (%d bytes, %.2fs)", step, nbytes, seconds)
         saved_world = manifest.metadata.get("world_size") if manifest else None
         self.events.emit(
             Event.RESUME,
             fresh=False,
             step=step,
-            bytes=len(data),
+            bytes=nbytes,
             seconds=round(seconds, 4),
             world_size=self.world_size,
             saved_world_size=saved_world,
@@ -158,13 +191,64 @@ class Checkpointer:
             )
         return Resumed(step=step, checkpoint_step=step, extra=payload.get("extra"))
 
+    def _fresh(self) -> Resumed:
+        edist.barrier(self.control)
+        logger.info("no committed checkpoint found: starting fresh")
+        self.events.emit(Event.RESUME, fresh=True, step=0, world_size=self.world_size)
+        return Resumed(step=0, checkpoint_step=None)
+
+    def _corrupt(self, step: int, error: Exception) -> None:
+        logger.error("CORRUPT CHECKPOINT skipped, falling back to an older one: %s", error)
+        self.events.emit(Event.CORRUPT, step=step, error=str(error)[:500])
+
+    def _load_sharded(self, state: tstate.TrainState) -> tuple[dict, storage.Manifest, int] | None:
+        """Every rank together: the newest step whose files all exist at their recorded sizes and
+        whose every byte range some rank reads verifies. Rank 0 proposes, all read, all agree; a
+        bad step (any rank) makes everyone fall back to the next older one."""
+        candidates = iter(
+            self.store.ranked_manifests(on_corrupt=self._corrupt) if self.is_writer else []
+        )
+        touched = False
+        while True:
+            step = -1
+            for manifest in candidates:
+                try:
+                    self.store.check_sizes(manifest)
+                    step = manifest.step
+                    break
+                except storage.CheckpointCorruptError as e:
+                    self._corrupt(manifest.step, e)
+            step = edist.broadcast_int(step, self.control)
+            if step < 0:
+                if touched:
+                    raise storage.CheckpointCorruptError(
+                        f"No sharded checkpoint under {self.store.safe_url!r} verified, and the "
+                        "failed attempts overwrote part of this process's state; refusing to "
+                        "train from it. Move the checkpoints aside to start fresh."
+                    )
+                return None
+            manifest = self.store.read_manifest(step)
+            error = None
+            try:
+                payload, nbytes = sharded.load_into(state, self.store, manifest, self.device)
+            except storage.CheckpointCorruptError as e:
+                error = e
+            touched = True
+            if edist.max_int(int(error is not None), self.control) == 0:
+                tstate.restore(state, payload, model_and_optimizer=False)
+                return payload, manifest, nbytes
+            if error is not None:
+                logger.error("CORRUPT CHECKPOINT: rank %d read a bad shard: %s", self.rank, error)
+            if self.is_writer:
+                self._corrupt(step, error or f"another rank read a bad shard of step {step}")
+
     def _fetch_latest(self) -> tuple[bytes | bytearray, storage.Manifest | None, str]:
         """The chosen checkpoint's state bytes on every rank (empty when there is none).
 
         ``rank0`` reads storage once per job and broadcasts; ``all`` broadcasts only the step and
         lets every rank read and verify it (for states too large to hold twice or to broadcast).
         """
-        ckpt = self.store.latest() if self.is_writer else None
+        ckpt = self.store.latest(on_corrupt=self._corrupt) if self.is_writer else None
         where = (
             f"step {ckpt.manifest.step} under {self.store.safe_url}" if ckpt else "chosen by rank 0"
         )
@@ -190,6 +274,9 @@ class Checkpointer:
         tutorial's save + barrier. Returns False when the checkpoint was skipped under
         ``--on-storage-failure warn``; raises on every rank when the run cannot go on.
         """
+        self._setup(state)
+        if self.sharded:
+            return self._save_sharded(step, state, reason)
         if self.last_committed == step:
             return True
         wait_for_commit = reason in MUST_COMMIT or not self.async_persist
@@ -206,27 +293,65 @@ class Checkpointer:
             )
             if not wait_for_commit:
                 return True
-        outcome = edist.broadcast_int(outcome, self.control)
+        return self._settle(step, reason, edist.broadcast_int(outcome, self.control), error)
+
+    def _save_sharded(self, step: int, state: tstate.TrainState, reason: str) -> bool:
+        """Every rank writes its shards; rank 0 commits once all are durable. In the background,
+        rank 0 learns that from the ranks' reports in storage; in the foreground (final,
+        preemption), from one all-reduce of every rank's outcome."""
+        epoch, capture = state.epoch_of(step), lambda: sharded.capture(state, step=step)
+        if not (reason in MUST_COMMIT or not self.async_persist):
+            self.writer.save(step, epoch, reason, capture, background=True)
+            return True
+        # A background commit of this very step may be in flight: settle it first, so nobody
+        # rewrites files a committed manifest already lists.
+        self.writer.wait()
+        if edist.broadcast_int(int(self.writer.last_committed == step), self.control):
+            self._last_committed = step
+            return True
+        local, error = self.writer.save(
+            step, epoch, reason, capture, background=False, commit=False
+        )
+        outcome = edist.max_int(local, self.control)
+        if outcome == COMMITTED and self.is_writer:
+            outcome, error = self.writer.commit_pending()
+        return self._settle(step, reason, edist.broadcast_int(outcome, self.control), error)
+
+    def _settle(self, step: int, reason: str, outcome: int, error: BaseException | None) -> bool:
+        """Every rank acts on the agreed outcome of a foreground save."""
         if outcome == FAILED:
             detail = f": {error}" if error else "; see rank 0's log for the storage error"
             raise CheckpointFailedError(
                 f"the {reason} checkpoint at step {step} could not be committed{detail}"
             ) from error
         if outcome == COMMITTED:
-            self.last_committed = step
+            self._last_committed = step
+            if self.writer and self.is_writer:
+                self.writer.last_committed = step
         return outcome == COMMITTED
 
     @property
     def failure(self) -> Failure | None:
-        """Rank 0: a background persist that failed for good (the loop then stops every rank)."""
+        """A background persist of this rank's that failed for good (the loop then stops every
+        rank)."""
         return self.writer.failure if self.writer else None
 
+    @property
+    def skipped_step(self) -> int | None:
+        """The newest step this rank gave up writing in the background (sharded)."""
+        return self.writer.skipped_step if self.writer else None
+
+    def abandon(self, step: int) -> None:
+        """Some rank gave up on ``step``: rank 0 stops waiting for its shards."""
+        if self.writer:
+            self.writer.abandoned.add(step)
+
     def raise_failure(self) -> None:
-        """Every rank, once the loop agreed that rank 0's background persist failed."""
+        """Every rank, once the loop agreed that a background persist failed."""
         failure = self.failure
         if failure is None:
             raise CheckpointFailedError(
-                "rank 0's background checkpoint persist failed; see rank 0's log for the error"
+                "another rank's background checkpoint persist failed; see its log for the error"
             )
         raise CheckpointFailedError(
             f"the {failure.reason} checkpoint at step {failure.step} could not be committed in "

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import Any
 
 import storage
+from elastictrain.checkpoint import sharded
 from elastictrain.checkpoint import state as tstate
+
+logger = logging.getLogger(__name__)
 
 
 def load_checkpoint(
@@ -16,6 +20,10 @@ def load_checkpoint(
     storage_options: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """A committed, verified checkpoint as a dict; ``"model"`` is the unwrapped module's state_dict.
+
+    A sharded (FSDP) checkpoint comes back consolidated: every tensor whole, on the CPU (then
+    ``map_location``), read from all the ranks' shards; its ``"optimizer"`` is keyed by parameter
+    name, as ``torch.distributed.checkpoint.state_dict.get_state_dict`` gives it.
 
     Args:
         url: the checkpoint location (a local path or any fsspec URL).
@@ -29,6 +37,11 @@ def load_checkpoint(
         UnsafeCheckpointError: the payload would need unpickling code; nothing was executed.
     """
     store = storage.open_store(url, storage_options=storage_options)
+    manifests = store.ranked_manifests()
+    if step is not None:
+        manifests = [m for m in manifests if m.step == step]
+    if manifests and sharded.is_sharded_checkpoint(manifests[0].metadata):
+        return _consolidated(store, manifests if step is None else manifests[:1], map_location)
     if step is None:
         ckpt = store.latest()
         if ckpt is None:
@@ -42,3 +55,23 @@ def load_checkpoint(
     )
     state["manifest"] = {"step": ckpt.manifest.step, **ckpt.manifest.metadata}
     return state
+
+
+def _consolidated(store: storage.CheckpointStore, manifests: list, map_location: Any) -> dict:
+    """The first of ``manifests`` whose every chunk verifies, whole; the next on corruption."""
+    error: Exception | None = None
+    for manifest in manifests:
+        try:
+            store.check_sizes(manifest)
+            state = sharded.consolidate(store, manifest, map_location)
+        except storage.CheckpointCorruptError as e:
+            if len(manifests) == 1:
+                raise
+            logger.error("CORRUPT CHECKPOINT skipped, falling back to an older one: %s", e)
+            error = e
+            continue
+        state["manifest"] = {"step": manifest.step, **manifest.metadata}
+        return state
+    raise storage.CheckpointNotFoundError(
+        f"No committed checkpoint under {store.safe_url!r} verifies (last error: {error})."
+    )

@@ -17,6 +17,7 @@ Every outcome is reported: committed (log + ``checkpoint`` event), skipped under
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import platform
 import threading
@@ -28,8 +29,7 @@ from typing import Any
 import torch
 
 import storage
-from elastictrain.checkpoint import state as tstate
-from elastictrain.checkpoint.staging import Snapshot, Staging
+from elastictrain.checkpoint.layouts import FlatLayout
 from elastictrain.errors import OrphanedError
 from elastictrain.observe.events import Event, EventLog, Name
 from elastictrain.version import __version__
@@ -60,11 +60,14 @@ class _Job:
     step: int
     epoch: int
     reason: str
-    snap: Snapshot
+    snap: Any
+    """The layout's snapshot: one flat file (DDP), or this rank's shards (FSDP)."""
     blocked: float
     """What the loop has waited so far: the wait for the previous persist, plus the snapshot."""
     waited: float
     background: bool
+    commit: bool = True
+    """False: only this rank's files (the caller commits once every rank has written)."""
 
 
 @dataclass(frozen=True)
@@ -75,13 +78,17 @@ class Failure:
 
 
 class Persister:
-    """Rank 0 only. ``save`` blocks for the snapshot; ``background=False`` also waits for the
-    commit and returns the outcome."""
+    """One per writing rank (rank 0 with DDP; every rank with sharded state). ``save`` blocks
+    for the snapshot; ``background=False`` also waits for the write (and commit) and returns the
+    outcome. Only the committer (rank 0) commits, applies retention and reports checkpoints."""
 
     def __init__(
         self,
         *,
         store: storage.CheckpointStore,
+        layout: Any = None,
+        is_committer: bool = True,
+        reports_timeout_s: float = 1800.0,
         world_size: int,
         generation: Callable[[], int],
         events: EventLog,
@@ -98,13 +105,20 @@ class Persister:
         self.keep_every = keep_every
         self.on_failure = on_failure
         self.attached = attached
-        self.staging = Staging()
+        self.layout = layout or FlatLayout()
+        self.is_committer = is_committer
+        self.reports_timeout_s = reports_timeout_s
+        self.abandoned: set[int] = set()
+        """Steps some rank gave up writing (agreed by the loop): rank 0 stops waiting for them."""
+        self.skipped_step: int | None = None
+        """The newest step this rank skipped in the background (the loop tells the others)."""
         self.skipped = 0
         self.last_committed: int | None = None
         self.failure: Failure | None = None
         """Set by a background persist that failed for good; the loop stops every rank on it."""
         self._thread: threading.Thread | None = None
         self._in_flight: int | None = None
+        self._pending: _Job | None = None
 
     def wait(self) -> float:
         """Wait for the persist in flight, if any; returns the seconds waited."""
@@ -116,9 +130,18 @@ class Persister:
         return time.monotonic() - t0
 
     def save(
-        self, step: int, epoch: int, reason: str, state: Callable[[], Any], *, background: bool
+        self,
+        step: int,
+        epoch: int,
+        reason: str,
+        state: Callable[[], Any],
+        *,
+        background: bool,
+        commit: bool = True,
     ) -> tuple[int, BaseException | None]:
-        """Snapshot ``state()`` now; persist it in the background or before returning."""
+        """Snapshot ``state()`` now; persist it in the background or before returning.
+        ``commit=False`` (sharded, in the foreground): write this rank's files only; the caller
+        calls :meth:`commit_pending` on rank 0 once every rank has."""
         previous = self._in_flight
         waited = self.wait()
         if waited > 0.05:
@@ -131,24 +154,34 @@ class Persister:
                 previous,
             )
         t0 = time.monotonic()
-        snap = self.staging.snapshot(state())
-        job = _Job(step, epoch, reason, snap, waited + time.monotonic() - t0, waited, background)
+        snap = self.layout.snapshot(state())
+        job = _Job(
+            step, epoch, reason, snap, waited + time.monotonic() - t0, waited, background, commit
+        )
         if not background:
+            self._pending = job
             return self._persist(job)
 
         def run() -> None:
             outcome, error = self._persist(job)
             if outcome == FAILED:
                 self.failure = Failure(step, reason, error)
+            elif outcome == SKIPPED:
+                self.skipped_step = step
 
         self._in_flight = step
         self._thread = threading.Thread(target=run, name=f"persist-step-{step}", daemon=True)
         self._thread.start()
         return COMMITTED, None  # not yet: a failure surfaces through ``self.failure``
 
-    def _persist(self, job: _Job) -> tuple[int, BaseException | None]:
+    def commit_pending(self) -> tuple[int, BaseException | None]:
+        """Rank 0, sharded, foreground: commit the step whose files every rank has written."""
+        job = dataclasses.replace(self._pending, commit=True)
+        return self._persist(job, write=False)
+
+    def _persist(self, job: _Job, write: bool = True) -> tuple[int, BaseException | None]:
         try:
-            self._commit(job)
+            self._commit(job, write)
             return COMMITTED, None
         except storage.StorageError as e:
             return self._on_failure(job.step, job.reason, e), e
@@ -165,21 +198,28 @@ class Persister:
             )
             return FAILED, e
 
-    def _commit(self, job: _Job) -> None:
+    def _commit(self, job: _Job, write: bool = True) -> None:
         step, reason, blocked = job.step, job.reason, job.blocked
         t0 = time.monotonic()
         job.snap.wait()  # CUDA: the device-to-host copies have landed
-        if self._already_committed(step):
+        if write and self.is_committer and self._already_committed(step):
             self.last_committed = step
             return
         self._check_attached(step)  # before writing anything, and again right before the commit
         generation = self.generation()
-        manifest = self.store.commit(
+        if write:
+            self.layout.write_own(self.store, step, job.snap, generation)
+        if not (self.is_committer and job.commit):
+            return
+        manifest = self.layout.commit(
+            self.store,
             step,
-            {tstate.state_file_name(generation): job.snap.data},
+            job.snap,
+            generation,
             self._metadata(step, job.epoch, generation),
-            generation=generation,
             before_commit=lambda: self._check_attached(step),
+            abandoned=lambda s: s in self.abandoned,
+            deadline_s=self.reports_timeout_s,
         )
         self.last_committed = step
         persist = time.monotonic() - t0
@@ -257,7 +297,7 @@ class Persister:
             existing = self.store.read(step).manifest
         except storage.CheckpointCorruptError as e:
             logger.error("replacing corrupt committed checkpoint at step %d: %s", step, e)
-            self.store.delete(step)
+            self._uncommit(step)
             return False
         if existing.generation < self.generation() and self.last_committed != step:
             logger.warning(
@@ -265,10 +305,18 @@ class Persister:
                 step,
                 existing.generation,
             )
-            self.store.delete(step)
+            self._uncommit(step)
             return False
         logger.info("checkpoint step %d is already committed and verifies; keeping it", step)
         return True
+
+    def _uncommit(self, step: int) -> None:
+        # Sharded: other ranks are writing this generation's files into the directory right now,
+        # so only the manifest goes; the old generation's files stay until retention.
+        if self.layout.writes_alone:
+            self.store.delete(step)
+        else:
+            self.store.uncommit(step)
 
     def _metadata(self, step: int, epoch: int, generation: int) -> dict[str, Any]:
         return {
@@ -276,7 +324,6 @@ class Persister:
             "epoch": epoch,
             "world_size": self.world_size,
             "generation": generation,
-            "state_file": tstate.state_file_name(generation),
             "versions": {
                 "elastictrain": __version__,
                 "torch": torch.__version__,

@@ -190,6 +190,7 @@ class CheckpointSession:
             on_failure=config.on_storage_failure,
             async_persist=config.async_save,
             attached=attached,
+            gate_timeout_s=config.timeout_s,
         )
         self.schedule = CheckpointSchedule(config.every_steps, config.every_seconds)
         self.control = Control(
@@ -256,9 +257,12 @@ class CheckpointSession:
             by_time=self.is_rank0 and self.schedule.due_by_time(),
             report=report,
             persist_failed=self.ckpt.failure is not None,
+            abandoned_step=self.ckpt.skipped_step,
         )
         if decided.persist_failed:
             self.ckpt.raise_failure()
+        if decided.abandoned_step is not None:
+            self.ckpt.abandon(decided.abandoned_step)
         if decided.stop:
             self.preempt(done, state)
         saved = False

@@ -75,6 +75,8 @@ class Snapshot:
     data: memoryview
     tensor_bytes: int
     copy_done: Any = None  # a CUDA event when the copies are still in flight
+    placement: list[tuple[int, int]] | None = None
+    """(byte offset, byte length) of each tensor in the file, in the order they were found."""
     owner: torch.Tensor | None = None  # keeps the memory behind ``data`` alive
 
     def wait(self) -> None:
@@ -145,6 +147,7 @@ class Staging:
             data=_memoryview(buffer, total),
             tensor_bytes=tensor_bytes,
             copy_done=copy_done,
+            placement=[(off, nbytes) for _, _, off, nbytes in entries],
             owner=buffer,
         )
 

@@ -102,12 +102,15 @@ def check_plain(tree: Any, where: str) -> None:
         )
 
 
-def capture(state: TrainState, *, step: int) -> dict[str, Any]:
-    """References to the live state (serialize before the next optimizer step)."""
+def capture(
+    state: TrainState, *, step: int, model: Any = None, optimizer: Any = None
+) -> dict[str, Any]:
+    """References to the live state (serialize before the next optimizer step). ``model`` and
+    ``optimizer``: their state dicts when already taken another way (sharded: DCP's)."""
     payload = {
         "version": STATE_VERSION,
-        "model": unwrap(state.model).state_dict(),
-        "optimizer": state.optimizer.state_dict(),
+        "model": unwrap(state.model).state_dict() if model is None else model,
+        "optimizer": state.optimizer.state_dict() if optimizer is None else optimizer,
         "scheduler": state.scheduler.state_dict() if state.scheduler is not None else None,
         "progress": {"step": step},
         "data": state.fingerprint.as_dict() if state.fingerprint is not None else {},
@@ -199,10 +202,12 @@ def check_compatible(state: TrainState, payload: dict[str, Any], where: str) -> 
         )
 
 
-def restore(state: TrainState, payload: dict[str, Any]) -> int:
-    """Load ``payload`` into ``state`` in place; returns the number of completed steps it holds."""
-    unwrap(state.model).load_state_dict(payload["model"])
-    state.optimizer.load_state_dict(payload["optimizer"])
+def restore(state: TrainState, payload: dict[str, Any], *, model_and_optimizer: bool = True) -> int:
+    """Load ``payload`` into ``state`` in place; returns the number of completed steps it holds.
+    ``model_and_optimizer=False``: those are loaded already (sharded: by DCP's set_state_dict)."""
+    if model_and_optimizer:
+        unwrap(state.model).load_state_dict(payload["model"])
+        state.optimizer.load_state_dict(payload["optimizer"])
     if state.scheduler is not None and payload.get("scheduler") is not None:
         state.scheduler.load_state_dict(payload["scheduler"])
     for name, obj in state.stateful.items():

@@ -35,6 +35,7 @@ class Event(Name):
     CHECKPOINT = (
         "checkpoint"  # a checkpoint committed: step, reason, bytes, blocked/persist seconds
     )
+    CORRUPT = "checkpoint_corrupt"  # resume skipped a committed checkpoint that did not verify
     CHECKPOINT_SKIPPED = "checkpoint_skipped"  # storage refused past the deadline, run went on
     CHECKPOINT_FAILED = "checkpoint_failed"  # a checkpoint the run needed could not be committed
     PREEMPTED = "preempted"  # a stop signal was honoured: signal, save seconds

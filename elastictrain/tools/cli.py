@@ -59,16 +59,19 @@ def ls(argv: list[str]) -> int:
                 "bytes": m.total_bytes if m else None,
                 "world_size": m.metadata.get("world_size") if m else None,
                 "generation": m.metadata.get("generation") if m else None,
+                "shards": m.metadata.get("shards") if m else None,
                 "verified": None if args.no_verify else c.ok,
                 "error": c.error,
             }
         )
-    lines = [f"{'step':>10}  {'time (UTC)':19}  {'bytes':>12}  {'world':>5}  verified"]
+    lines = [
+        f"{'step':>10}  {'time (UTC)':19}  {'bytes':>12}  {'world':>5}  {'shards':>6}  verified"
+    ]
     for r in rows:
         verified = {True: "yes", False: f"NO: {r['error']}", None: "-"}[r["verified"]]
         lines.append(
             f"{r['step']:>10}  {_when(r['time']):19}  {str(r['bytes'] or '?'):>12}  "
-            f"{str(r['world_size'] or '?'):>5}  {verified}"
+            f"{str(r['world_size'] or '?'):>5}  {str(r['shards'] or '-'):>6}  {verified}"
         )
     if not rows:
         lines.append(f"(no committed checkpoints under {store.safe_url})")
@@ -117,6 +120,30 @@ def _tensors(obj: Any, prefix: str = "") -> list[dict[str, Any]]:
     return []
 
 
+def _sharded_tensors(store: storage.CheckpointStore, manifest: storage.Manifest) -> list[dict]:
+    """Whole tensors' shapes from the index (and how many shards hold each), plus the unsharded
+    rest from the common file's headers: no tensor data is read."""
+    import torch
+
+    from elastictrain.checkpoint import sharded
+    from elastictrain.checkpoint import state as tstate
+
+    where = f"step {manifest.step}"
+    index = sharded.Index.parse(store.read_file(manifest, manifest.metadata["index_file"]), where)
+    with store.open_file(manifest.step, index.doc["common"]) as f:
+        common = tstate.from_bytes_file(f, map_location="meta")
+    metas = {
+        fqn: torch.empty(t["size"], dtype=getattr(torch, t["dtype"]), device="meta")
+        for fqn, t in index.doc["tensors"].items()
+    }
+    rows = _tensors(sharded.join(common, metas))
+    chunks = {fqn.replace("/", "."): len(t["chunks"]) for fqn, t in index.doc["tensors"].items()}
+    for row in rows:
+        if row["name"] in chunks:
+            row["shards"] = chunks[row["name"]]
+    return rows
+
+
 def inspect(argv: list[str]) -> int:
     p = _parser("inspect", "Show a checkpoint's manifest and tensors without loading the data.")
     p.add_argument("--step", type=int, help="default: the newest committed checkpoint")
@@ -128,12 +155,16 @@ def inspect(argv: list[str]) -> int:
         raise storage.CheckpointNotFoundError(
             f"No committed checkpoint {step} under {store.safe_url!r}."
         )
-    from elastictrain.checkpoint import state as tstate  # torch: this command reads a payload
+    from elastictrain.checkpoint import sharded  # torch: this command reads a payload
+    from elastictrain.checkpoint import state as tstate
 
-    # map_location="meta" builds tensors without their storage: only the pickle and headers are read.
-    with store.open_file(step, tstate.state_file_of(manifest.metadata)) as f:
-        state = tstate.from_bytes_file(f, map_location="meta")
-    tensors = _tensors(state)
+    if sharded.is_sharded_checkpoint(manifest.metadata):
+        tensors = _sharded_tensors(store, manifest)
+    else:
+        # map_location="meta" builds tensors without storage: only the pickle and headers are read.
+        with store.open_file(step, tstate.state_file_of(manifest.metadata)) as f:
+            state = tstate.from_bytes_file(f, map_location="meta")
+        tensors = _tensors(state)
     doc = {
         "url": store.safe_url,
         "step": step,
@@ -146,8 +177,11 @@ def inspect(argv: list[str]) -> int:
         f"step {step}  committed {_when(manifest.created_at)} UTC  {manifest.total_bytes} bytes",
         f"metadata: {json.dumps(manifest.metadata, sort_keys=True)}",
     ]
+    lines += [f"  file {n:40} {e.size:>12} bytes" for n, e in manifest.files.items()]
     lines += [
-        f"  {t['name']:50} {str(t['shape']):20} {t['dtype']:10} {t['bytes']:>12}" for t in tensors
+        f"  {t['name']:50} {str(t['shape']):20} {t['dtype']:10} {t['bytes']:>12}"
+        + (f"  in {t['shards']} shards" if "shards" in t else "")
+        for t in tensors
     ]
     _emit(args, doc, "\n".join(lines))
     return 0

@@ -80,8 +80,22 @@ def make_task(options: Mapping[str, str]) -> Task:
         loss_fn=loss_fn,
         state={"ema": ema} if ema else {},
         after_step=(lambda done, m: ema.update(m)) if ema else None,
+        shard=lambda m, mesh: shard(m, mesh, ema),
         evaluate=evaluate if option(options, "eval", 1) else None,
     )
+
+
+def shard(model: nn.Module, mesh, ema: EMA | None) -> None:
+    """``Task.shard``: FSDP2 per layer with parameters, then the root; the EMA is re-made from the
+    sharded weights (same values), so it is sharded like them and checkpointed per rank."""
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model:
+        if any(True for _ in layer.parameters()):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    if ema is not None:
+        ema.shadow = {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 class FaultyDataset(torch.utils.data.Dataset):

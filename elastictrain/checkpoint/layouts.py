@@ -1,0 +1,153 @@
+"""What each rank puts on storage for one checkpoint: the persister's two strategies.
+
+- :class:`FlatLayout` (DDP, one process): rank 0 writes the whole state as one flat file.
+- :class:`ShardedLayout` (FSDP2): every rank writes its own shards and a report once they are
+  durable; rank 0 writes the unsharded rest, waits for every report, writes the index and commits.
+
+Both snapshot into reused staging buffers (the only part that blocks training) and commit with one
+manifest, written last, listing every file with its size and hash.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import storage
+from elastictrain.checkpoint import sharded
+from elastictrain.checkpoint import state as tstate
+from elastictrain.checkpoint.staging import Snapshot, Staging
+
+_POLL_S = (0.02, 0.5)  # the wait for other ranks' reports: first and longest poll interval
+
+
+class FlatLayout:
+    """DDP: the whole state, from rank 0, as one file."""
+
+    writes_alone = True
+
+    def __init__(self) -> None:
+        self.staging = Staging()
+
+    def snapshot(self, payload: Any) -> Snapshot:
+        return self.staging.snapshot(payload)
+
+    def write_own(self, store, step: int, snap: Snapshot, generation: int) -> None:
+        """Nothing before the commit: rank 0 writes the one file in it."""
+
+    def commit(
+        self, store, step, snap, generation, metadata, *, before_commit, abandoned, deadline_s
+    ) -> storage.Manifest:
+        name = tstate.state_file_name(generation)
+        return store.commit(
+            step,
+            {name: snap.data},
+            {**metadata, "state_file": name},
+            generation=generation,
+            before_commit=before_commit,
+        )
+
+
+@dataclass
+class ShardSnap:
+    local: sharded.LocalShards
+    shards: Snapshot
+    common: Snapshot | None
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.shards.data) + (len(self.common.data) if self.common else 0)
+
+    def wait(self) -> None:
+        self.shards.wait()
+        if self.common is not None:
+            self.common.wait()
+
+
+class ShardsMissingError(storage.StorageUnavailableError):
+    """Some rank's shard never became durable, so the step cannot be committed."""
+
+
+class ShardedLayout:
+    """FSDP2: every rank writes its own shards; rank 0 commits once every rank reported."""
+
+    writes_alone = False
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        self.rank, self.world_size = rank, world_size
+        self.staging = Staging()
+        self.common_staging = Staging() if rank == 0 else None
+
+    def snapshot(self, payload: Any) -> ShardSnap:
+        dtensors, common = sharded.split(payload)
+        local = sharded.local_shards(dtensors)
+        shards = self.staging.snapshot(local.tensors)
+        common_snap = self.common_staging.snapshot(common) if self.common_staging else None
+        return ShardSnap(local, shards, common_snap)
+
+    def write_own(self, store, step: int, snap: ShardSnap, generation: int) -> None:
+        """This rank's shard file, then its report: the report's presence means "durable"."""
+        name = sharded.shard_file(self.rank, generation)
+        entry, digest = store.write_file(step, name, snap.shards.data, sharded.BLOCK_BYTES)
+        report = sharded.part_report(snap.local, snap.shards.placement, name, entry, digest.blocks)
+        store.write_file(step, sharded.part_file(self.rank, generation), report)
+
+    def commit(
+        self,
+        store: storage.CheckpointStore,
+        step: int,
+        snap: ShardSnap,
+        generation: int,
+        metadata: dict[str, Any],
+        *,
+        before_commit: Callable[[], None],
+        abandoned: Callable[[int], bool],
+        deadline_s: float,
+    ) -> storage.Manifest:
+        common_name = sharded.common_file(generation)
+        entries = {common_name: store.write_file(step, common_name, snap.common.data)[0]}
+        parts = self._wait_for_reports(store, step, generation, abandoned, deadline_s)
+        index_name = sharded.index_file(generation)
+        index = sharded.build_index(parts, common_name)
+        entries[index_name] = store.write_file(step, index_name, index)[0]
+        for part in parts:
+            entries[part["file"]] = storage.FileEntry(
+                part["size"], part["sha256"], part["block_size"]
+            )
+        return store.commit_written(
+            step,
+            entries,
+            {**metadata, "index_file": index_name, "shards": self.world_size},
+            generation=generation,
+            before_commit=before_commit,
+        )
+
+    def _wait_for_reports(self, store, step, generation, abandoned, deadline_s) -> list[dict]:
+        """Every rank's report for this step and generation, read from storage: the agreed message
+        that gates the commit, without a collective on the training thread."""
+        wanted = {sharded.part_file(r, generation): r for r in range(self.world_size)}
+        parts: dict[int, dict[str, Any]] = {}
+        deadline = time.monotonic() + deadline_s
+        pause = _POLL_S[0]
+        while True:
+            present = store.names_in(step)
+            for name, rank in wanted.items():
+                if rank in parts or name not in present:
+                    continue
+                raw = store.read_uncommitted(step, name)
+                if raw is not None:
+                    parts[rank] = json.loads(raw)
+            if len(parts) == len(wanted):
+                return [parts[r] for r in range(self.world_size)]
+            missing = sorted(set(range(self.world_size)) - set(parts))
+            if abandoned(step) or time.monotonic() > deadline:
+                why = "gave up on it" if abandoned(step) else f"did not report in {deadline_s:.0f}s"
+                raise ShardsMissingError(
+                    f"the shards of rank(s) {missing[:8]} for step {step} never became durable "
+                    f"(a rank {why}); the step is not committed"
+                )
+            time.sleep(pause)
+            pause = min(pause * 2, _POLL_S[1])
