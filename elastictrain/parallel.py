@@ -24,7 +24,7 @@ MODES = ("ddp", "fsdp")
 
 def shard(model: nn.Module, task_shard: Any, device: torch.device, world_size: int) -> None:
     """Apply FSDP2 in place: the task's ``shard(model, mesh)``, else each child module that has
-    parameters, then the root."""
+    parameters (through ModuleLists), then the root."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -32,10 +32,19 @@ def shard(model: nn.Module, task_shard: Any, device: torch.device, world_size: i
     if task_shard is not None:
         task_shard(model, mesh)
         return
-    for child in model.children():
-        if any(True for _ in child.parameters()):
-            fully_shard(child, mesh=mesh)
+    for unit in _units(model):
+        fully_shard(unit, mesh=mesh)
     fully_shard(model, mesh=mesh)
+
+
+def _units(model: nn.Module) -> Iterator[nn.Module]:
+    """The default FSDP units: each child module with parameters; a container without a forward
+    of its own (ModuleList, ModuleDict) stands for its children."""
+    for child in model.children():
+        if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
+            yield from _units(child)
+        elif any(True for _ in child.parameters()):
+            yield child
 
 
 def wrap_ddp(model: nn.Module, device: torch.device, model_devices: Any) -> nn.Module:

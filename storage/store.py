@@ -470,6 +470,14 @@ class CheckpointStore:
         path = self._backend.join(self._step_dir(step), MANIFEST_NAME)
         self._call(f"delete manifest of step {step}", lambda: self._backend.delete_file(path))
 
+    def write_note(self, step: int, name: str, data: bytes) -> None:
+        """A small uncommitted file that appears whole or not at all (a rank's report to the
+        committer, read while other writers work)."""
+        path = self._backend.join(self._step_dir(step), check_file_name(name))
+        self._call(
+            f"write {step_dir_name(step)}/{name}", lambda: self._backend.write_atomic(path, data)
+        )
+
     def read_uncommitted(self, step: int, name: str) -> bytes | None:
         """A file another writer put under ``step`` before any commit (unverified), or None."""
         path = self._backend.join(self._step_dir(step), check_file_name(name))

@@ -93,7 +93,7 @@ class ShardedLayout:
         name = sharded.shard_file(self.rank, generation)
         entry, digest = store.write_file(step, name, snap.shards.data, sharded.BLOCK_BYTES)
         report = sharded.part_report(snap.local, snap.shards.placement, name, entry, digest.blocks)
-        store.write_file(step, sharded.part_file(self.rank, generation), report)
+        store.write_note(step, sharded.part_file(self.rank, generation), report)
 
     def commit(
         self,

@@ -1,0 +1,93 @@
+"""An FSDP2 job in library mode, for the resharding test: run it under torchrun.
+
+    save   URL REF STEPS  train STEPS steps at this world size, checkpointing; rank 0 also writes
+                          the full model and AdamW state as they were at the last save to REF
+    resume URL REF MORE   resume at this world size, check that the full model and AdamW state
+                          equal REF exactly (torch.equal), then train MORE steps and save
+
+Exits 0 when every check passed; prints one JSON line with what it saw.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+from elastictrain import CheckpointManager, init_distributed
+from elastictrain.parallel import shard
+
+WIDTH = 48  # not a multiple of 3: uneven shards at world size 3
+
+
+def build() -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(10, WIDTH), nn.ReLU(), nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, 3)
+    )
+    shard(model, None, torch.device("cpu"), dist.get_world_size())
+    return model, torch.optim.AdamW(model.parameters(), lr=0.01)
+
+
+def train_step(model, optimizer, step: int) -> None:
+    g = torch.Generator().manual_seed(step)
+    x, y = torch.randn(16, 10, generator=g), torch.randn(16, 3, generator=g)
+    optimizer.zero_grad()
+    nn.functional.mse_loss(model(x), y).backward()
+    optimizer.step()
+
+
+def full_state(model, optimizer) -> dict:
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
+    return {"model": model_sd, "optimizer": optim_sd}
+
+
+def equal(a, b, where="") -> list[str]:
+    if isinstance(a, torch.Tensor):
+        return [] if isinstance(b, torch.Tensor) and torch.equal(a, b) else [where]
+    if isinstance(a, dict):
+        if a.keys() != b.keys():
+            return [f"{where} keys"]
+        return [w for k in a for w in equal(a[k], b[k], f"{where}/{k}")]
+    if isinstance(a, (list, tuple)):
+        return [w for x, y in zip(a, b, strict=True) for w in equal(x, y, where)]
+    return [] if a == b else [where]
+
+
+def main() -> int:
+    mode, url, ref, steps = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+    init_distributed()
+    model, optimizer = build()
+    manager = CheckpointManager(url, every_steps=5, keep_last=10)
+    start = manager.resume(model, optimizer)
+    seen = {"world_size": dist.get_world_size(), "resumed": start}
+    if mode == "resume":
+        # get_state_dict gathers (collective): every rank calls it; rank 0 compares.
+        now = full_state(model, optimizer)
+        if dist.get_rank() == 0:
+            saved = torch.load(ref, weights_only=True)
+            seen["differs"] = equal(now, saved)
+            seen["tensors"] = len(now["model"]) + sum(
+                len(v) for v in now["optimizer"]["state"].values()
+            )
+    end = start + steps
+    for step in range(start, end):
+        train_step(model, optimizer, step)
+        manager.step(step + 1, model, optimizer)
+    manager.save(end, model, optimizer)
+    last = full_state(model, optimizer)
+    if mode == "save" and dist.get_rank() == 0:
+        torch.save(last, ref)
+    manager.close()
+    if dist.get_rank() == 0:
+        print("PROBE " + json.dumps(seen), flush=True)
+    return 0 if not seen.get("differs") else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

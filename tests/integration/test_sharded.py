@@ -1,0 +1,196 @@
+"""FSDP2 sharded checkpoints through real torchrun jobs on CPU/gloo: resharding at other world
+sizes, bitwise resume after kills (one while shards are being written), fallback past a corrupt,
+missing or truncated shard, and export of the consolidated model."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+
+import pytest
+import torch
+
+from elastictrain.checkpoint import sharded
+from elastictrain.observe.events import Event, read_events
+from storage.layout import MANIFEST_NAME, parse_step_dir, step_dir_name
+from tests.helpers.launcher import (
+    assert_bitwise_equal,
+    final_state,
+    run_single,
+    toy_args,
+    wait_for_event,
+)
+
+FSDP = ("--parallel", "fsdp")
+RICH = ("--task", "tests.helpers.rich_task:make_task", "--task-option", "step_time=0")
+PROBE = ("-m", "tests.helpers.fsdp_probe")
+
+
+def _shards(step_dir: str) -> list[str]:
+    return sorted(f for f in os.listdir(step_dir) if f.startswith("shard-"))
+
+
+@pytest.mark.slow
+def test_fsdp_checkpoint_saved_at_2_resumes_at_1_and_3_with_exact_state(launch, tmp_path):
+    ckpt, ref = str(tmp_path / "ckpt"), str(tmp_path / "saved.pt")
+    saver = launch(["save", ckpt, ref, "12"], nproc=2, entry=PROBE, name="save")
+    assert saver.wait(120) == 0, saver.log()[-3000:]
+    assert len(_shards(os.path.join(ckpt, step_dir_name(12)))) == 2
+    for world in (1, 3):
+        copy = str(tmp_path / f"at-{world}")
+        shutil.copytree(ckpt, copy)
+        job = launch(["resume", copy, ref, "3"], nproc=world, entry=PROBE, name=f"at-{world}")
+        assert job.wait(120) == 0, job.log()[-3000:]
+        seen = json.loads(job.log().split("PROBE ", 1)[1].splitlines()[0])
+        assert seen == {"world_size": world, "resumed": 12, "differs": [], "tensors": 24}, seen
+        # Training went on at the new size: its checkpoint has one shard per rank.
+        assert len(_shards(os.path.join(copy, step_dir_name(15)))) == world
+
+
+def _kill_while_shards_are_written(job, ckpt: str, after: int, timeout: float) -> int:
+    """SIGKILL rank 1 the moment a step after ``after`` holds a shard but no manifest yet."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for name in sorted(os.listdir(ckpt)) if os.path.isdir(ckpt) else []:
+            step_dir = os.path.join(ckpt, name)
+            step = parse_step_dir(name)
+            if step is None or step <= after:
+                continue
+            files = set(os.listdir(step_dir)) if os.path.isdir(step_dir) else set()
+            if any(f.startswith("shard-") for f in files) and MANIFEST_NAME not in files:
+                job.kill_worker(1)
+                return step
+        time.sleep(0.002)
+    raise AssertionError(f"no shard was ever caught mid-write; log:\n{job.log()[-2000:]}")
+
+
+@pytest.mark.slow
+def test_fsdp_sigkilled_twice_once_mid_shard_write_ends_bitwise_equal(launch, tmp_path):
+    # ~10 MB of sharded state (weights + AdamW moments), so a shard write takes a moment.
+    extra = (*FSDP, "--task-option", "hidden=512", "--task-option", "layers=3")
+    ref = launch(
+        toy_args(
+            str(tmp_path / "ref"),
+            str(tmp_path / "ref.jsonl"),
+            max_steps=120,
+            every=20,
+            step_time=0,
+            extra=extra,
+        ),
+        name="ref",
+    )
+    ev, ckpt = str(tmp_path / "run.jsonl"), str(tmp_path / "run")
+    job = launch(toy_args(ckpt, ev, max_steps=120, every=20, step_time=0.01, extra=extra))
+    first = wait_for_event(ev, lambda e: e["event"] == Event.CHECKPOINT, 90, job)
+    caught = _kill_while_shards_are_written(job, ckpt, first["step"], 90)
+    resumed = wait_for_event(ev, lambda e: e["event"] == Event.RESUME and not e["fresh"], 90, job)
+    wait_for_event(
+        ev, lambda e: e["event"] == Event.CHECKPOINT and e["time"] > resumed["time"], 90, job
+    )
+    job.kill_worker(0)  # the second kill: rank 0, between checkpoints
+    assert job.wait(240) == 0, job.log()[-3000:]
+    assert ref.wait(240) == 0, ref.log()[-3000:]
+
+    resumes = [e for e in read_events(ev) if e["event"] == Event.RESUME]
+    assert [e["fresh"] for e in resumes] == [True, False, False], resumes
+    assert resumes[1]["step"] < caught  # the half-written step was never committed
+    assert_bitwise_equal(final_state(ckpt), final_state(str(tmp_path / "ref")))
+
+
+@pytest.fixture(scope="module")
+def committed(tmp_path_factory):
+    """An FSDP job at world size 2 with checkpoints at steps 10 and 20 (the rich task: EMA,
+    dropout), shared by the corruption and export tests: each works on its own copy."""
+    from tests.helpers.launcher import Job
+
+    root = tmp_path_factory.mktemp("fsdp")
+    ckpt = str(root / "ckpt")
+    job = Job(
+        ["--standalone", "--nproc_per_node=2", "--max-restarts=0"],
+        [
+            *RICH,
+            *FSDP,
+            "--checkpoint-dir",
+            ckpt,
+            "--max-steps",
+            "20",
+            "--checkpoint-every-steps",
+            "10",
+            "--keep-last",
+            "5",
+        ],
+        str(root / "job.log"),
+        cwd=str(root),
+    )
+    try:
+        assert job.wait(120) == 0, job.log()[-3000:]
+    finally:
+        job.kill()
+    return ckpt
+
+
+def _flip(path: str) -> None:
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) // 3)  # inside the tensor bytes
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x01]))
+
+
+def _truncate(path: str) -> None:
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)
+
+
+@pytest.mark.parametrize("damage", ["flip", "delete", "truncate"])
+def test_a_bad_shard_of_the_newest_step_falls_back_to_the_previous_one(
+    launch, tmp_path, committed, damage
+):
+    ckpt = str(tmp_path / "ckpt")
+    shutil.copytree(committed, ckpt)
+    victim = os.path.join(
+        ckpt, step_dir_name(20), _shards(os.path.join(ckpt, step_dir_name(20)))[1]
+    )
+    {"flip": _flip, "delete": os.unlink, "truncate": _truncate}[damage](victim)
+    ev = str(tmp_path / "ev.jsonl")
+    job = launch(
+        [*RICH, *FSDP, "--checkpoint-dir", ckpt, "--event-log", ev, "--max-steps", "25"],
+        max_restarts=0,
+    )
+    assert job.wait(120) == 0, job.log()[-3000:]
+    assert "CORRUPT CHECKPOINT" in job.log()
+    events = read_events(ev)
+    assert [e["step"] for e in events if e["event"] == Event.CORRUPT] == [20], events
+    resume = next(e for e in events if e["event"] == Event.RESUME)
+    assert resume["step"] == 10 and not resume["fresh"], resume
+
+
+def test_export_gives_the_model_its_checkpoint_holds(tmp_path, committed):
+    safetensors = pytest.importorskip("safetensors.torch")
+    from tests.helpers.rich_task import make_task
+
+    state = final_state(committed)  # consolidated from both ranks' shards
+    x = torch.randn(7, 10)
+    expected = make_task({})
+    expected.model.load_state_dict(state["model"])
+    outputs = []
+    for name in ("model.safetensors", "model.pt"):
+        out = run_single(["export", committed, "-o", str(tmp_path / name)], cwd=str(tmp_path))
+        assert out.returncode == 0, out.stderr
+        assert "exported step 20" in out.stdout
+        loaded = (
+            safetensors.load_file(str(tmp_path / name))
+            if name.endswith(".safetensors")
+            else torch.load(str(tmp_path / name), weights_only=True)
+        )
+        model = make_task({}).model.eval()
+        model.load_state_dict(loaded)  # strict: exactly the unwrapped model's keys
+        outputs.append(model(x))
+    expected.model.eval()
+    for out in outputs:
+        assert torch.equal(out, expected.model(x))
+    # And it is the trained model, not a fresh one.
+    assert not torch.equal(outputs[0], make_task({}).model.eval()(x))
+    assert sharded.is_sharded_checkpoint(state["manifest"])
