@@ -23,7 +23,7 @@ DATASET, BATCH, STEPS = 2048, 64, 640  # 32 steps per epoch, 20 epochs
 REAL_JOB = ("--grad-accum-steps", "2", "--num-workers", "2")
 
 
-def app_args(tmp_path, name: str, step_time: float = 0.03, extra=()) -> list[str]:
+def app_args(tmp_path, name: str, step_time: float = 0.03, extra=(), steps=STEPS) -> list[str]:
     return [
         "--checkpoint-dir",
         str(tmp_path / f"{name}-ckpt"),
@@ -32,7 +32,7 @@ def app_args(tmp_path, name: str, step_time: float = 0.03, extra=()) -> list[str
         "--sample-log",
         str(tmp_path / f"{name}-samples"),
         "--max-steps",
-        str(STEPS),
+        str(steps),
         "--checkpoint-every-steps",
         "40",
         "--log-every-seconds",
@@ -131,6 +131,39 @@ def test_node_loss_then_rejoin_trains_every_sample_once(launch, tmp_path):
             }
         )
     )
+
+
+@pytest.mark.slow
+def test_fsdp_node_loss_reshards_and_trains_every_sample_once(launch, tmp_path):
+    """FSDP under c10d: one of two nodes is lost; the survivor reshards the sharded checkpoint
+    from 2 ranks to 1 and finishes, and the ledger shows every sample trained exactly once."""
+    steps = 240
+    port, run_id = free_port(), f"run-{uuid.uuid4().hex[:8]}"
+    env = job_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    ev = str(tmp_path / "fsdp.jsonl")
+    args = app_args(tmp_path, "fsdp", 0.015, ("--parallel", "fsdp"), steps)
+    host = launch(args, torchrun_args=node_args(port, run_id, is_host=True), env=env, name="a")
+    wait_for_event(ev, lambda e: e["event"] == Event.START, 60, host)  # the store is up
+    node_b = launch(args, torchrun_args=node_args(port, run_id, is_host=False), env=env, name="b")
+    wait_for_event(
+        ev,
+        lambda e: e["event"] == Event.PROGRESS and e["world_size"] == 2 and e["step"] >= 90,
+        120,
+        host,
+    )
+    node_b.kill()  # SIGKILL the agent and every descendant: a lost node
+    assert host.wait(240) == 0, host.log()[-3000:]
+    events = read_events(ev)
+    shrunk = [e for e in events if e["event"] == Event.MEMBERSHIP and e["new_world_size"] == 1]
+    assert shrunk and shrunk[-1]["old_world_size"] == 2, events
+    assert events[-1]["event"] == Event.END and events[-1]["step"] == steps
+    ledger = assert_exactly_once(
+        read_sample_log(str(tmp_path / "fsdp-samples")),
+        dataset_size=DATASET,
+        batch_size=BATCH,
+        max_steps=steps,
+    )
+    assert ledger["world_sizes"] == [1, 2], ledger
 
 
 @pytest.mark.slow
