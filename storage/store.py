@@ -10,9 +10,7 @@ import dataclasses
 import errno
 import json
 import logging
-import threading
 import time
-import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -20,14 +18,12 @@ from typing import Any, TypeVar
 from storage.backend import Backend, open_backend
 from storage.errors import (
     CheckpointCorruptError,
-    CheckpointNotFoundError,
     StaleWriterError,
     StorageError,
     StorageFullError,
-    StorageNotUsableError,
     StorageUnavailableError,
 )
-from storage.hashing import Digest, digest, hash_in_background, read_hashed
+from storage.hashing import Digest, digest, hash_in_background
 from storage.layout import (
     FENCE_NAME,
     MANIFEST_NAME,
@@ -37,10 +33,11 @@ from storage.layout import (
     parse_step_dir,
     step_dir_name,
 )
-from storage.ranges import Range, read_verified
+from storage.probe import probe_location
 from storage.retention import partial_steps_to_delete, steps_to_delete
-from storage.retry import RetryPolicy, diagnose
+from storage.retry import RetryPolicy
 from storage.urls import redact_url
+from storage.verified import Checkpoint, VerifiedReads
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -52,15 +49,6 @@ def _log_corrupt(step: int, error: Exception) -> None:
 
 class CheckpointExistsError(StorageError, FileExistsError):
     """A committed checkpoint already holds this step; committed checkpoints are never overwritten."""
-
-
-@dataclass(frozen=True)
-class Checkpoint:
-    """A committed checkpoint whose files were read and verified against its manifest."""
-
-    manifest: Manifest
-    files: dict[str, bytes | memoryview]
-    """Small files as bytes; big ones as writable memoryviews (tensors may be views into them)."""
 
 
 @dataclass(frozen=True)
@@ -76,7 +64,7 @@ class ListedCheckpoint:
         return self.error is None
 
 
-class CheckpointStore:
+class CheckpointStore(VerifiedReads):
     """Checkpoints under one root URL. Thread-compatible, not thread-safe."""
 
     def __init__(
@@ -225,59 +213,16 @@ class CheckpointStore:
 
     def probe(self, deadline_s: float = 10.0, *, write: bool = True) -> None:
         """Write, read back and delete a small object under the root: fail fast on a bad location.
-        ``write=False`` (the read-only tools) only proves the root can be listed.
-
-        Uses a deadline of its own (at most the store's), so a misconfigured URL fails in seconds.
-        Raises :class:`StorageNotUsableError` naming the likely cause: a missing bucket, rejected
-        credentials, a read-only location, or an unreachable endpoint.
-        """
+        ``write=False`` (the read-only tools) only proves the root can be listed. Raises
+        :class:`StorageNotUsableError` naming the likely cause (see :mod:`storage.probe`)."""
         retry = dataclasses.replace(self._retry, deadline_s=min(deadline_s, self._retry.deadline_s))
-        outcome: list[BaseException | None] = []
-        worker = threading.Thread(
-            target=lambda: outcome.append(self._probe_once(retry, write)),
-            name="storage-probe",
-            daemon=True,
+        probe_location(
+            self._backend,
+            lambda what, fn: self._call(what, fn, retry),
+            deadline_s=retry.deadline_s,
+            safe_url=self.safe_url,
+            write=write,
         )
-        worker.start()
-        # The retry deadline is only checked between attempts, and one attempt inside s3fs and
-        # botocore retries on its own (measured: 22 s against a dead endpoint with a 10 s deadline).
-        # The budget is a promise to the user, so it is enforced here; a late attempt is abandoned.
-        worker.join(retry.deadline_s + 2.0)
-        error = outcome[0] if outcome else TimeoutError(f"no answer within {retry.deadline_s:.0f}s")
-        if error is None:
-            return
-        cause = (
-            error.__cause__
-            if isinstance(error, StorageUnavailableError) and error.__cause__
-            else error
-        )
-        raise StorageNotUsableError(
-            f"Checkpoint location {self.safe_url!r} is not usable: "
-            f"{diagnose(cause, deadline_s=retry.deadline_s)} "
-            f"({type(cause).__name__}: {str(cause).splitlines()[0][:300] if str(cause) else ''})"
-        ) from error
-
-    def _probe_once(self, retry: RetryPolicy, write: bool) -> BaseException | None:
-        """Write, read back and delete the probe object (or only list the root); the error, or
-        None when usable."""
-        path = self._backend.join(self._backend.root, f".probe-{uuid.uuid4().hex}")
-        payload = b"elastictrain storage probe"
-        written = False
-        try:
-            if not write:
-                return self._call("probe list", self._backend.check_readable, retry)
-            self._call("probe write", lambda: self._backend.write(path, payload), retry)
-            written = True
-            if self._call("probe read", lambda: self._backend.read(path), retry) != payload:
-                raise StorageUnavailableError("the probe object read back different bytes")
-        except Exception as e:  # noqa: BLE001 - every failure here means "not usable"; diagnose it
-            return e
-        finally:
-            # A leftover probe object is harmless, and a failed cleanup must not mask the real error;
-            # nothing to clean when the write failed (against a dead endpoint it costs seconds).
-            if written:
-                with contextlib.suppress(Exception):
-                    self._backend.delete_file(path)
 
     # -- read --------------------------------------------------------------------------------
     def _step_dirs(self) -> list[int]:
@@ -306,114 +251,6 @@ class CheckpointStore:
     def committed_steps(self) -> list[int]:
         """Steps that have a manifest (not verified), oldest first."""
         return [step for step in self._step_dirs() if self.is_committed(step)]
-
-    def read(self, step: int) -> Checkpoint:
-        """Read ``step`` and verify every file's size and checksum against its manifest."""
-        manifest = self.read_manifest(step)
-        if manifest is None:
-            raise CheckpointNotFoundError(
-                f"No committed checkpoint at step {step} under {self.safe_url!r} "
-                f"(committed steps: {self.committed_steps() or 'none'})."
-            )
-        files: dict[str, bytes | memoryview] = {}
-        for name, entry in manifest.files.items():
-            data = self._read_verified(step, name, entry)
-            files[name] = data
-        return Checkpoint(manifest=manifest, files=files)
-
-    def _read_verified(self, step: int, name: str, entry: FileEntry) -> bytes:
-        """One payload file, checked against its manifest entry. A mismatch is read a second
-        time before it is called corruption: a flaky network must never get a good checkpoint
-        skipped (or replaced)."""
-        path = self._backend.join(self._step_dir(step), name)
-        problem = ""
-        for attempt in range(2):
-            try:
-                data, digest = self._call(
-                    f"read {step_dir_name(step)}/{name}",
-                    lambda: read_hashed(self._backend, path, entry.size, entry.block_size),
-                )
-            except FileNotFoundError as e:
-                raise CheckpointCorruptError(
-                    f"Checkpoint step {step} under {self.safe_url!r}: file {name!r} is missing."
-                ) from e
-            if len(data) != entry.size:
-                problem = (
-                    f"has {len(data)} bytes, manifest says {entry.size} (truncated or overwritten)"
-                )
-            elif digest != entry.sha256:
-                problem = (
-                    f"checksum {digest[:16]}... does not match manifest {entry.sha256[:16]}... "
-                    "(corrupted)"
-                )
-            else:
-                if attempt:
-                    logger.warning(
-                        "step %d file %s verified on a second read (the first %s)",
-                        step,
-                        name,
-                        problem,
-                    )
-                return data
-        raise CheckpointCorruptError(
-            f"Checkpoint step {step} under {self.safe_url!r}: file {name!r} {problem}, twice."
-        )
-
-    def open_file(self, step: int, name: str):
-        """An unverified, random-access file object for one payload file (for cheap inspection)."""
-        check_file_name(name)
-        return self._backend.open_read(self._backend.join(self._step_dir(step), name))
-
-    def read_file(self, manifest: Manifest, name: str) -> bytes | memoryview:
-        """One file of a committed checkpoint, verified against ``manifest``."""
-        return self._read_verified(manifest.step, name, manifest.files[name])
-
-    def read_ranges(
-        self, manifest: Manifest, name: str, blocks: list[str], ranges: list[Range]
-    ) -> tuple[dict[Range, memoryview], int]:
-        """Byte ranges of one block-hashed file of a committed checkpoint, each verified against
-        ``blocks`` (its block digests, as recorded in a verified file); a view per range and the
-        bytes read. Raises CheckpointCorruptError on a mismatch that a second read confirms."""
-        entry, step = manifest.files[name], manifest.step
-        path = self._backend.join(self._step_dir(step), name)
-        if not entry.block_size:
-            raise ValueError(f"{name} of step {step} is not block-hashed; read it whole")
-
-        def fail(problem: str) -> CheckpointCorruptError:
-            return CheckpointCorruptError(
-                f"Checkpoint step {step} under {self.safe_url!r}: file {name!r}: {problem}."
-            )
-
-        def read(start: int, end: int) -> bytes:
-            try:
-                return self._call(
-                    f"read {step_dir_name(step)}/{name}[{start}:{end}]",
-                    lambda: self._backend.read_range(path, start, end),
-                )
-            except FileNotFoundError as e:
-                raise fail("missing") from e
-
-        return read_verified(
-            read, ranges, size=entry.size, block_size=entry.block_size, blocks=blocks, fail=fail
-        )
-
-    def check_sizes(self, manifest: Manifest) -> None:
-        """Every file of a committed checkpoint is there with its recorded size: the cheap check
-        (one metadata request per file) that catches a deleted or truncated shard before anyone
-        reads. Raises CheckpointCorruptError."""
-        step_dir = self._step_dir(manifest.step)
-        for name, entry in manifest.files.items():
-            path = self._backend.join(step_dir, name)
-            try:
-                size = self._call(f"size of {name}", lambda p=path: self._backend.size(p))
-            except FileNotFoundError:
-                size = None
-            if size != entry.size:
-                found = "missing" if size is None else f"{size} bytes, manifest says {entry.size}"
-                raise CheckpointCorruptError(
-                    f"Checkpoint step {manifest.step} under {self.safe_url!r}: file {name!r} is "
-                    f"{found}."
-                )
 
     def ranked_manifests(
         self, on_corrupt: Callable[[int, Exception], None] | None = None
