@@ -332,6 +332,12 @@ def main(argv: list[str]) -> int:
         help="instead: step time with --workers DataLoader workers against in-process loading, "
         "on a task that sleeps --load-ms per batch and --compute-ms per step",
     )
+    p.add_argument(
+        "--sharded",
+        action="store_true",
+        help="instead: FSDP2 sharded checkpoints (2 ranks save, 3 resume) against their floors "
+        "and DCP (--size is the whole state; default 256MB here)",
+    )
     p.add_argument("--workers", type=int, default=2, help="loader workers for --loader")
     p.add_argument("--load-ms", type=float, default=50.0, help="load time per batch for --loader")
     p.add_argument("--compute-ms", type=float, default=50.0, help="compute per step for --loader")
@@ -350,6 +356,11 @@ def main(argv: list[str]) -> int:
         from elastictrain.tools import overhead_bench
 
         return overhead_bench.main(args.steps or 2000, args.repeats, args.json)
+    if args.sharded:
+        from elastictrain.tools import sharded_bench
+
+        size = args.size if "--size" in argv else parse_size("256MB")
+        return sharded_bench.main(size, args.repeats, args.json, args.checkpoint_dir)
     if args.recovery:
         from elastictrain.tools import recovery_bench
 

@@ -137,19 +137,20 @@ def test_node_loss_then_rejoin_trains_every_sample_once(launch, tmp_path):
 def test_fsdp_node_loss_reshards_and_trains_every_sample_once(launch, tmp_path):
     """FSDP under c10d: one of two nodes is lost; the survivor reshards the sharded checkpoint
     from 2 ranks to 1 and finishes, and the ledger shows every sample trained exactly once."""
-    steps = 240
+    steps = 320
     port, run_id = free_port(), f"run-{uuid.uuid4().hex[:8]}"
     env = job_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
     ev = str(tmp_path / "fsdp.jsonl")
-    args = app_args(tmp_path, "fsdp", 0.015, ("--parallel", "fsdp"), steps)
+    args = app_args(tmp_path, "fsdp", 0.03, ("--parallel", "fsdp"), steps)
     host = launch(args, torchrun_args=node_args(port, run_id, is_host=True), env=env, name="a")
     wait_for_event(ev, lambda e: e["event"] == Event.START, 60, host)  # the store is up
     node_b = launch(args, torchrun_args=node_args(port, run_id, is_host=False), env=env, name="b")
+    # A checkpoint committed at world size 2, so the survivor has sharded state to reshard.
+    pair = wait_for_event(
+        ev, lambda e: e["event"] == Event.START and e["world_size"] == 2, 120, host
+    )
     wait_for_event(
-        ev,
-        lambda e: e["event"] == Event.PROGRESS and e["world_size"] == 2 and e["step"] >= 90,
-        120,
-        host,
+        ev, lambda e: e["event"] == Event.CHECKPOINT and e["time"] > pair["time"], 120, host
     )
     node_b.kill()  # SIGKILL the agent and every descendant: a lost node
     assert host.wait(240) == 0, host.log()[-3000:]

@@ -197,6 +197,10 @@ def test_workers_of_a_dead_agent_exit_and_commit_nothing(launch, tmp_path):
     workers = list(job.workers().values())
     t_kill = time.time()
     os.kill(job.proc.pid, signal.SIGKILL)  # only the agent: the OOM killer's way
+    job.proc.wait()
+    # Orphaned from here: a commit whose attached-check ran while the agent was still dying (a
+    # commit in flight at the kill) is legitimate; one stamped after this moment is not.
+    t_dead = time.time()
     deadline = time.monotonic() + 10
     alive = workers
     while alive and time.monotonic() < deadline:
@@ -204,7 +208,7 @@ def test_workers_of_a_dead_agent_exit_and_commit_nothing(launch, tmp_path):
         time.sleep(0.05)
     gone_s = time.time() - t_kill
     assert not alive, f"orphaned workers {alive} still running {gone_s:.1f}s after the agent died"
-    late = [c.step for c in storage.open_store(ckpt).list() if c.manifest.created_at > t_kill]
+    late = [c.step for c in storage.open_store(ckpt).list() if c.manifest.created_at > t_dead]
     assert late == [], f"orphans committed steps {late} after the agent died"
     print(
         f"\norphaned workers exited {gone_s:.2f}s after the agent's SIGKILL; nothing committed after it"

@@ -101,8 +101,8 @@ def test_fsdp_sigkilled_twice_once_mid_shard_write_ends_bitwise_equal(launch, tm
 
 @pytest.fixture(scope="module")
 def committed(tmp_path_factory):
-    """An FSDP job at world size 2 with checkpoints at steps 10 and 20 (the rich task: EMA,
-    dropout), shared by the corruption and export tests: each works on its own copy."""
+    """An FSDP job at world size 2 with checkpoints at steps 10, 20, 30 and 40 (the rich task:
+    EMA, dropout), shared by the corruption and export tests: each works on its own copy."""
     from tests.helpers.launcher import Job
 
     root = tmp_path_factory.mktemp("fsdp")
@@ -115,7 +115,7 @@ def committed(tmp_path_factory):
             "--checkpoint-dir",
             ckpt,
             "--max-steps",
-            "20",
+            "40",
             "--checkpoint-every-steps",
             "10",
             "--keep-last",
@@ -144,27 +144,43 @@ def _truncate(path: str) -> None:
         f.truncate(os.path.getsize(path) // 2)
 
 
-@pytest.mark.parametrize("damage", ["flip", "delete", "truncate"])
-def test_a_bad_shard_of_the_newest_step_falls_back_to_the_previous_one(
-    launch, tmp_path, committed, damage
+def test_a_flipped_truncated_or_deleted_shard_falls_back_to_the_previous_step(
+    launch, tmp_path, committed
 ):
+    """Step 40 has a flipped byte in rank 1's shard (found by the block digests while reading),
+    30 a truncated one and 20 a deleted one (both found by the size check): one resume falls back
+    past each, in turn, to step 10."""
     ckpt = str(tmp_path / "ckpt")
     shutil.copytree(committed, ckpt)
-    victim = os.path.join(
-        ckpt, step_dir_name(20), _shards(os.path.join(ckpt, step_dir_name(20)))[1]
-    )
-    {"flip": _flip, "delete": os.unlink, "truncate": _truncate}[damage](victim)
+    for step, damage in ((40, _flip), (30, _truncate), (20, os.unlink)):
+        step_dir = os.path.join(ckpt, step_dir_name(step))
+        damage(os.path.join(step_dir, _shards(step_dir)[1]))
     ev = str(tmp_path / "ev.jsonl")
     job = launch(
-        [*RICH, *FSDP, "--checkpoint-dir", ckpt, "--event-log", ev, "--max-steps", "25"],
+        [
+            *RICH,
+            *FSDP,
+            "--checkpoint-dir",
+            ckpt,
+            "--event-log",
+            ev,
+            "--max-steps",
+            "45",
+            "--checkpoint-every-steps",
+            "10",
+        ],
         max_restarts=0,
     )
     assert job.wait(120) == 0, job.log()[-3000:]
-    assert "CORRUPT CHECKPOINT" in job.log()
+    assert job.log().count("CORRUPT CHECKPOINT") >= 3
+    assert "does not match its digest" in job.log()  # the flip, by rank 1's ranged read
     events = read_events(ev)
-    assert [e["step"] for e in events if e["event"] == Event.CORRUPT] == [20], events
+    assert [e["step"] for e in events if e["event"] == Event.CORRUPT] == [40, 30, 20], events
     resume = next(e for e in events if e["event"] == Event.RESUME)
     assert resume["step"] == 10 and not resume["fresh"], resume
+    # Training reached 40 again and replaced the corrupt checkpoint with a good one.
+    out = run_single(["verify", ckpt, "--step", "40"], cwd=str(tmp_path))
+    assert out.returncode == 0, out.stdout + out.stderr
 
 
 def test_export_gives_the_model_its_checkpoint_holds(tmp_path, committed):
@@ -179,7 +195,7 @@ def test_export_gives_the_model_its_checkpoint_holds(tmp_path, committed):
     for name in ("model.safetensors", "model.pt"):
         out = run_single(["export", committed, "-o", str(tmp_path / name)], cwd=str(tmp_path))
         assert out.returncode == 0, out.stderr
-        assert "exported step 20" in out.stdout
+        assert "exported step 40" in out.stdout
         loaded = (
             safetensors.load_file(str(tmp_path / name))
             if name.endswith(".safetensors")

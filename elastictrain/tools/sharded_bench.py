@@ -1,0 +1,262 @@
+"""``python -m elastictrain bench --sharded``: sharded (FSDP2) checkpoints against their floors and
+against DCP, side by side on the same sharded state.
+
+Two torchrun jobs on this machine (gloo, CPU): 2 ranks save, then 3 ranks resume the same
+checkpoint. Each rank holds an FSDP2 model of Linear layers plus its AdamW moments; ``--size`` is the
+whole state. Figures, each the median of ``--repeats`` and the worst rank's:
+
+- blocked ÷ copy: what a scheduled checkpoint holds the training thread, over a plain copy of the
+  rank's local shards into buffers that are already warm (the floor of any snapshot);
+- save throughput ÷ ``dcp.save``: a foreground checkpoint (snapshot, write + hash, every rank's
+  report, the commit) against ``dcp.save`` of the same state dict; and ``dcp.async_save``'s blocked
+  time beside ours;
+- bytes read ÷ new shard: what each rank at world size 3 read to resume a 2-rank checkpoint (index
+  and common file included), over its new local shards;
+- peak extra memory ÷ shard: the most the process's resident memory grew during its first
+  checkpoint (the staging buffer is allocated then), over the rank's local shards.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from elastictrain.tools._io import child_env
+
+WIDTH = 1024
+
+
+def _build(size: int) -> Any:
+    from elastictrain import parallel
+    from elastictrain.checkpoint.state import TrainState
+
+    torch.manual_seed(0)
+    layers = max(1, size // 12 // (WIDTH * WIDTH))  # fp32 weights + AdamW's two moments
+    model = nn.Sequential(*(nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(layers)))
+    parallel.shard(model, None, torch.device("cpu"), dist.get_world_size())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(4, WIDTH)).sum().backward()
+    optimizer.step()
+    return TrainState(model, optimizer)
+
+
+def _local_bytes(state: Any) -> int:
+    from elastictrain.checkpoint import sharded
+
+    tensors = sharded.local_shards(sharded.split(sharded.capture(state, step=0))[0]).tensors
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def _checkpointer(url: str) -> Any:
+    from elastictrain.checkpoint.checkpointer import Checkpointer
+    from elastictrain.observe.events import EventLog
+
+    return Checkpointer(
+        url=url,
+        storage_options={},
+        retry_deadline=60.0,
+        rank=dist.get_rank(),
+        world_size=dist.get_world_size(),
+        generation=1,
+        control=dist.group.WORLD,
+        device=torch.device("cpu"),
+        events=EventLog(None, enabled=False),
+        keep_last=1000,
+    )
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class _PeakRss:
+    """The highest resident set size seen while the block runs, sampled every millisecond."""
+
+    def __enter__(self) -> _PeakRss:
+        self.start, self.peak, self._stop = _rss(), _rss(), threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.001):
+            self.peak = max(self.peak, _rss())
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, _rss())
+
+
+def _timed(fn: Any) -> float:
+    dist.barrier()
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def save_worker(url: str, size: int, repeats: int, out: str) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from elastictrain.checkpoint import sharded
+    from elastictrain.checkpoint.persist import Reason
+
+    state, ckpt = _build(size), _checkpointer(url)
+    shard = _local_bytes(state)
+    local = sharded.local_shards(sharded.split(sharded.capture(state, step=0))[0]).tensors
+    warm = {k: torch.empty_like(t) for k, t in local.items()}
+    for k, t in local.items():
+        warm[k].copy_(t)
+
+    def copy() -> None:
+        for k, t in local.items():
+            warm[k].copy_(t)
+
+    copies = [_timed(copy) for _ in range(repeats)]
+    with _PeakRss() as mem:  # the first checkpoint allocates and touches the staging buffer
+        ckpt.save(1, state, Reason.STEPS)
+        ckpt.finish()
+    blocked, ours, dcp_s, dcp_blocked = [], [], [], []
+    for i in range(repeats):
+        blocked.append(_timed(lambda i=i: ckpt.save(10 + i, state, Reason.STEPS)))
+        ckpt.finish()
+        ours.append(_timed(lambda i=i: ckpt.save(100 + i, state, Reason.FINAL)))
+        model_sd, optim_sd = get_state_dict(state.model, state.optimizer)
+        sd = {"model": model_sd, "optim": optim_sd}
+        dcp_s.append(
+            _timed(lambda i=i, sd=sd: dcp.save(sd, checkpoint_id=os.path.join(url, f"dcp{i}")))
+        )
+        dist.barrier()
+        t0 = time.perf_counter()
+        future = dcp.async_save(sd, checkpoint_id=os.path.join(url, f"dcp-async{i}"))
+        dcp_blocked.append(time.perf_counter() - t0)
+        (future.upload_completion if hasattr(future, "upload_completion") else future).result()
+    mine = {
+        "shard_bytes": shard,
+        "copy_s": statistics.median(copies),
+        "blocked_s": statistics.median(blocked),
+        "save_s": statistics.median(ours),
+        "dcp_save_s": statistics.median(dcp_s),
+        "dcp_async_blocked_s": statistics.median(dcp_blocked),
+        "peak_extra_bytes": mem.peak - mem.start,
+    }
+    _gather(mine, out)
+
+
+def resume_worker(url: str, size: int, out: str) -> None:
+    import storage
+    from elastictrain.checkpoint import sharded
+
+    state = _build(size)
+    store = storage.open_store(url)
+    manifest = max(
+        (m for m in store.ranked_manifests() if sharded.is_sharded_checkpoint(m.metadata)),
+        key=lambda m: m.step,
+    )
+    t0 = time.perf_counter()
+    _, ranged = sharded.load_into(state, store, manifest, torch.device("cpu"))
+    seconds = time.perf_counter() - t0
+    index = manifest.metadata["index_file"]
+    small = manifest.files[index].size + sum(
+        e.size for n, e in manifest.files.items() if n.startswith("common-")
+    )
+    _gather(
+        {"read_bytes": ranged + small, "new_shard_bytes": _local_bytes(state), "load_s": seconds},
+        out,
+    )
+
+
+def _gather(mine: dict[str, Any], out: str) -> None:
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    if dist.get_rank() == 0:
+        with open(out, "w") as f:
+            json.dump(everyone, f)
+
+
+def _torchrun(nproc: int, args: list[str]) -> None:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc_per_node={nproc}", "-m", "elastictrain.tools.sharded_bench", *args]  # fmt: skip
+    done = subprocess.run(cmd, env=child_env(), capture_output=True, text=True, timeout=1800)
+    if done.returncode != 0:
+        raise RuntimeError(f"sharded bench worker failed:\n{done.stderr[-3000:]}")
+
+
+def run(size: int, repeats: int, where: str) -> dict[str, Any]:
+    scratch = tempfile.mkdtemp(prefix="elastictrain-sharded-bench-", dir=where)
+    try:
+        url = os.path.join(scratch, "ckpt")
+        saved, resumed = os.path.join(scratch, "save.json"), os.path.join(scratch, "resume.json")
+        _torchrun(2, ["save", url, str(size), str(repeats), saved])
+        _torchrun(3, ["resume", url, str(size), "1", resumed])
+        with open(saved) as f:
+            ranks = json.load(f)
+        with open(resumed) as f:
+            readers = json.load(f)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+    def worst(key: str) -> float:
+        return max(r[key] for r in ranks)
+
+    return {
+        "state_bytes": sum(r["shard_bytes"] for r in ranks),
+        "ranks": ranks,
+        "resume_at_3": readers,
+        "blocked_over_copy": worst("blocked_s") / worst("copy_s"),
+        "save_throughput_over_dcp": worst("dcp_save_s") / worst("save_s"),
+        "dcp_async_blocked_s": worst("dcp_async_blocked_s"),
+        "blocked_s": worst("blocked_s"),
+        "read_over_new_shard": max(r["read_bytes"] / r["new_shard_bytes"] for r in readers),
+        "peak_extra_over_shard": max(r["peak_extra_bytes"] / r["shard_bytes"] for r in ranks),
+    }
+
+
+def table(r: dict[str, Any]) -> str:
+    mb = r["state_bytes"] / 1e6
+    rows = [
+        f"sharded state {mb:.0f} MB over 2 ranks (gloo, CPU); worst rank of each, median of repeats",
+        f"  training blocked per checkpoint   {r['blocked_s'] * 1e3:8.1f} ms   "
+        f"{r['blocked_over_copy']:.2f}x the copy of the local shard into warm buffers (target <= 1.2)",
+        f"  dcp.async_save blocked            {r['dcp_async_blocked_s'] * 1e3:8.1f} ms",
+        f"  save throughput with hashing      {r['save_throughput_over_dcp']:.2f}x dcp.save's "
+        "(target >= 1.0)",
+        f"  bytes read resuming 2 -> 3 ranks  {r['read_over_new_shard']:.3f}x the new shard "
+        "(target <= 1.1)",
+        f"  peak extra memory in a checkpoint {r['peak_extra_over_shard']:.2f}x the shard "
+        "(target <= 1.2)",
+    ]
+    return "\n".join(rows)
+
+
+def main(size: int, repeats: int, as_json: bool, where: str) -> int:
+    result = run(size, repeats, where)
+    print(json.dumps(result, indent=1) if as_json else table(result))
+    return 0
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    try:
+        mode, url, size = sys.argv[1], sys.argv[2], int(sys.argv[3])
+        if mode == "save":
+            save_worker(url, size, int(sys.argv[4]), sys.argv[5])
+        else:
+            resume_worker(url, size, sys.argv[5])
+    finally:
+        dist.destroy_process_group()
