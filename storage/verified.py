@@ -8,7 +8,7 @@ import logging
 from dataclasses import dataclass
 
 from storage.errors import CheckpointCorruptError, CheckpointNotFoundError
-from storage.hashing import read_hashed
+from storage.hashing import block_root, read_hashed
 from storage.layout import FileEntry, Manifest, check_file_name, step_dir_name
 from storage.ranges import Range, read_verified
 
@@ -92,18 +92,22 @@ class VerifiedReads:
     def read_ranges(
         self, manifest: Manifest, name: str, blocks: list[str], ranges: list[Range]
     ) -> tuple[dict[Range, memoryview], int]:
-        """Byte ranges of one block-hashed file of a committed checkpoint, each verified against
-        ``blocks`` (its block digests, as recorded in a verified file); a view per range and the
-        bytes read. Raises CheckpointCorruptError on a mismatch that a second read confirms."""
+        """Byte ranges of one block-hashed file of a committed checkpoint, each checked block by
+        block against ``blocks`` (its block digests, from wherever the writer kept them: they are
+        checked first against the file's recorded hash, which is their SHA-256). A view per range
+        and the bytes read. Raises CheckpointCorruptError on a mismatch a second read confirms."""
         entry, step = manifest.files[name], manifest.step
         path = self._backend.join(self._step_dir(step), name)
-        if not entry.block_size:
-            raise ValueError(f"{name} of step {step} is not block-hashed; read it whole")
 
         def fail(problem: str) -> CheckpointCorruptError:
             return CheckpointCorruptError(
                 f"Checkpoint step {step} under {self.safe_url!r}: file {name!r}: {problem}."
             )
+
+        if not entry.block_size:
+            raise ValueError(f"{name} of step {step} is not block-hashed; read it whole")
+        if block_root(blocks) != entry.sha256:
+            raise fail("its block digests do not match its recorded hash")
 
         def read(start: int, end: int) -> bytes:
             try:

@@ -10,18 +10,21 @@ manifest, written last, listing every file with its size and hash.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 import storage
 from elastictrain.checkpoint import sharded
 from elastictrain.checkpoint import state as tstate
 from elastictrain.checkpoint.staging import Snapshot, Staging
 
-_POLL_S = (0.02, 0.5)  # the wait for other ranks' reports: first and longest poll interval
+_POLL_S = (0.005, 0.5)  # the wait for other ranks' reports: first and longest poll interval
 
 
 class FlatLayout:
@@ -80,10 +83,12 @@ class ShardedLayout:
         self.rank, self.world_size = rank, world_size
         self.staging = Staging()
         self.common_staging = Staging() if rank == 0 else None
+        self._plan_cache: dict = {}
 
+    @torch.no_grad()  # DTensor.to_local is then a plain attribute read, not an autograd op
     def snapshot(self, payload: Any) -> ShardSnap:
         dtensors, common = sharded.split(payload)
-        local = sharded.local_shards(dtensors)
+        local = sharded.local_shards(dtensors, self._plan_cache)
         shards = self.staging.snapshot(local.tensors)
         common_snap = self.common_staging.snapshot(common) if self.common_staging else None
         return ShardSnap(local, shards, common_snap)
@@ -111,11 +116,13 @@ class ShardedLayout:
         entries = {common_name: store.write_file(step, common_name, snap.common.data)[0]}
         parts = self._wait_for_reports(store, step, generation, abandoned, deadline_s)
         index_name = sharded.index_file(generation)
-        index = sharded.build_index(parts, common_name)
+        index = sharded.build_index([part for part, _ in parts], common_name, generation)
         entries[index_name] = store.write_file(step, index_name, index)[0]
-        for part in parts:
-            entries[part["file"]] = storage.FileEntry(
-                part["size"], part["sha256"], part["block_size"]
+        for rank, (part, raw) in enumerate(parts):
+            entries[part["file"]] = storage.FileEntry(**part["entry"])
+            # Listed too: its block digests are what a resharding reader verifies ranges with.
+            entries[sharded.part_file(rank, generation)] = storage.FileEntry(
+                len(raw), hashlib.sha256(raw).hexdigest()
             )
         return store.commit_written(
             step,
@@ -125,11 +132,13 @@ class ShardedLayout:
             before_commit=before_commit,
         )
 
-    def _wait_for_reports(self, store, step, generation, abandoned, deadline_s) -> list[dict]:
+    def _wait_for_reports(
+        self, store, step, generation, abandoned, deadline_s
+    ) -> list[tuple[dict[str, Any], bytes]]:
         """Every rank's report for this step and generation, read from storage: the agreed message
         that gates the commit, without a collective on the training thread."""
         wanted = {sharded.part_file(r, generation): r for r in range(self.world_size)}
-        parts: dict[int, dict[str, Any]] = {}
+        parts: dict[int, tuple[dict[str, Any], bytes]] = {}
         deadline = time.monotonic() + deadline_s
         pause = _POLL_S[0]
         while True:
@@ -139,7 +148,7 @@ class ShardedLayout:
                     continue
                 raw = store.read_uncommitted(step, name)
                 if raw is not None:
-                    parts[rank] = json.loads(raw)
+                    parts[rank] = (json.loads(raw), raw)
             if len(parts) == len(wanted):
                 return [parts[r] for r in range(self.world_size)]
             missing = sorted(set(range(self.world_size)) - set(parts))

@@ -336,7 +336,7 @@ def main(argv: list[str]) -> int:
         "--sharded",
         action="store_true",
         help="instead: FSDP2 sharded checkpoints (2 ranks save, 3 resume) against their floors "
-        "and DCP (--size is the whole state; default 256MB here)",
+        "and DCP (--size is the whole sharded state)",
     )
     p.add_argument("--workers", type=int, default=2, help="loader workers for --loader")
     p.add_argument("--load-ms", type=float, default=50.0, help="load time per batch for --loader")
@@ -359,8 +359,7 @@ def main(argv: list[str]) -> int:
     if args.sharded:
         from elastictrain.tools import sharded_bench
 
-        size = args.size if "--size" in argv else parse_size("256MB")
-        return sharded_bench.main(size, args.repeats, args.json, args.checkpoint_dir)
+        return sharded_bench.main(args.size, args.repeats, args.json, args.checkpoint_dir)
     if args.recovery:
         from elastictrain.tools import recovery_bench
 

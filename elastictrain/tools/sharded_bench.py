@@ -35,7 +35,7 @@ from torch import nn
 
 from elastictrain.tools._io import child_env
 
-WIDTH = 1024
+WIDTH = 2048  # 16 MB weights: tensors the size of a small transformer's
 
 
 def _build(size: int) -> Any:
@@ -134,12 +134,18 @@ def save_worker(url: str, size: int, repeats: int, out: str) -> None:
     for i in range(repeats):
         blocked.append(_timed(lambda i=i: ckpt.save(10 + i, state, Reason.STEPS)))
         ckpt.finish()
-        ours.append(_timed(lambda i=i: ckpt.save(100 + i, state, Reason.FINAL)))
         model_sd, optim_sd = get_state_dict(state.model, state.optimizer)
         sd = {"model": model_sd, "optim": optim_sd}
-        dcp_s.append(
-            _timed(lambda i=i, sd=sd: dcp.save(sd, checkpoint_id=os.path.join(url, f"dcp{i}")))
-        )
+
+        def theirs(i=i, sd=sd) -> None:
+            dcp.save(sd, checkpoint_id=os.path.join(url, f"dcp{i}"))
+
+        # Alternated, so neither always meets the disk the other just filled.
+        for which in ("ours", "dcp") if i % 2 == 0 else ("dcp", "ours"):
+            if which == "ours":
+                ours.append(_timed(lambda i=i: ckpt.save(100 + i, state, Reason.FINAL)))
+            else:
+                dcp_s.append(_timed(theirs))
         dist.barrier()
         t0 = time.perf_counter()
         future = dcp.async_save(sd, checkpoint_id=os.path.join(url, f"dcp-async{i}"))
