@@ -38,15 +38,19 @@ def test_fsdp_checkpoint_saved_at_2_resumes_at_1_and_3_with_exact_state(launch, 
     saver = launch(["save", ckpt, ref, "12"], nproc=2, entry=PROBE, name="save")
     assert saver.wait(120) == 0, saver.log()[-3000:]
     assert len(_shards(os.path.join(ckpt, step_dir_name(12)))) == 2
-    for world in (1, 3):
+    jobs = {}
+    for world in (1, 3):  # both at once: each on its own copy
         copy = str(tmp_path / f"at-{world}")
         shutil.copytree(ckpt, copy)
-        job = launch(["resume", copy, ref, "3"], nproc=world, entry=PROBE, name=f"at-{world}")
+        jobs[world] = launch(
+            ["resume", copy, ref, "3"], nproc=world, entry=PROBE, name=f"at-{world}"
+        )
+    for world, job in jobs.items():
         assert job.wait(120) == 0, job.log()[-3000:]
         seen = json.loads(job.log().split("PROBE ", 1)[1].splitlines()[0])
         assert seen == {"world_size": world, "resumed": 12, "differs": [], "tensors": 24}, seen
         # Training went on at the new size: its checkpoint has one shard per rank.
-        assert len(_shards(os.path.join(copy, step_dir_name(15)))) == world
+        assert len(_shards(os.path.join(str(tmp_path / f"at-{world}"), step_dir_name(15)))) == world
 
 
 def _kill_while_shards_are_written(job, ckpt: str, after: int, timeout: float) -> int:
