@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 import storage
 from elastictrain import dist as edist
-from elastictrain.checkpoint import sharded
+from elastictrain.checkpoint import shard_reader, sharded
 from elastictrain.checkpoint import state as tstate
 from elastictrain.checkpoint.layouts import FlatLayout, ShardedLayout
 from elastictrain.checkpoint.persist import COMMITTED, FAILED, MUST_COMMIT, Failure, Persister
@@ -230,7 +230,7 @@ class Checkpointer:
             manifest = self.store.read_manifest(step)
             error = None
             try:
-                payload, nbytes = sharded.load_into(state, self.store, manifest, self.device)
+                payload, nbytes = shard_reader.load_into(state, self.store, manifest, self.device)
             except storage.CheckpointCorruptError as e:
                 error = e
             touched = True

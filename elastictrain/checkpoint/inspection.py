@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import storage
-from elastictrain.checkpoint import sharded
+from elastictrain.checkpoint import shard_reader, sharded
 from elastictrain.checkpoint import state as tstate
 
 logger = logging.getLogger(__name__)
@@ -63,7 +63,7 @@ def _consolidated(store: storage.CheckpointStore, manifests: list, map_location:
     for manifest in manifests:
         try:
             store.check_sizes(manifest)
-            state = sharded.consolidate(store, manifest, map_location)
+            state = shard_reader.consolidate(store, manifest, map_location)
         except storage.CheckpointCorruptError as e:
             if len(manifests) == 1:
                 raise

@@ -125,11 +125,13 @@ def _sharded_tensors(store: storage.CheckpointStore, manifest: storage.Manifest)
     rest from the common file's headers: no tensor data is read."""
     import torch
 
-    from elastictrain.checkpoint import sharded
+    from elastictrain.checkpoint import shard_reader, sharded
     from elastictrain.checkpoint import state as tstate
 
     where = f"step {manifest.step}"
-    index = sharded.Index.parse(store.read_file(manifest, manifest.metadata["index_file"]), where)
+    index = shard_reader.Index.parse(
+        store.read_file(manifest, manifest.metadata["index_file"]), where
+    )
     with store.open_file(manifest.step, index.doc["common"]) as f:
         common = tstate.from_bytes_file(f, map_location="meta")
     metas = {

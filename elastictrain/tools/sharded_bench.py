@@ -165,7 +165,7 @@ def save_worker(url: str, size: int, repeats: int, out: str) -> None:
 
 def resume_worker(url: str, size: int, out: str) -> None:
     import storage
-    from elastictrain.checkpoint import sharded
+    from elastictrain.checkpoint import shard_reader, sharded
 
     state = _build(size)
     store = storage.open_store(url)
@@ -174,7 +174,7 @@ def resume_worker(url: str, size: int, out: str) -> None:
         key=lambda m: m.step,
     )
     t0 = time.perf_counter()
-    _, ranged = sharded.load_into(state, store, manifest, torch.device("cpu"))
+    _, ranged = shard_reader.load_into(state, store, manifest, torch.device("cpu"))
     seconds = time.perf_counter() - t0
     index = manifest.metadata["index_file"]
     small = manifest.files[index].size + sum(
