@@ -217,6 +217,13 @@ def test_export_gives_the_model_its_checkpoint_holds(tmp_path, committed):
     expected.model.eval()
     for out in outputs:
         assert torch.equal(out, expected.model(x))
+    # The CLI shows the shards: how many per checkpoint, and per tensor.
+    listed = run_single(["ls", committed, "--json"], cwd=str(tmp_path))
+    rows = json.loads(listed.stdout)["checkpoints"]
+    assert [(r["shards"], r["verified"]) for r in rows] == [(2, True)] * 4, rows
+    shown = json.loads(run_single(["inspect", committed, "--json"], cwd=str(tmp_path)).stdout)
+    weight = next(t for t in shown["tensors"] if t["name"] == "model.0.weight")
+    assert weight["shape"] == [32, 10] and weight["shards"] == 2
     # And it is the trained model, not a fresh one.
     assert not torch.equal(outputs[0], make_task({}).model.eval()(x))
     assert sharded.is_sharded_checkpoint(state["manifest"])
