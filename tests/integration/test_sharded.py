@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import time
 
 import pytest
@@ -75,14 +76,16 @@ def _kill_while_shards_are_written(job, ckpt: str, after: int, timeout: float) -
 
 
 @pytest.mark.slow
-def test_fsdp_sigkilled_twice_once_mid_shard_write_ends_bitwise_equal(launch, tmp_path):
+def test_fsdp_sigkilled_twice_once_mid_shard_write_then_preempted_ends_bitwise_equal(
+    launch, tmp_path
+):
     # ~10 MB of sharded state (weights + AdamW moments), so a shard write takes a moment.
     extra = (*FSDP, "--task-option", "hidden=512", "--task-option", "layers=3")
     ref = launch(
         toy_args(
             str(tmp_path / "ref"),
             str(tmp_path / "ref.jsonl"),
-            max_steps=120,
+            max_steps=160,
             every=20,
             step_time=0,
             extra=extra,
@@ -90,7 +93,8 @@ def test_fsdp_sigkilled_twice_once_mid_shard_write_ends_bitwise_equal(launch, tm
         name="ref",
     )
     ev, ckpt = str(tmp_path / "run.jsonl"), str(tmp_path / "run")
-    job = launch(toy_args(ckpt, ev, max_steps=120, every=20, step_time=0.01, extra=extra))
+    args = toy_args(ckpt, ev, max_steps=160, every=20, step_time=0.015, extra=extra)
+    job = launch(args)
     first = wait_for_event(ev, lambda e: e["event"] == Event.CHECKPOINT, 90, job)
     caught = _kill_while_shards_are_written(job, ckpt, first["step"], 90)
     resumed = wait_for_event(ev, lambda e: e["event"] == Event.RESUME and not e["fresh"], 90, job)
@@ -98,11 +102,27 @@ def test_fsdp_sigkilled_twice_once_mid_shard_write_ends_bitwise_equal(launch, tm
         ev, lambda e: e["event"] == Event.CHECKPOINT and e["time"] > resumed["time"], 90, job
     )
     job.kill_worker(0)  # the second kill: rank 0, between checkpoints
-    assert job.wait(240) == 0, job.log()[-3000:]
+    third = wait_for_event(
+        ev, lambda e: e["event"] == Event.RESUME and e["time"] > resumed["time"], 90, job
+    )
+    wait_for_event(
+        ev,
+        lambda e: e["event"] == Event.PROGRESS and e["time"] > third["time"] and e["step"] % 20,
+        90,
+        job,
+    )
+    os.kill(job.proc.pid, signal.SIGTERM)  # then a preemption, through the agent
+    job.wait(90)
+    assert "PREEMPTED (SIGTERM)" in job.log() and "exit 75" in job.log(), job.log()[-3000:]
+    preempted = [e for e in read_events(ev) if e["event"] == Event.PREEMPTED]
+    assert len(preempted) == 1
+    again = launch(args, name="relaunch")
+    assert again.wait(240) == 0, again.log()[-3000:]
     assert ref.wait(240) == 0, ref.log()[-3000:]
 
     resumes = [e for e in read_events(ev) if e["event"] == Event.RESUME]
-    assert [e["fresh"] for e in resumes] == [True, False, False], resumes
+    assert [e["fresh"] for e in resumes] == [True, False, False, False], resumes
+    assert resumes[-1]["step"] == preempted[0]["step"]  # the preemption lost zero steps
     # The step caught mid-write commits only if rank 1's write completed in the instant before the
     # kill; either way resume picked a step that verified, and nothing was found corrupt.
     assert resumes[1]["step"] <= caught and "CORRUPT CHECKPOINT" not in job.log()
