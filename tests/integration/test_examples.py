@@ -168,8 +168,8 @@ def test_library_mode_custom_loop_killed_and_preempted_resumes_exactly(launch, t
     env = job_env()
     assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in env
     ref_dir = str(tmp_path / "ref")
+    # The reference runs beside the killed job (same seed and world size), not before it.
     ref = launch(custom_loop_args(ref_dir, str(tmp_path / "ref.jsonl")), entry=script, env=env)
-    assert ref.wait(180) == 0, ref.log()[-3000:]
 
     ckpt, ev = str(tmp_path / "run"), str(tmp_path / "run.jsonl")
     job = launch(
@@ -212,6 +212,7 @@ def test_library_mode_custom_loop_killed_and_preempted_resumes_exactly(launch, t
     Kill, Preemption, Finished = Outcome.KILL, Outcome.PREEMPTION, Outcome.FINISHED
     assert outcomes == [Kill] * KILLS + [Preemption, Finished], outcomes
     assert "starting at step 0 " in job.log() and "saved extra: {'loss':" in job.log()
+    assert ref.wait(180) == 0, ref.log()[-3000:]
     ref_state, got = final_state(ref_dir), final_state(ckpt)
     assert_bitwise_equal(ref_state, got)
     assert got["extra"] == ref_state["extra"]  # the user's own state round-trips too

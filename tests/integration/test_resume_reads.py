@@ -26,16 +26,23 @@ def test_bytes_read_per_resume_at_world_size_3(launch, tmp_path):
     (size,) = [f.size for f in storage.open_store(root).read(20).manifest.files.values()]
     assert size >= PIPELINE_BYTES  # the chunked read path, not one cat_file
 
-    for mode, expected_ratio in (("rank0", 1.0), ("all", 3.0)):
+    runs = {}
+    for mode in ("rank0", "all"):  # side by side, each on its own copy
         copy, ev, log = (str(tmp_path / f"{name}-{mode}") for name in ("ckpt", "ev", "reads"))
         shutil.copytree(root, copy)
-        second = launch(
-            [*common, "--checkpoint-dir", f"counting://{copy}", "--max-steps", "30"]
-            + ["--resume-read", mode, "--event-log", ev],
-            nproc=3,
-            env=job_env(COUNTING_FS_LOG=log),
-            name=f"second-{mode}",
+        runs[mode] = (
+            launch(
+                [*common, "--checkpoint-dir", f"counting://{copy}", "--max-steps", "30"]
+                + ["--resume-read", mode, "--event-log", ev],
+                nproc=3,
+                env=job_env(COUNTING_FS_LOG=log),
+                name=f"second-{mode}",
+            ),
+            ev,
+            log,
         )
+    for mode, expected_ratio in (("rank0", 1.0), ("all", 3.0)):
+        second, ev, log = runs[mode]
         assert second.wait(120) == 0, second.log()[-3000:]
         assert [e["step"] for e in read_events(ev) if e["event"] == Event.RESUME] == [20]
         ratio = bytes_read(log, os.path.join("step-000000000020", "state-g")) / size

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 
 import pytest
@@ -10,10 +11,11 @@ import pytest
 from tests.helpers.launcher import REPO_ROOT, final_state, run_single
 
 
+# Tiny runs of each bench mode, one test each (so they run side by side): only sanity is asserted,
+# that the figures are positive, add up, and the ratios are within bounds no working runner misses
+# (the real targets are measured by hand, docs/performance.md).
 @pytest.mark.slow
-def test_bench_overhead_and_recovery_give_sane_figures(tmp_path):
-    """Tiny runs, so only sanity is asserted: the figures are positive, add up, and the ratios
-    are within bounds no working runner misses (the real targets are measured by hand)."""
+def test_bench_overhead_gives_sane_figures(tmp_path):
     out = run_single(
         ["bench", "--overhead", "--steps", "60", "--repeats", "1", "--json"], REPO_ROOT, 240
     )
@@ -24,6 +26,8 @@ def test_bench_overhead_and_recovery_give_sane_figures(tmp_path):
     assert overhead["runner_overhead"] == pytest.approx(ratio - 1)
     assert -0.5 < overhead["runner_overhead"] < 1.0, overhead  # same loop: never 2x slower
 
+
+def test_bench_loader_gives_sane_figures(tmp_path):
     out = run_single(
         ["bench", "--loader", "--steps", "12", "--repeats", "1", "--json", "--load-ms", "30"],
         REPO_ROOT,
@@ -37,6 +41,9 @@ def test_bench_overhead_and_recovery_give_sane_figures(tmp_path):
         loader["in_process_step_s"] / loader["workers_step_s"]
     )
 
+
+@pytest.mark.slow
+def test_bench_recovery_gives_sane_figures(tmp_path):
     out = run_single(["bench", "--recovery", "--size", "1MB", "--json"], REPO_ROOT, 240)
     assert out.returncode == 0, out.stderr[-3000:]
     recovery = json.loads(out.stdout)
@@ -49,6 +56,26 @@ def test_bench_overhead_and_recovery_give_sane_figures(tmp_path):
     assert (
         recovery["ratio_to_bare_plus_read"] > 1.0
     )  # a restart with a load costs more than one without
+
+
+@pytest.mark.slow
+def test_bench_sharded_gives_sane_figures(tmp_path):
+    out = run_single(
+        ["bench", "--sharded", "--size", "24MB", "--repeats", "1", "--json",
+         "--checkpoint-dir", str(tmp_path)],
+        REPO_ROOT,
+        240,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    r = json.loads(out.stdout)
+    assert len(r["ranks"]) == 2 and len(r["resume_at_3"]) == 3
+    # Every rank holds half of the state; at 3 ranks each read at least its own new shard.
+    assert all(abs(x["shard_bytes"] - r["state_bytes"] / 2) < 1e6 for x in r["ranks"]), r
+    assert all(x["read_bytes"] >= x["new_shard_bytes"] > 0 for x in r["resume_at_3"]), r
+    assert 0 < r["blocked_over_copy"] < 20 and r["save_throughput_over_dcp"] > 0, r
+    assert 0 < r["peak_extra_over_shard"] < 3, r
+    assert r["read_over_new_shard"] < 1.5, r  # 64 KiB blocks: little is read that is not needed
+    assert not os.listdir(tmp_path)  # the scratch folder is removed
 
 
 @pytest.mark.slow
