@@ -55,8 +55,10 @@ def test_digits_full_job_trains_to_95_percent_through_a_kill_and_report_draws_it
     job = launch(digits_args(ckpt, ev), max_restarts=3, name="killed")
     wait_for_event(ev, lambda e: e["event"] == Event.CHECKPOINT and e["step"] >= 100, 90, job)
     job.kill_worker(0)  # SIGKILL rank 0, the writer, mid-run
-    assert job.wait(180) == 0, job.log()[-3000:]
-    assert clean.wait(180) == 0, clean.log()[-3000:]
+    # 60-110 s alone; in a full CI run it starts beside the other slow tests on 2 cores and once
+    # needed more than 180 s (7.8 steps/s). The pytest timeout (300 s) still bounds the test.
+    assert job.wait(240) == 0, job.log()[-3000:]
+    assert clean.wait(240) == 0, clean.log()[-3000:]
 
     ref, got = final_state(str(tmp_path / "clean")), final_state(ckpt)
     ref_eval, got_eval = final_eval(clean_ev), final_eval(ev)
