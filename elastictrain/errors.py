@@ -35,6 +35,10 @@ class CheckpointMismatchError(ElasticTrainError, ValueError):
     """A checkpoint does not fit this run's model or data (keys, shapes, batch size)."""
 
 
+class StorageNotSharedError(ElasticTrainError):
+    """A multi-node job whose nodes do not all see the checkpoint location rank 0 uses."""
+
+
 class UnsafeCheckpointError(ElasticTrainError):
     """A checkpoint would need arbitrary unpickling to load; it is refused, never executed."""
 

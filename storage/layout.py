@@ -18,6 +18,7 @@ from storage.errors import CheckpointCorruptError
 
 MANIFEST_NAME = "manifest.json"
 FENCE_NAME = "fence.json"  # at the root: the newest writer generation; older writers may not commit
+HISTORY_DIR = "events"  # at the root: the run's event history (``run_files``)
 FORMAT_VERSION = 1
 CHECKSUM_ALGORITHM = "sha256"
 

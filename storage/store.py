@@ -36,7 +36,8 @@ from storage.layout import (
 from storage.probe import probe_location
 from storage.retention import partial_steps_to_delete, steps_to_delete
 from storage.retry import RetryPolicy
-from storage.urls import redact_url
+from storage.run_files import RunFiles
+from storage.urls import is_local, redact_url
 from storage.verified import Checkpoint, VerifiedReads
 
 logger = logging.getLogger(__name__)
@@ -64,7 +65,7 @@ class ListedCheckpoint:
         return self.error is None
 
 
-class CheckpointStore(VerifiedReads):
+class CheckpointStore(VerifiedReads, RunFiles):
     """Checkpoints under one root URL. Thread-compatible, not thread-safe."""
 
     def __init__(
@@ -78,6 +79,12 @@ class CheckpointStore(VerifiedReads):
         self.safe_url = redact_url(url)
         self._backend: Backend = open_backend(url, storage_options)
         self._retry = retry or RetryPolicy()
+
+    @property
+    def location(self) -> str:
+        """Where this process resolved the URL: a local path made absolute (so two hosts' "same"
+        relative path can be told apart), else the URL with any credentials removed."""
+        return self._backend.root if is_local(self.url) else self.safe_url
 
     def _step_dir(self, step: int) -> str:
         return self._backend.join(self._backend.root, step_dir_name(step))

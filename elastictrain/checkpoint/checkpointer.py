@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 import storage
 from elastictrain import dist as edist
-from elastictrain.checkpoint import shard_reader, sharded
+from elastictrain.checkpoint import node_check, shard_reader, sharded
 from elastictrain.checkpoint import state as tstate
 from elastictrain.checkpoint.layouts import FlatLayout, ShardedLayout
 from elastictrain.checkpoint.persist import COMMITTED, FAILED, MUST_COMMIT, Failure, Persister
@@ -77,13 +77,14 @@ class Checkpointer:
         self.sharded: bool | None = None
         """Known from the state at the first resume or save."""
         self._last_committed: int | None = None
-        self._open_store = lambda: storage.open_store(
+        # A new store (own backend and retries) for whoever asks: the history writer, a reader.
+        self.open_store = lambda: storage.open_store(
             url,
             storage_options=storage_options,
             retry=storage.RetryPolicy(deadline_s=retry_deadline),
         )
         if self.is_writer or read_mode == "all":
-            self.store = self._open_store()
+            self.store = self.open_store()
         self._writer_args = dict(
             world_size=world_size,
             generation=lambda: self.generation,
@@ -102,7 +103,7 @@ class Checkpointer:
             return
         self.sharded = sharded.is_sharded(state.model)
         if self.sharded and self.store is None:
-            self.store = self._open_store()
+            self.store = self.open_store()
         if self.is_writer or self.sharded:
             layout = ShardedLayout(self.rank, self.world_size) if self.sharded else FlatLayout()
             self.writer = Persister(
@@ -127,10 +128,23 @@ class Checkpointer:
     def skipped(self) -> int:
         return self.writer.skipped if self.writer else 0
 
-    def preflight(self) -> None:
-        """Rank 0 proves the location is usable before any compute is spent."""
+    def preflight(self, *, local_rank: int, local_world_size: int, setting: str) -> None:
+        """Rank 0 proves the location is usable before any compute is spent; in a multi-node
+        job every node then proves it sees that same location (``node_check``)."""
         if self.is_writer:
             self.store.probe()
+        if self.world_size > local_world_size:
+            reads = self.is_writer or local_rank == 0
+            node_check.check_shared_storage(
+                (self.store or self.open_store()) if reads else None,
+                self.control,
+                rank=self.rank,
+                world_size=self.world_size,
+                local_rank=local_rank,
+                local_world_size=local_world_size,
+                generation=self.generation,
+                setting=setting,
+            )
 
     def claim(self) -> int:
         """Claim the store for this generation, fencing out older writers. Done after a
