@@ -36,8 +36,10 @@ from elastictrain.checkpoint.persist import Reason
 from elastictrain.checkpoint.schedule import CheckpointSchedule
 from elastictrain.checkpoint.state import TrainState
 from elastictrain.control import Control
+from elastictrain.env import read_env
 from elastictrain.errors import EXIT_PREEMPTED, ConfigError, named_timeout
 from elastictrain.observe.events import Event, EventLog, LastWords
+from elastictrain.observe.history import LAST_WORDS_WAIT_S, RunHistory
 from elastictrain.signals import StopSignals, parse_signal
 from elastictrain.watchdog import HangWatchdog
 
@@ -166,8 +168,11 @@ class CheckpointSession:
         self.config, self.rank = config, rank
         self.is_rank0 = rank == 0
         alone = gate is None
-        self.events = EventLog(config.event_log, enabled=self.is_rank0)
-        self.last_words = LastWords(config.event_log, rank)
+        # The run's history beside its checkpoints (rank 0's events, every rank's last words);
+        # the store opens lazily, on the history's own thread.
+        self.history = RunHistory(lambda: self.ckpt.open_store(), rank=rank, generation=generation)
+        self.events = EventLog(config.event_log, enabled=self.is_rank0, history=self.history)
+        self.last_words = LastWords(config.event_log, rank, history=self.history)
         self.watchdog = watchdog
         if watchdog is not None:
             watchdog.last_words = self.last_words
@@ -225,11 +230,24 @@ class CheckpointSession:
 
     def emit_end(self, step: int, **fields: Any) -> None:
         self.events.emit(Event.END, step=step, **fields)
+        self._flush_history()
+
+    def _flush_history(self) -> None:
+        """Before the process may exit: rank 0's last events reach the checkpoint location (or
+        the wait runs out; the history never holds up an exit for long)."""
+        if self.is_rank0:
+            self.history.flush(wait_s=LAST_WORDS_WAIT_S)
 
     def preflight(self) -> None:
-        """Rank 0 proves the location usable before any compute is spent (once)."""
+        """Rank 0 proves the location usable before any compute is spent, and in a multi-node
+        job every node proves it sees the same location (once)."""
+        env = read_env()
         with self.gate("resume"):
-            self.ckpt.preflight()
+            self.ckpt.preflight(
+                local_rank=env.local_rank,
+                local_world_size=env.local_world_size,
+                setting=self.config.spell("url"),
+            )
         self._probed = True
 
     def resume(self, state: TrainState) -> Resumed:
@@ -286,6 +304,7 @@ class CheckpointSession:
         self.save(step, state, Reason.PREEMPT)
         # Without handlers of our own, a peer's signal stopped us: StopSignals([]) says so.
         name = (self.signals or StopSignals([], interrupt=False)).announce(self.events, step, t0)
+        self._flush_history()
         raise Preempted(step, name)
 
     def close(self) -> None:
@@ -296,6 +315,7 @@ class CheckpointSession:
             self.signals = None
         with self.gate("close"):
             self.ckpt.finish()
+        self._flush_history()
         if self.ckpt.failure is not None:
             self.ckpt.raise_failure()
 

@@ -52,15 +52,34 @@ class Cause(Name):
     ABORTED = "aborted"  # a second interrupt (Ctrl-C) or stop signal: stopped at once
 
 
+FLUSHES = frozenset(
+    {
+        Event.RESUME,
+        Event.MEMBERSHIP,
+        Event.CHECKPOINT,
+        Event.CORRUPT,
+        Event.CHECKPOINT_SKIPPED,
+        Event.CHECKPOINT_FAILED,
+        Event.PREEMPTED,
+        Event.END,
+    }
+)
+"""Events after which the history mirror writes a segment: one per resume and commit, so the
+mirror costs about one small object per checkpoint."""
+
+
 class EventLog:
     """Appends one JSON object per line; opened in append mode so restarts extend the same story.
 
     Each write is a single ``write`` of one line on an O_APPEND file, flushed at once, so a kill
-    can lose at most the line being written and never interleaves two lines.
+    can lose at most the line being written and never interleaves two lines. ``history``: rank 0's
+    mirror of these lines into the checkpoint location (``observe.history``), kept with or without
+    a local ``path``.
     """
 
-    def __init__(self, path: str | None, *, enabled: bool) -> None:
+    def __init__(self, path: str | None, *, enabled: bool, history: Any = None) -> None:
         self.path = path if enabled else None
+        self.history = history if enabled else None
         if self.path:
             os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
             self._terminate_torn_line()
@@ -78,18 +97,26 @@ class EventLog:
                 f.write(b"\n")
 
     def emit(self, event: str, **fields: Any) -> None:
-        if not self.path:
+        if not self.path and not self.history:
             return
-        try:
-            _append_line(self.path, {"event": event, "time": time.time(), **fields})
-        except OSError as e:
-            # An unwritable event log must not kill training; say so once per failure.
-            logger.warning("could not append to event log %s: %s", self.path, e)
+        line = _line({"event": event, "time": time.time(), **fields})
+        if self.history:
+            self.history.add(line, flush=event in FLUSHES)
+        if self.path:
+            try:
+                _append_line(self.path, line)
+            except OSError as e:
+                # An unwritable event log must not kill training; say so once per failure.
+                logger.warning("could not append to event log %s: %s", self.path, e)
 
 
-def _append_line(path: str, record: dict[str, Any]) -> None:
+def _line(record: dict[str, Any]) -> str:
+    return json.dumps(record, sort_keys=True, default=str) + "\n"
+
+
+def _append_line(path: str, line: str | dict[str, Any]) -> None:
     """One ``write`` of one line on an O_APPEND file: a kill loses at most that line."""
-    line = json.dumps(record, sort_keys=True, default=str) + "\n"
+    line = line if isinstance(line, str) else _line(line)
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
         os.write(fd, line.encode())
@@ -155,14 +182,22 @@ class LastWords:
 
     Only rank 0 writes the event log otherwise, but rank 0 may be the one that was stopped or
     killed, and then only a peer knows that the attempt died of a hang. Each rank appends to the
-    ``--event-log`` path on its own host: on one node that is the same file; on others it is a
-    file of last words only. Opened lazily, so healthy ranks never touch it.
+    ``--event-log`` path on its own host (on one node that is the same file; on others a file of
+    last words only) and writes them beside the checkpoints (``history``), where the report finds
+    every rank's. Opened lazily, so healthy ranks never touch either.
     """
 
-    def __init__(self, path: str | None, rank: int) -> None:
-        self.path, self.rank = path, rank
+    def __init__(self, path: str | None, rank: int, history: Any = None) -> None:
+        self.path, self.rank, self.history = path, rank, history
 
     def __call__(self, cause: str, detail: str) -> None:
-        EventLog(self.path, enabled=bool(self.path)).emit(
-            Event.EXIT, cause=cause, detail=detail, rank=self.rank
-        )
+        record = {"event": Event.EXIT, "time": time.time(), "cause": cause, "detail": detail}
+        line = _line({**record, "rank": self.rank})
+        if self.path:
+            EventLog(self.path, enabled=True)  # ends a torn line first
+            try:
+                _append_line(self.path, line)
+            except OSError as e:
+                logger.warning("could not append to event log %s: %s", self.path, e)
+        if self.history is not None:
+            self.history.last_words(line)

@@ -183,8 +183,11 @@ def test_unknown_protocol_fails_clearly(tmp_path):
 
 
 def _snapshot(root: str) -> dict[str, bytes]:
+    """Every file under ``root`` but the run's history (events/), which records each start."""
     out = {}
     for dirpath, _, names in os.walk(root):
+        if os.path.relpath(dirpath, root).split(os.sep)[0] == "events":
+            continue
         for name in names:
             with open(os.path.join(dirpath, name), "rb") as f:
                 out[os.path.relpath(os.path.join(dirpath, name), root)] = f.read()
@@ -211,6 +214,10 @@ def test_mismatched_checkpoint_fails_clearly_and_deletes_nothing(tmp_path):
         "step-000000000010",
         "step-000000000020",
     ]
+    # The failed start is in the run's history: its last words name the error.
+    exits = [n for n in os.listdir(os.path.join(ckpt, "events")) if n.startswith("exit-")]
+    with open(os.path.join(ckpt, "events", exits[0])) as f:
+        assert '"detail": "Checkpoint step 20' in f.read() and len(exits) == 1
 
 
 def test_full_run_on_s3_and_ls(tmp_path, s3_bucket):
