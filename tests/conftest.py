@@ -178,11 +178,14 @@ def launch(tmp_path):
         name: str = "job",
         entry: tuple[str, ...] = ("-m", "elastictrain"),
         script: list[str] | None = None,
+        cwd: str | None = None,
     ) -> Job:
-        """``script``: a launch script run (with ``app_args`` after it) instead of torchrun."""
+        """``script``: a launch script run (with ``app_args`` after it) instead of torchrun.
+        ``cwd``: where it starts (default the test's tmp_path): one folder per simulated node."""
         log = str(tmp_path / f"{name}-{len(jobs)}.log")
+        cwd = cwd or str(tmp_path)
         if script is not None:
-            jobs.append(Job.wrapping([*script, *app_args], log, cwd=str(tmp_path), env=env))
+            jobs.append(Job.wrapping([*script, *app_args], log, cwd=cwd, env=env))
             return jobs[-1]
         targs = torchrun_args or [
             "--standalone",
@@ -193,7 +196,7 @@ def launch(tmp_path):
             targs,
             app_args,
             log,
-            cwd=str(tmp_path),
+            cwd=cwd,
             env=env,
             entry=entry,
         )

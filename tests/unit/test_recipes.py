@@ -19,6 +19,7 @@ STUB_ENV = {
     "SLURM_JOB_ID": "1",
     "SLURM_NNODES": "4",
     "HEAD": "h",
+    "CHECKPOINT_DIR": "s3://b/r",
     "PATH": os.environ["PATH"],
 }
 
@@ -72,3 +73,42 @@ def test_kubernetes_manifest_is_valid():
     )
     cfg = parse_args(args[args.index("elastictrain") + 1 :])
     assert cfg.checkpoint_dir.startswith("s3://")  # pods come and go: never a pod's disk
+
+
+_FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9_-]*")
+README_SNIPPETS = {  # the README's multi-node section: the first line of each code block names it
+    "examples/multinode.sh": "# Plain hosts (examples/multinode.sh)",
+    "examples/slurm/train.sbatch": "# SLURM (examples/slurm/train.sbatch)",
+    "examples/kubernetes/pytorchjob.yaml": "# Kubernetes (examples/kubernetes/pytorchjob.yaml)",
+}
+
+
+def _code_flags(text: str) -> set[str]:
+    """Every --flag outside comments (#SBATCH lines are comments too)."""
+    code = [line.split(" #")[0] for line in text.splitlines() if not line.lstrip().startswith("#")]
+    return set(_FLAG.findall("\n".join(code)))
+
+
+def _readme_block(first_line: str) -> str:
+    with open(os.path.join(REPO_ROOT, "README.md")) as f:
+        readme = f.read()
+    start = readme.index(first_line)
+    return readme[start : readme.index("```", start)]
+
+
+@pytest.mark.parametrize("recipe", list(README_SNIPPETS))
+def test_readme_multinode_snippets_use_the_recipes_flags(recipe):
+    """The README's multi-node snippets are the recipes, line for line in their flags: a flag
+    added to or dropped from either side fails here."""
+    with open(os.path.join(REPO_ROOT, recipe)) as f:
+        text = f.read()
+    if recipe.endswith(".yaml"):
+        (container,) = yaml.safe_load(text)["spec"]["pytorchReplicaSpecs"]["Worker"]["template"][
+            "spec"
+        ]["containers"]
+        text = " ".join(["torchrun", *container["args"]])
+    snippet = _code_flags(_readme_block(README_SNIPPETS[recipe]))
+    assert snippet == _code_flags(text), (
+        f"README only: {sorted(snippet - _code_flags(text))}; "
+        f"{recipe} only: {sorted(_code_flags(text) - snippet)}"
+    )
