@@ -69,6 +69,8 @@ class FaultProxy:
         self._rng = random.Random(seed)
         self._lock = threading.Lock()
         self._counts: collections.Counter[str] = collections.Counter()
+        self.requests: list[tuple[str, str]] = []
+        """(method, path) of every request, in arrival order (``count_requests`` reads them)."""
         self._faulted: set[tuple[str, str]] = set()
         self._server = ThreadingHTTPServer(("127.0.0.1", port), self._handler_class())
         self._server.daemon_threads = True
@@ -93,6 +95,7 @@ class FaultProxy:
         key = (method, path)
         with self._lock:
             self._counts["requests"] += 1
+            self.requests.append(key)
             if key in self._faulted:
                 self._faulted.discard(key)
                 self._counts["retried"] += 1
