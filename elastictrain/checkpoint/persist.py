@@ -153,6 +153,10 @@ class Persister:
                 waited,
                 previous,
             )
+        if self.failure is not None:
+            # The previous one failed for good: the run is stopping (the next agreement raises
+            # it on every rank). Another write to the same storage would only add a failure.
+            return FAILED, self.failure.error
         t0 = time.monotonic()
         snap = self.layout.snapshot(state())
         job = _Job(

@@ -247,3 +247,24 @@ def test_a_late_stale_commit_never_outranks_the_current_generation(store):
     backend.write_atomic(backend.join(backend.root, step_dir, "manifest.json"), late.to_json())
     assert store.committed_steps() == [100, 120, 150]
     assert store.latest().manifest.step == 120
+
+
+def test_run_files_live_beside_checkpoints_and_are_never_taken_for_one(store):
+    """The history and the node check's marker, on every backend (S3 included): written whole,
+    read back, listed in name order, and invisible to listing, latest and retention."""
+    _commit(store, 10)
+    store.write_marker("node-check-g7.json", b'{"generation": 7}')
+    assert store.read_marker("node-check-g7.json") == b'{"generation": 7}'
+    assert store.read_marker("node-check-g8.json") is None
+    store.write_history("g7-s000001.jsonl", b'{"event": "end"}\n')
+    store.write_history("g7-s000000.jsonl", b'{"event": "start"}\n')
+    store.write_history("g7-s000000.jsonl", b'{"event": "start"}\n{"event": "resume"}\n')  # a retry
+    assert store.read_history() == [
+        ("g7-s000000.jsonl", b'{"event": "start"}\n{"event": "resume"}\n'),
+        ("g7-s000001.jsonl", b'{"event": "end"}\n'),
+    ]
+    store.delete_marker("node-check-g7.json")
+    assert store.read_marker("node-check-g7.json") is None
+    assert store.committed_steps() == [10] and [c.step for c in store.list()] == [10]
+    assert store.apply_retention(keep_last=1, newest_good=10) == []
+    assert len(store.read_history()) == 2

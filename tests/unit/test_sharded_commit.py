@@ -42,3 +42,41 @@ def test_a_rank_that_gave_up_ends_the_wait_without_a_commit(tmp_path):
     assert not store.is_committed(3)
     # Skippable under --on-storage-failure warn, like any storage outage.
     assert isinstance(ShardsMissingError("x"), storage.StorageUnavailableError)
+
+
+def test_no_new_checkpoint_is_written_after_one_failed_for_good(tmp_path):
+    """``fail``: once a background persist failed, the next save starts nothing (the loop stops
+    the run on the failure) instead of writing into storage that just refused a checkpoint."""
+    import torch
+
+    from elastictrain.checkpoint.persist import FAILED, Persister
+    from elastictrain.observe.events import EventLog
+
+    class DownStore:
+        writes = 0
+
+        def __getattr__(self, name):
+            def down(*a, **k):
+                DownStore.writes += 1
+                raise storage.StorageUnavailableError(f"injected: {name} while storage is down")
+
+            return down
+
+    writer = Persister(
+        store=DownStore(),
+        world_size=1,
+        generation=lambda: 1,
+        events=EventLog(None, enabled=False),
+        keep_last=3,
+        keep_every=None,
+        on_failure="fail",
+        attached=lambda: True,
+    )
+    state = {"w": torch.ones(4)}
+    writer.save(40, 0, "steps", lambda: state, background=True)
+    writer.wait()
+    assert writer.failure is not None and writer.failure.step == 40
+    calls = DownStore.writes
+    assert writer.save(60, 0, "steps", lambda: state, background=True)[0] == FAILED
+    writer.wait()
+    assert DownStore.writes == calls and writer.failure.step == 40
