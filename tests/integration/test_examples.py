@@ -24,7 +24,7 @@ from tests.helpers.launcher import (
     wait_for_event,
 )
 
-DIGITS_STEPS = 300
+DIGITS_STEPS = 200  # 0.972 / EMA 0.967 held-out accuracy (deterministic); asserted >= 0.95
 # The README's full-job command: everything a real job adds, at once.
 FULL_JOB = ("--task", "examples.digits.full_job:make_task", "--precision", "bf16")
 FULL_JOB += ("--grad-accum-steps", "2", "--clip-grad-norm", "1.0", "--num-workers", "2")
@@ -80,7 +80,7 @@ def test_digits_full_job_trains_to_95_percent_through_a_kill_and_report_draws_it
         # The summary names the restart as a kill and the last attempt as finished.
         stdout = capsys.readouterr().out
         assert stdout.count("ended: kill") == 1 and "ended: finished" in stdout, stdout
-        assert "eval at 300: ema_test_acc" in stdout, stdout
+        assert f"eval at {DIGITS_STEPS}: ema_test_acc" in stdout, stdout
     assert (tmp_path / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     html = (tmp_path / "report.html").read_text()
     assert "data:image/png;base64," in html and html.count("<tr>") >= 1 + 2

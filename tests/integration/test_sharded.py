@@ -13,6 +13,7 @@ import time
 import pytest
 import torch
 
+from elastictrain.__main__ import main as cli_main
 from elastictrain.checkpoint import sharded
 from elastictrain.observe.events import Event, read_events
 from storage.layout import MANIFEST_NAME, parse_step_dir, step_dir_name
@@ -213,7 +214,7 @@ def test_a_flipped_truncated_or_deleted_shard_falls_back_to_the_previous_step(
     assert out.returncode == 0, out.stdout + out.stderr
 
 
-def test_export_gives_the_model_its_checkpoint_holds(tmp_path, committed):
+def test_export_gives_the_model_its_checkpoint_holds(tmp_path, committed, capsys):
     safetensors = pytest.importorskip("safetensors.torch")
     from tests.helpers.rich_task import make_task
 
@@ -223,9 +224,9 @@ def test_export_gives_the_model_its_checkpoint_holds(tmp_path, committed):
     expected.model.load_state_dict(state["model"])
     outputs = []
     for name in ("model.safetensors", "model.pt"):
-        out = run_single(["export", committed, "-o", str(tmp_path / name)], cwd=str(tmp_path))
-        assert out.returncode == 0, out.stderr
-        assert "exported step 40" in out.stdout
+        # The CLI in this process (as `python -m elastictrain ...` runs it): no torch start-up.
+        assert cli_main(["export", committed, "-o", str(tmp_path / name)]) == 0
+        assert "exported step 40" in capsys.readouterr().out
         loaded = (
             safetensors.load_file(str(tmp_path / name))
             if name.endswith(".safetensors")
@@ -238,10 +239,11 @@ def test_export_gives_the_model_its_checkpoint_holds(tmp_path, committed):
     for out in outputs:
         assert torch.equal(out, expected.model(x))
     # The CLI shows the shards: how many per checkpoint, and per tensor.
-    listed = run_single(["ls", committed, "--json"], cwd=str(tmp_path))
-    rows = json.loads(listed.stdout)["checkpoints"]
+    assert cli_main(["ls", committed, "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["checkpoints"]
     assert [(r["shards"], r["verified"]) for r in rows] == [(2, True)] * 4, rows
-    shown = json.loads(run_single(["inspect", committed, "--json"], cwd=str(tmp_path)).stdout)
+    assert cli_main(["inspect", committed, "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
     weight = next(t for t in shown["tensors"] if t["name"] == "model.0.weight")
     assert weight["shape"] == [32, 10] and weight["shards"] == 2
     # And it is the trained model, not a fresh one.
