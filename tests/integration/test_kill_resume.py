@@ -9,7 +9,13 @@ import pytest
 
 from elastictrain.checkpoint.persist import Reason
 from elastictrain.observe.events import Event, read_events
-from tests.helpers.launcher import assert_bitwise_equal, final_state, toy_args, wait_for_event
+from tests.helpers.launcher import (
+    assert_bitwise_equal,
+    final_state,
+    run_single,
+    toy_args,
+    wait_for_event,
+)
 
 
 # 3 workers: where DDP's bucket order decides gloo's summation order (a sum of two is
@@ -68,7 +74,8 @@ def test_time_based_checkpoints_follow_rank0s_clock_alone(launch, tmp_path):
 
 
 @pytest.mark.slow
-def test_user_task_example_trains_and_resumes(launch, tmp_path):
+def test_user_task_example_trains_and_resumes(tmp_path):
+    """The README's task example, one process (resume under torchrun is the other tests' job)."""
     args = [
         "--task",
         "examples.regression_task:make_task",
@@ -81,15 +88,16 @@ def test_user_task_example_trains_and_resumes(launch, tmp_path):
         "--checkpoint-every-steps",
         "20",
     ]
-    assert launch([*args, "--max-steps", "40"], name="first").wait(120) == 0
-    job = launch(args, name="second")
-    assert job.wait(120) == 0, job.log()[-3000:]
+    first = run_single([*args, "--max-steps", "40"], str(tmp_path))
+    assert first.returncode == 0, first.stderr[-3000:]
+    second = run_single(args, str(tmp_path))
+    assert second.returncode == 0, second.stderr[-3000:]
     resumes = [e for e in read_events(str(tmp_path / "ev.jsonl")) if e["event"] == Event.RESUME]
     assert [e["step"] for e in resumes] == [0, 40]
     progress = [e for e in read_events(str(tmp_path / "ev.jsonl")) if e["event"] == Event.PROGRESS]
     assert progress[-1]["step"] == 60 and progress[-1]["loss"] < progress[0]["loss"]
     # The last plain progress line (logs are not a terminal) names the final checkpoint.
-    assert "progress 60/60" in job.log() and "last checkpoint 60 world size" in job.log()
+    assert "progress 60/60" in second.stderr and "last checkpoint 60 world size" in second.stderr
 
 
 @pytest.mark.slow

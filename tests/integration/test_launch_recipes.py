@@ -60,29 +60,40 @@ def signal_like_slurm(job, how: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("how", ["usr1", "preempt"])
-def test_sbatch_script_saves_requeues_and_resumes(launch, tmp_path, slurm_env, how):
-    events = str(tmp_path / f"events-{JOB_ID}.jsonl")
-    first = launch(["--task-option", "step_time=0.01"], script=["bash", SBATCH], env=slurm_env)
-    wait_for_event(events, lambda e: e["event"] == Event.PROGRESS and e["step"] >= 20, 90, first)
-    signal_like_slurm(first, how)
-    code = first.wait(60)
-    log = first.log()
-    (preempted,) = [e for e in read_events(events) if e["event"] == Event.PREEMPTED]
-    assert preempted["signal"] == ("SIGUSR1" if how == "usr1" else "SIGTERM"), log[-3000:]
-    saved = preempted["step"]
-    assert code != 0 and scontrol_calls(tmp_path) == [f"requeue {JOB_ID}"], log[-3000:]
-    assert final_state(slurm_env["CHECKPOINT_DIR"])["progress"]["step"] == saved
+def test_sbatch_script_saves_requeues_and_resumes(launch, tmp_path, slurm_env):
+    """One job's life under the batch script: the time-limit warning (USR1 to the batch shell),
+    a requeue, then a preemption (SIGTERM to every process), another requeue, and the end. Each
+    stop commits the exact step and requeues once; each requeued run resumes from that step."""
+    events, ckpt = str(tmp_path / f"events-{JOB_ID}.jsonl"), slurm_env["CHECKPOINT_DIR"]
+    saved, requeues = 0, []
+    for how in ("usr1", "preempt"):
+        job = launch(["--task-option", "step_time=0.01"], script=["bash", SBATCH], env=slurm_env)
+        wait_for_event(
+            events, lambda e, s=saved: e["event"] == Event.PROGRESS and e["step"] >= s + 20, 90, job
+        )
+        signal_like_slurm(job, how)
+        code = job.wait(60)
+        log = job.log()
+        preempted = [e for e in read_events(events) if e["event"] == Event.PREEMPTED]
+        assert preempted[-1]["signal"] == ("SIGUSR1" if how == "usr1" else "SIGTERM"), log[-3000:]
+        assert len(preempted) == len(requeues) + 1, log[-3000:]
+        if saved:  # this run resumed from the previous stop's step, not from an earlier one
+            resumes = [e for e in read_events(events) if e["event"] == Event.RESUME]
+            assert resumes[-1]["step"] == saved and not resumes[-1]["fresh"]
+        saved = preempted[-1]["step"]
+        requeues.append(f"requeue {JOB_ID}")
+        assert code != 0 and scontrol_calls(tmp_path) == requeues, log[-3000:]
+        assert final_state(ckpt)["progress"]["step"] == saved
 
-    # The requeued job: same script, same job id; it resumes from the preempted step and finishes.
+    # The last requeued run: same script, same job id; it resumes from the preempted step and ends.
     again = launch(
         ["--max-steps", str(saved + 30)], script=["bash", SBATCH], env=slurm_env, name="requeued"
     )
     assert again.wait(90) == 0, again.log()[-3000:]
     resumes = [e for e in read_events(events) if e["event"] == Event.RESUME]
     assert resumes[-1]["step"] == saved and not resumes[-1]["fresh"]
-    assert scontrol_calls(tmp_path) == [f"requeue {JOB_ID}"]  # a finished job is not requeued
-    assert final_state(slurm_env["CHECKPOINT_DIR"])["progress"]["step"] == saved + 30
+    assert scontrol_calls(tmp_path) == requeues  # a finished job is not requeued
+    assert final_state(ckpt)["progress"]["step"] == saved + 30
 
 
 def test_multinode_script_runs_with_this_host_as_head(launch, tmp_path):
