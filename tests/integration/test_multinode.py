@@ -40,6 +40,7 @@ def tree_digest(root: str) -> dict[str, str]:
     return out
 
 
+@pytest.mark.slow
 def test_node_local_checkpoint_dirs_stop_the_job_with_exit_2_naming_the_host(launch, tmp_path):
     """Each node launched from its own folder with ``CKPT=./ckpt``: every rank exits 2 with a
     message naming the blind host, its path and the fix; both folders' checkpoints are untouched."""
