@@ -20,9 +20,9 @@ import uuid
 
 import boto3
 
-from tests.conftest import moto_server
 from tests.helpers.fault_proxy import FaultProxy
 from tests.helpers.launcher import job_env
+from tests.helpers.s3 import moto_server
 
 _STEP = re.compile(r"/step-\d{12}/([^/?]+)")
 

@@ -4,7 +4,6 @@ lost node costs a restart, not the job, and the run's history stays with its che
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 import socket
@@ -18,6 +17,7 @@ from elastictrain.observe.events import Event, read_events, read_sample_log
 from tests.helpers.elastic import assert_exactly_once
 from tests.helpers.launcher import REPO_ROOT, final_state, job_env, run_single, wait_for_event
 from tests.helpers.net import free_port
+from tests.helpers.paths import checkpoint_files
 
 SCRIPT = ["bash", os.path.join(REPO_ROOT, "examples", "two_nodes.sh")]
 DATASET, BATCH, STEPS = 1024, 32, 480  # 32 steps per epoch, 15 epochs
@@ -25,19 +25,6 @@ DATASET, BATCH, STEPS = 1024, 32, 480  # 32 steps per epoch, 15 epochs
 
 def node_env(node: int, port: int, run_id: str, ckpt: str, **extra: str) -> dict[str, str]:
     return job_env(NODE=str(node), PORT=str(port), RUN_ID=run_id, CKPT=ckpt, **extra)
-
-
-def tree_digest(root: str) -> dict[str, str]:
-    """Every checkpoint file by hash (the run's history under events/ may grow)."""
-    out = {}
-    for folder, _, names in os.walk(root):
-        if os.path.relpath(folder, root).split(os.sep)[0] == "events":
-            continue
-        for name in names:
-            path = os.path.join(folder, name)
-            with open(path, "rb") as f:
-                out[os.path.relpath(path, root)] = hashlib.sha256(f.read()).hexdigest()
-    return out
 
 
 @pytest.mark.slow
@@ -52,7 +39,7 @@ def test_node_local_checkpoint_dirs_stop_the_job_with_exit_2_naming_the_host(lau
     for node in (0, 1):
         home = tmp_path / f"host{node}"
         shutil.copytree(seed, home / "ckpt")  # each "host" has a committed checkpoint of its own
-        before[node] = tree_digest(str(home / "ckpt"))
+        before[node] = checkpoint_files(str(home / "ckpt"))
         env = node_env(node, port, run_id, "./ckpt", MAX_RESTARTS="0")
         args = ["--max-steps", "400", "--checkpoint-every-steps", "1000"]
         nodes.append(launch(args, script=SCRIPT, env=env, cwd=str(home), name=f"node{node}"))
@@ -69,7 +56,7 @@ def test_node_local_checkpoint_dirs_stop_the_job_with_exit_2_naming_the_host(lau
     assert f"host {host} (rank 1) looks for it at '{blind}' and finds no such file" in logs
     assert "shared storage (s3://bucket/run" in logs and "Nothing was loaded or changed" in logs
     for node in (0, 1):  # nothing committed was changed or deleted, and no marker is left
-        assert tree_digest(str(tmp_path / f"host{node}" / "ckpt")) == before[node]
+        assert checkpoint_files(str(tmp_path / f"host{node}" / "ckpt")) == before[node]
     # Each rank's last words went to the location it sees (the run's history).
     history = report.read_history_files(blind, {})
     assert any(b"StorageNotSharedError" in data for name, data in history if "exit-" in name)

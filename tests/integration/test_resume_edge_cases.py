@@ -24,6 +24,7 @@ from tests.helpers.launcher import (
     run_single,
     toy_args,
 )
+from tests.helpers.paths import checkpoint_files
 
 
 def _save_with_location(state: dict, location: str) -> bytes:
@@ -182,18 +183,6 @@ def test_unknown_protocol_fails_clearly(tmp_path):
     assert result.returncode == 2 and "protocol 'nosuch' is not available" in result.stderr
 
 
-def _snapshot(root: str) -> dict[str, bytes]:
-    """Every file under ``root`` but the run's history (events/), which records each start."""
-    out = {}
-    for dirpath, _, names in os.walk(root):
-        if os.path.relpath(dirpath, root).split(os.sep)[0] == "events":
-            continue
-        for name in names:
-            with open(os.path.join(dirpath, name), "rb") as f:
-                out[os.path.relpath(os.path.join(dirpath, name), root)] = f.read()
-    return out
-
-
 def test_mismatched_checkpoint_fails_clearly_and_deletes_nothing(tmp_path):
     ckpt = str(tmp_path / "c")
     ok = run_single(
@@ -201,14 +190,14 @@ def test_mismatched_checkpoint_fails_clearly_and_deletes_nothing(tmp_path):
         str(tmp_path),
     )
     assert ok.returncode == 0, ok.stderr[-3000:]
-    before = _snapshot(ckpt)
+    before = checkpoint_files(ckpt)
     bad = run_single(
         ["--checkpoint-dir", ckpt, "--max-steps", "40", "--task-option", "hidden=12"], str(tmp_path)
     )
     assert bad.returncode == 2
     assert "CheckpointMismatchError" in bad.stderr
     assert "net1.weight: checkpoint (10, 10) vs model (12, 10)" in bad.stderr
-    assert _snapshot(ckpt) == before
+    assert checkpoint_files(ckpt) == before
     assert sorted({p.split("/")[0] for p in before}) == [
         "fence.json",
         "step-000000000010",
