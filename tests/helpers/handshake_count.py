@@ -7,8 +7,8 @@ the request counts are the protocol's, the timings only this harness's.
 
 from __future__ import annotations
 
+import argparse
 import collections
-import sys
 import threading
 import time
 from datetime import timedelta
@@ -20,58 +20,63 @@ from elastictrain.env import DistEnv
 
 
 class Counting:
-    def __init__(self, store, counts, lock):
-        self.s, self.c, self.l = store, counts, lock
+    """A store client that counts each request by method."""
+
+    def __init__(self, store, counts: collections.Counter, lock: threading.Lock) -> None:
+        self.store, self.counts, self.lock = store, counts, lock
 
     def __getattr__(self, name):
-        fn = getattr(self.s, name)
+        fn = getattr(self.store, name)
 
-        def wrapped(*a, **k):
-            with self.l:
-                self.c[name] += 1
-            return fn(*a, **k)
+        def counted(*args, **kwargs):
+            with self.lock:
+                self.counts[name] += 1
+            return fn(*args, **kwargs)
 
-        return wrapped
-
-
-W = int(sys.argv[1])
-server = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=60), wait_for_workers=False)
-port = server.port
-counts, lock = collections.Counter(), threading.Lock()
-# round-trip latency on loopback
-c = dist.TCPStore("127.0.0.1", port, None, False, timedelta(seconds=60))
-t0 = time.perf_counter()
-for i in range(2000):
-    c.set(f"k{i}", b"v")
-rt = (time.perf_counter() - t0) / 2000
+        return counted
 
 
-def run(rank):
-    env = DistEnv(
-        rank=rank,
-        world_size=W,
-        local_rank=0,
-        local_world_size=1,
-        master_addr="127.0.0.1",
-        master_port=port,
-        restart_count=0,
-        max_restarts=0,
-        run_id="x",
-        use_agent_store=True,
-        launched_by_torchrun=True,
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("world_size", type=int)
+    world = p.parse_args().world_size
+    timeout = timedelta(seconds=60)
+    server = dist.TCPStore("127.0.0.1", 0, None, True, timeout, wait_for_workers=False)
+    client = dist.TCPStore("127.0.0.1", server.port, None, False, timeout)
+    t0 = time.perf_counter()
+    for i in range(2000):  # the round trip of one request on loopback
+        client.set(f"k{i}", b"v")
+    round_trip = (time.perf_counter() - t0) / 2000
+    counts, lock = collections.Counter(), threading.Lock()
+
+    def rank(r: int) -> None:
+        env = DistEnv(
+            rank=r,
+            world_size=world,
+            local_rank=0,
+            local_world_size=1,
+            master_addr="127.0.0.1",
+            master_port=server.port,
+            restart_count=0,
+            max_restarts=0,
+            run_id="count",
+            use_agent_store=True,
+            launched_by_torchrun=True,
+        )
+        store = dist.TCPStore("127.0.0.1", server.port, None, False, timeout)
+        handshake(Counting(store, counts, lock), env, 60)
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    print(
+        f"W={world}: {sum(counts.values())} store requests {dict(counts)} in "
+        f"{time.perf_counter() - t0:.2f}s; set round trip {round_trip * 1e6:.0f} us"
     )
-    st = Counting(
-        dist.TCPStore("127.0.0.1", port, None, False, timedelta(seconds=60)), counts, lock
-    )
-    handshake(st, env, 60)
 
 
-t0 = time.perf_counter()
-ts = [threading.Thread(target=run, args=(r,)) for r in range(W)]
-for t in ts:
-    t.start()
-for t in ts:
-    t.join()
-print(
-    f"W={W}: {sum(counts.values())} store requests {dict(counts)} in {time.perf_counter() - t0:.2f}s; set round trip {rt * 1e6:.0f} us"
-)
+if __name__ == "__main__":
+    main()
