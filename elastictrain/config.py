@@ -96,6 +96,20 @@ class RunConfig:
     resume_read: str = "rank0"
     """rank0: rank 0 reads the checkpoint once and broadcasts it. all: every rank reads it (for
     states too large to broadcast whole)."""
+    checksum: str = "xxh3"
+    """How checkpoint files are hashed: xxh3 (about 10x faster than sha256; the threat is
+    corruption, not forgery) or sha256. Checkpoints written with either keep verifying."""
+    local_checkpoint: bool = True
+    """Also keep a local tier: each node's copy of the state on node-local storage, taken every
+    few steps, so a crashed worker resumes from seconds ago without reading --checkpoint-dir."""
+    local_checkpoint_dir: str | None = None
+    """Node-local folder of the local tier (unset: a per-job folder under /dev/shm; off, with one
+    INFO line, when it lacks room for 3 copies of the state)."""
+    local_every_steps: str = "auto"
+    """Local copies every N steps, or auto: as often as --local-overhead of step time allows,
+    measured as the run goes."""
+    local_overhead: float = 0.02
+    """The share of step time auto lets the local copies cost."""
     sample_log: str | None = None
     """Directory where every rank appends the dataset indices it trains on (the exactly-once ledger)."""
     event_log: str | None = None
@@ -175,6 +189,11 @@ class RunConfig:
             hang_timeout=self.hang_timeout,
             preempt_signals=tuple(self.preempt_signal),
             event_log=self.event_log,
+            checksum=self.checksum,
+            local_checkpoint=self.local_checkpoint,
+            local_checkpoint_dir=self.local_checkpoint_dir,
+            local_every_steps=self.local_every_steps,
+            local_overhead=self.local_overhead,
             spelling={
                 f.name: flag(names.get(f.name, f.name))
                 for f in fields(SessionConfig)
@@ -288,6 +307,11 @@ def build_parser() -> argparse.ArgumentParser:
     add("async_checkpoint", action=argparse.BooleanOptionalAction)
     add("on_storage_failure", choices=["warn", "fail"])
     add("resume_read", choices=["rank0", "all"])
+    add("checksum", choices=["xxh3", "sha256"])
+    add("local_checkpoint", action=argparse.BooleanOptionalAction)
+    add("local_checkpoint_dir", metavar="PATH")
+    add("local_every_steps", metavar="N|auto")
+    add("local_overhead", type=float, metavar="FRACTION")
     add("sample_log", metavar="DIR")
     add("event_log", metavar="PATH")
     add("log_every_seconds", type=float, metavar="SECONDS")

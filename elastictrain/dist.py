@@ -22,6 +22,7 @@ import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -211,34 +212,37 @@ def barrier(group: dist.ProcessGroup | None) -> None:
         dist.barrier(group=group)
 
 
-def broadcast_bytes(data: bytes | None, group: dist.ProcessGroup | None) -> bytes | bytearray:
-    """Rank 0's ``data`` on every rank (empty for None): storage is read once per job, not per rank.
+def broadcast_bytes(
+    data: bytes | None, group: dist.ProcessGroup | None, src: int = 0
+) -> bytes | bytearray:
+    """Rank ``src``'s ``data`` on every rank (empty for None): storage is read once per job, not
+    per rank.
 
     No copies beyond the receive buffer, and no numpy (torch does not depend on it).
     """
     if group is None:
         return data or b""
     length = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64)
-    dist.broadcast(length, src=0, group=group)
+    dist.broadcast(length, src=src, group=group)
     n = int(length.item())
     if n == 0:
         return b""
-    if dist.get_rank() == 0:
+    if dist.get_rank() == src:
         with warnings.catch_warnings():
             # The source buffer is only read by broadcast; torch warns because bytes are immutable.
             warnings.filterwarnings("ignore", message="The given buffer is not writable")
-            dist.broadcast(torch.frombuffer(data, dtype=torch.uint8), src=0, group=group)
+            dist.broadcast(torch.frombuffer(data, dtype=torch.uint8), src=src, group=group)
         return data
     out = bytearray(n)
-    dist.broadcast(torch.frombuffer(out, dtype=torch.uint8), src=0, group=group)
+    dist.broadcast(torch.frombuffer(out, dtype=torch.uint8), src=src, group=group)
     return out
 
 
-def broadcast_int(value: int, group: dist.ProcessGroup | None) -> int:
+def broadcast_int(value: int, group: dist.ProcessGroup | None, src: int = 0) -> int:
     if group is None:
         return value
     t = torch.tensor([value], dtype=torch.int64)
-    dist.broadcast(t, src=0, group=group)
+    dist.broadcast(t, src=src, group=group)
     return int(t.item())
 
 
@@ -249,6 +253,15 @@ def max_int(value: int, group: dist.ProcessGroup | None) -> int:
     t = torch.tensor([value], dtype=torch.int64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return int(t.item())
+
+
+def all_gather_object(obj: Any, group: dist.ProcessGroup | None) -> list[Any]:
+    """Every rank's ``obj``, in rank order (small, picklable values only)."""
+    if group is None:
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
 
 
 def shutdown() -> None:

@@ -26,3 +26,10 @@ def diagnostic_env_init() -> bool:
     """``ELASTICTRAIN_DIAGNOSTIC_ENV_INIT=1``: torch's plain ``env://`` init instead of the
     restart-safe handshake, only to measure the restart hazard that handshake fixes."""
     return os.environ.get("ELASTICTRAIN_DIAGNOSTIC_ENV_INIT") == "1"
+
+
+def local_tier_root() -> str:
+    """``ELASTICTRAIN_LOCAL_ROOT``: where the local tier's default per-job folders go (default
+    /dev/shm): a node-local NVMe mount for every job of a cluster, or a test session's own folder.
+    ``--local-checkpoint-dir`` overrides it for one job."""
+    return os.environ.get("ELASTICTRAIN_LOCAL_ROOT", "/dev/shm")

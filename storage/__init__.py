@@ -18,6 +18,7 @@ from storage.errors import (
     StorageNotUsableError,
     StorageUnavailableError,
 )
+from storage.hashing import DEFAULT_ALGORITHM
 from storage.layout import FileEntry, Manifest
 from storage.retry import RetryPolicy, is_transient
 from storage.store import Checkpoint, CheckpointExistsError, CheckpointStore, ListedCheckpoint
@@ -25,10 +26,15 @@ from storage.urls import parse_option, redact_options, redact_url
 
 
 def open_store(
-    url: str, *, storage_options: Mapping[str, Any] | None = None, retry: RetryPolicy | None = None
+    url: str,
+    *,
+    storage_options: Mapping[str, Any] | None = None,
+    retry: RetryPolicy | None = None,
+    checksum: str = DEFAULT_ALGORITHM,
 ) -> CheckpointStore:
-    """Open the checkpoint store rooted at ``url`` (local path or any fsspec URL)."""
-    return CheckpointStore(url, storage_options=storage_options, retry=retry)
+    """Open the checkpoint store rooted at ``url`` (local path or any fsspec URL); new files are
+    hashed with ``checksum`` (``storage.hashing.ALGORITHMS``)."""
+    return CheckpointStore(url, storage_options=storage_options, retry=retry, checksum=checksum)
 
 
 __all__ = [
@@ -37,6 +43,7 @@ __all__ = [
     "CheckpointExistsError",
     "CheckpointNotFoundError",
     "CheckpointStore",
+    "DEFAULT_ALGORITHM",
     "FileEntry",
     "ListedCheckpoint",
     "Manifest",

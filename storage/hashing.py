@@ -1,6 +1,13 @@
-"""SHA-256 of checkpoint payloads, overlapped with the I/O that moves them.
+"""Checksums of checkpoint payloads, overlapped with the I/O that moves them.
 
-A file is hashed whole (``block_size`` 0), or block by block: its recorded hash is then the SHA-256
+Two algorithms, named in every manifest entry (so old checkpoints keep verifying):
+
+- ``xxh3`` (XXH3-128, the default): 10-15 GB/s on one core, so verifying keeps up with a RAM disk.
+  The threat is corruption (torn writes, bit rot, a truncated upload), not forgery: whoever could
+  forge a payload could rewrite its manifest too.
+- ``sha256``: 1.4 GB/s; what every checkpoint before the choice existed was written with.
+
+A file is hashed whole (``block_size`` 0), or block by block: its recorded hash is then the hash
 of its blocks' digests (a hash list), and the digests themselves let a reader verify any byte range
 it reads without reading the rest: what a resharding resume needs, where each rank reads only the
 slices of other ranks' shards that it owns now.
@@ -16,9 +23,22 @@ import concurrent.futures
 import functools
 import hashlib
 import mmap
+from collections.abc import Callable
 from dataclasses import dataclass
 
+import xxhash
+
 from storage.backend import Backend
+
+ALGORITHMS: dict[str, Callable[[], object]] = {"xxh3": xxhash.xxh3_128, "sha256": hashlib.sha256}
+DEFAULT_ALGORITHM = "xxh3"
+
+
+def check_algorithm(name: str, setting: str = "checksum") -> str:
+    if name not in ALGORITHMS:
+        raise ValueError(f"{setting} must be one of {sorted(ALGORITHMS)}, got {name!r}.")
+    return name
+
 
 PIPELINE_BYTES = 8 << 20  # payloads from this size on are hashed while being written or read
 _READ_CHUNK = 4 << 20  # small: the last chunk's hash is the only one not overlapped
@@ -29,47 +49,54 @@ def _hasher() -> concurrent.futures.ThreadPoolExecutor:
     return concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="storage-hash")
 
 
-def sha256_hex(data: bytes | memoryview) -> str:
-    return hashlib.sha256(data).hexdigest()
+def hex_digest(data: bytes | memoryview, algorithm: str) -> str:
+    h = ALGORITHMS[algorithm]()
+    h.update(data)
+    return h.hexdigest()
 
 
 @dataclass(frozen=True)
 class Digest:
     root: str
-    """What the manifest records: the file's SHA-256, or the SHA-256 of its block digests."""
+    """What the manifest records: the file's hash, or the hash of its block digests."""
     blocks: tuple[str, ...] = ()
-    """With a block size: each block's SHA-256, in order (what a ranged read verifies against)."""
+    """With a block size: each block's hash, in order (what a ranged read verifies against)."""
+    algorithm: str = DEFAULT_ALGORITHM
 
 
-def block_root(blocks: tuple[str, ...] | list[str]) -> str:
-    return hashlib.sha256(b"".join(bytes.fromhex(b) for b in blocks)).hexdigest()
+def block_root(blocks: tuple[str, ...] | list[str], algorithm: str) -> str:
+    return hex_digest(b"".join(bytes.fromhex(b) for b in blocks), algorithm)
 
 
-def digest(data: bytes | memoryview, block_size: int = 0) -> Digest:
+def digest(
+    data: bytes | memoryview, block_size: int = 0, algorithm: str = DEFAULT_ALGORITHM
+) -> Digest:
     if not block_size:
-        return Digest(sha256_hex(data))
+        return Digest(hex_digest(data, algorithm), algorithm=algorithm)
     view = memoryview(data).cast("B")
     blocks = tuple(
-        sha256_hex(view[i : i + block_size]) for i in range(0, max(len(view), 1), block_size)
+        hex_digest(view[i : i + block_size], algorithm)
+        for i in range(0, max(len(view), 1), block_size)
     )
-    return Digest(block_root(blocks), blocks)
+    return Digest(block_root(blocks, algorithm), blocks, algorithm)
 
 
 def hash_in_background(
-    data: bytes | memoryview, block_size: int = 0
+    data: bytes | memoryview, block_size: int = 0, algorithm: str = DEFAULT_ALGORITHM
 ) -> concurrent.futures.Future[Digest] | None:
     """Start hashing a big payload (the caller writes it meanwhile); None for a small one."""
     if len(data) < PIPELINE_BYTES:
         return None
-    return _hasher().submit(digest, data, block_size)
+    return _hasher().submit(digest, data, block_size, algorithm)
 
 
 class _Hasher:
     """Incremental whole-file or block-list hashing of data that arrives in block-aligned pieces."""
 
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, algorithm: str) -> None:
         self.block_size = block_size
-        self.whole = hashlib.sha256()
+        self.algorithm = algorithm
+        self.whole = ALGORITHMS[algorithm]()
         self.blocks: list[str] = []
 
     def update(self, piece: memoryview) -> None:
@@ -77,20 +104,18 @@ class _Hasher:
             self.whole.update(piece)
             return
         for i in range(0, len(piece), self.block_size):
-            self.blocks.append(sha256_hex(piece[i : i + self.block_size]))
+            self.blocks.append(hex_digest(piece[i : i + self.block_size], self.algorithm))
 
     def root(self) -> str:
-        return (
-            block_root(self.blocks or [sha256_hex(b"")])
-            if self.block_size
-            else self.whole.hexdigest()
-        )
+        if not self.block_size:
+            return self.whole.hexdigest()
+        return block_root(self.blocks or [hex_digest(b"", self.algorithm)], self.algorithm)
 
 
 def read_hashed(
-    backend: Backend, path: str, size: int, block_size: int = 0
+    backend: Backend, path: str, size: int, block_size: int = 0, algorithm: str = DEFAULT_ALGORITHM
 ) -> tuple[bytes | memoryview, str]:
-    """A file's bytes and sha256, given the size its manifest records.
+    """A file's bytes and hash (``algorithm``), given the size its manifest records.
 
     A big file lands in one writable buffer (loaded tensors are views into it). The buffer is an
     anonymous mapping: its pages are not zeroed up front (a ``bytearray`` would be, costing half a
@@ -98,9 +123,9 @@ def read_hashed(
     """
     if size < PIPELINE_BYTES:
         data = backend.read(path)
-        return data, digest(data, block_size).root
+        return data, digest(data, block_size, algorithm).root
     view = memoryview(mmap.mmap(-1, size))
-    hasher, offset, pending = _Hasher(block_size), 0, None
+    hasher, offset, pending = _Hasher(block_size, algorithm), 0, None
     # Whole blocks per piece, so each block is hashed in one go.
     chunk = max(block_size, _READ_CHUNK - _READ_CHUNK % block_size) if block_size else _READ_CHUNK
     with backend.open_read(path) as f:

@@ -15,12 +15,12 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from storage.errors import CheckpointCorruptError
+from storage.hashing import ALGORITHMS, DEFAULT_ALGORITHM
 
 MANIFEST_NAME = "manifest.json"
 FENCE_NAME = "fence.json"  # at the root: the newest writer generation; older writers may not commit
 HISTORY_DIR = "events"  # at the root: the run's event history (``run_files``)
 FORMAT_VERSION = 1
-CHECKSUM_ALGORITHM = "sha256"
 
 _STEP_DIR = re.compile(r"^step-(\d{12})$")
 
@@ -54,11 +54,32 @@ def parse_step_dir(name: str) -> int | None:
 @dataclass(frozen=True)
 class FileEntry:
     size: int
-    sha256: str
-    """The file's SHA-256; with ``block_size``, the SHA-256 of its blocks' digests."""
+    checksum: str
+    """The file's hash; with ``block_size``, the hash of its blocks' digests."""
     block_size: int = 0
     """0: hashed whole. Else hashed in blocks of this many bytes (a shard), so any byte range of it
     can be verified alone against the block digests its checkpoint's index records."""
+    algorithm: str = DEFAULT_ALGORITHM
+    """``storage.hashing.ALGORITHMS``; in the manifest, the key the checksum is recorded under
+    (``{"size": 10, "xxh3": "..."}``), so manifests written with sha256 keep verifying."""
+
+    def to_doc(self) -> dict[str, Any]:
+        doc: dict[str, Any] = {"size": self.size, self.algorithm: self.checksum}
+        if self.block_size:
+            doc["block_size"] = self.block_size
+        return doc
+
+    @classmethod
+    def from_doc(cls, doc: dict[str, Any]) -> FileEntry:
+        found = [name for name in ALGORITHMS if name in doc]
+        if len(found) != 1:
+            raise ValueError(f"a file entry needs one checksum of {sorted(ALGORITHMS)}: {doc}")
+        return cls(
+            size=int(doc["size"]),
+            checksum=str(doc[found[0]]),
+            block_size=int(doc.get("block_size", 0)),
+            algorithm=found[0],
+        )
 
 
 @dataclass(frozen=True)
@@ -80,7 +101,9 @@ class Manifest:
 
     def to_json(self) -> bytes:
         doc = asdict(self)
-        doc["checksum_algorithm"] = CHECKSUM_ALGORITHM
+        doc["files"] = {name: entry.to_doc() for name, entry in self.files.items()}
+        # For people and tools reading the file; verification goes by each entry's own key.
+        doc["checksum_algorithm"] = ",".join(sorted({e.algorithm for e in self.files.values()}))
         return json.dumps(doc, indent=1, sort_keys=True).encode()
 
     @classmethod
@@ -90,12 +113,7 @@ class Manifest:
             if doc.get("format_version") != FORMAT_VERSION:
                 raise ValueError(f"unsupported format_version {doc.get('format_version')!r}")
             files = {
-                check_file_name(name): FileEntry(
-                    size=int(e["size"]),
-                    sha256=str(e["sha256"]),
-                    block_size=int(e.get("block_size", 0)),
-                )
-                for name, e in doc["files"].items()
+                check_file_name(name): FileEntry.from_doc(e) for name, e in doc["files"].items()
             }
             return cls(
                 step=int(doc["step"]),

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from storage.hashing import sha256_hex
+from storage.hashing import hex_digest
 
 Range = tuple[int, int]  # [start, end) in bytes
 
@@ -40,14 +40,17 @@ def spans_for(ranges: Sequence[Range], block_size: int, size: int) -> list[Span]
     return spans
 
 
-def bad_block(data: bytes, span: Span, block_size: int, blocks: Sequence[str]) -> str | None:
+def bad_block(
+    data: bytes, span: Span, block_size: int, blocks: Sequence[str], algorithm: str
+) -> str | None:
     """A description of the first block of ``span`` whose bytes do not match, or None."""
     if len(data) != span.end - span.start:
         return f"bytes {span.start}-{span.end} read back {len(data)} bytes (truncated)"
     view = memoryview(data)
     for offset in range(0, len(data), block_size):
         index = (span.start + offset) // block_size
-        if index >= len(blocks) or sha256_hex(view[offset : offset + block_size]) != blocks[index]:
+        block = view[offset : offset + block_size]
+        if index >= len(blocks) or hex_digest(block, algorithm) != blocks[index]:
             return f"block {index} (bytes {span.start + offset}-) does not match its digest"
     return None
 
@@ -60,6 +63,7 @@ def read_verified(
     block_size: int,
     blocks: Sequence[str],
     fail: Callable[[str], Exception],
+    algorithm: str,
 ) -> tuple[dict[Range, memoryview], int]:
     """``read(start, end)`` each span once (twice when a block mismatches: a flaky network must
     not get a good checkpoint skipped); returns a view per requested range and the bytes read.
@@ -74,7 +78,7 @@ def read_verified(
         for _ in range(2):
             data = read(span.start, span.end)
             total += len(data)
-            problem = bad_block(data, span, block_size, blocks)
+            problem = bad_block(data, span, block_size, blocks, algorithm)
             if problem is None:
                 break
         if problem is not None:

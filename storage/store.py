@@ -23,7 +23,13 @@ from storage.errors import (
     StorageFullError,
     StorageUnavailableError,
 )
-from storage.hashing import Digest, digest, hash_in_background
+from storage.hashing import (
+    DEFAULT_ALGORITHM,
+    Digest,
+    check_algorithm,
+    digest,
+    hash_in_background,
+)
 from storage.layout import (
     FENCE_NAME,
     MANIFEST_NAME,
@@ -74,8 +80,11 @@ class CheckpointStore(VerifiedReads, RunFiles):
         *,
         storage_options: Mapping[str, Any] | None = None,
         retry: RetryPolicy | None = None,
+        checksum: str = DEFAULT_ALGORITHM,
     ) -> None:
+        """``checksum``: the algorithm new files are hashed with (reads follow each manifest)."""
         self.url = url
+        self.checksum = check_algorithm(checksum)
         self.safe_url = redact_url(url)
         self._backend: Backend = open_backend(url, storage_options)
         self._retry = retry or RetryPolicy()
@@ -139,7 +148,7 @@ class CheckpointStore(VerifiedReads, RunFiles):
         step_dir = self._step_dir(step)
         path = self._backend.join(step_dir, name)
         # Hash while writing: both release the GIL, so a big payload costs max(write, hash).
-        pending = hash_in_background(data, block_size)
+        pending = hash_in_background(data, block_size, self.checksum)
         try:
             self._call(
                 f"write {step_dir_name(step)}/{name}", lambda: self._backend.write(path, data)
@@ -155,8 +164,9 @@ class CheckpointStore(VerifiedReads, RunFiles):
                 f"{name} needs {len(data)} bytes{whole}. Earlier checkpoints are intact. Free "
                 "space, raise the quota, or lower --keep-last."
             ) from e.__cause__
-        done = pending.result() if pending else digest(data, block_size)
-        return FileEntry(size=len(data), sha256=done.root, block_size=block_size), done
+        done = pending.result() if pending else digest(data, block_size, self.checksum)
+        entry = FileEntry(len(data), done.root, block_size=block_size, algorithm=self.checksum)
+        return entry, done
 
     def commit(
         self,

@@ -52,7 +52,9 @@ class VerifiedReads:
             try:
                 data, digest = self._call(
                     f"read {step_dir_name(step)}/{name}",
-                    lambda: read_hashed(self._backend, path, entry.size, entry.block_size),
+                    lambda: read_hashed(
+                        self._backend, path, entry.size, entry.block_size, entry.algorithm
+                    ),
                 )
             except FileNotFoundError as e:
                 raise CheckpointCorruptError(
@@ -62,9 +64,10 @@ class VerifiedReads:
                 problem = (
                     f"has {len(data)} bytes, manifest says {entry.size} (truncated or overwritten)"
                 )
-            elif digest != entry.sha256:
+            elif digest != entry.checksum:
                 problem = (
-                    f"checksum {digest[:16]}... does not match manifest {entry.sha256[:16]}... "
+                    f"{entry.algorithm} {digest[:16]}... does not match manifest "
+                    f"{entry.checksum[:16]}... "
                     "(corrupted)"
                 )
             else:
@@ -106,7 +109,7 @@ class VerifiedReads:
 
         if not entry.block_size:
             raise ValueError(f"{name} of step {step} is not block-hashed; read it whole")
-        if block_root(blocks) != entry.sha256:
+        if block_root(blocks, entry.algorithm) != entry.checksum:
             raise fail("its block digests do not match its recorded hash")
 
         def read(start: int, end: int) -> bytes:
@@ -119,7 +122,13 @@ class VerifiedReads:
                 raise fail("missing") from e
 
         return read_verified(
-            read, ranges, size=entry.size, block_size=entry.block_size, blocks=blocks, fail=fail
+            read,
+            ranges,
+            size=entry.size,
+            block_size=entry.block_size,
+            blocks=blocks,
+            fail=fail,
+            algorithm=entry.algorithm,
         )
 
     def check_sizes(self, manifest: Manifest) -> None:

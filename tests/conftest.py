@@ -46,6 +46,21 @@ def _children_tmpdir(tmp_path_factory):
         yield
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _local_tier_root():
+    """The local checkpoint tier is on by default, in /dev/shm, and a killed job's copies stay
+    there for its restart. Give each test session (each xdist worker) its own folder under
+    /dev/shm, removed at the end, so the suite leaves no memory behind."""
+    import shutil
+    import tempfile
+
+    root = tempfile.mkdtemp(prefix="elastictrain-tests-", dir="/dev/shm")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("ELASTICTRAIN_LOCAL_ROOT", root)
+        yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
 @pytest.fixture(scope="session")
 def s3_endpoint():
     """A moto_server S3 endpoint that accepts any credentials."""

@@ -18,9 +18,10 @@ import torch.distributed as dist
 
 import storage
 from elastictrain import dist as edist
-from elastictrain.checkpoint import node_check, shard_reader, sharded
+from elastictrain.checkpoint import node_check, shard_reader, sharded, tiers
 from elastictrain.checkpoint import state as tstate
 from elastictrain.checkpoint.layouts import FlatLayout, ShardedLayout
+from elastictrain.checkpoint.local_tier import LocalTier, LocalTierConfig
 from elastictrain.checkpoint.persist import COMMITTED, FAILED, MUST_COMMIT, Failure, Persister
 from elastictrain.errors import CheckpointFailedError
 from elastictrain.observe.events import Event, EventLog
@@ -62,6 +63,9 @@ class Checkpointer:
         async_persist: bool = True,
         attached: Callable[[], bool] = lambda: True,
         gate_timeout_s: float = 1800.0,
+        checksum: str = storage.DEFAULT_ALGORITHM,
+        local: LocalTierConfig | None = None,
+        local_rank: int = 0,
     ) -> None:
         self.is_writer = rank == 0
         self.rank = rank
@@ -82,7 +86,13 @@ class Checkpointer:
             url,
             storage_options=storage_options,
             retry=storage.RetryPolicy(deadline_s=retry_deadline),
+            checksum=checksum,
         )
+        self._url, self._checksum, self._attached = url, checksum, attached
+        self._local_config = local or LocalTierConfig(enabled=False)
+        self.local_rank = local_rank
+        self.local: LocalTier | None = None
+        """The node-local tier (replicated state only), set up with the layout."""
         if self.is_writer or read_mode == "all":
             self.store = self.open_store()
         self._writer_args = dict(
@@ -108,6 +118,23 @@ class Checkpointer:
             layout = ShardedLayout(self.rank, self.world_size) if self.sharded else FlatLayout()
             self.writer = Persister(
                 store=self.store, layout=layout, is_committer=self.is_writer, **self._writer_args
+            )
+        if self._local_config.enabled and self.sharded:
+            if self.is_writer:
+                logger.info(
+                    "local checkpoint tier off: sharded (FSDP) state; a node holds only its own "
+                    "shards, so resume reads the durable tier"
+                )
+        elif self._local_config.enabled:
+            self.local = LocalTier(
+                self._local_config,
+                durable_url=self._url,
+                local_rank=self.local_rank,
+                world_size=self.world_size,
+                generation=lambda: self.generation,
+                events=self.events,
+                attached=self._attached,
+                checksum=self._checksum,
             )
 
     @property
@@ -165,20 +192,39 @@ class Checkpointer:
             if found is None:
                 return self._fresh()
             payload, manifest, nbytes = found
+            origin = {"tier": tiers.DURABLE, "remote_bytes": nbytes}
+            saved_world = manifest.metadata.get("world_size")
         else:
-            data, manifest, where = self._fetch_latest()
-            if not data:
+            found = tiers.fetch_best(self, self.local)
+            if found is None:
                 return self._fresh()
-            payload = tstate.from_bytes(data, map_location=self.device)
-            tstate.check_compatible(state, payload, where=where)
+            payload = tstate.from_bytes(found.data, map_location=self.device)
+            tstate.check_compatible(state, payload, where=found.where)
             tstate.restore(state, payload)
-            nbytes = len(data)
+            nbytes, saved_world = len(found.data), found.saved_world_size
+            origin = {
+                "tier": found.tier,
+                "source_rank": found.source_rank,
+                "durable_step": found.durable_step,
+                "remote_bytes": nbytes if found.tier == tiers.DURABLE else 0,
+            }
         step = int(payload["progress"]["step"])
         self.last_committed = step
         seconds = time.monotonic() - t0
         edist.barrier(self.control)
-        logger.info("resumed from checkpoint step %d (%d bytes, %.2fs)", step, nbytes, seconds)
-        saved_world = manifest.metadata.get("world_size") if manifest else None
+        if origin["tier"] == tiers.LOCAL:
+            origin["steps_saved"] = step - (origin["durable_step"] or 0)
+            logger.info(
+                "resumed from the local checkpoint of step %d on rank %d (%d bytes, %.2fs; "
+                "%d steps newer than the durable tier's)",
+                step,
+                origin["source_rank"],
+                nbytes,
+                seconds,
+                origin["steps_saved"],
+            )
+        else:
+            logger.info("resumed from checkpoint step %d (%d bytes, %.2fs)", step, nbytes, seconds)
         self.events.emit(
             Event.RESUME,
             fresh=False,
@@ -188,6 +234,7 @@ class Checkpointer:
             world_size=self.world_size,
             saved_world_size=saved_world,
             generation=self.generation,
+            **origin,
         )
         if self.is_writer and saved_world is not None and saved_world != self.world_size:
             logger.warning(
@@ -213,7 +260,10 @@ class Checkpointer:
 
     def _corrupt(self, step: int, error: Exception) -> None:
         logger.error("CORRUPT CHECKPOINT skipped, falling back to an older one: %s", error)
-        self.events.emit(Event.CORRUPT, step=step, error=str(error)[:500])
+        self.report_corrupt(step, error)
+
+    def report_corrupt(self, step: int, error: Exception | str, tier: str = "durable") -> None:
+        self.events.emit(Event.CORRUPT, step=step, tier=tier, error=str(error)[:500])
 
     def _load_sharded(self, state: tstate.TrainState) -> tuple[dict, storage.Manifest, int] | None:
         """Every rank together: the newest step whose files all exist at their recorded sizes and
@@ -255,27 +305,6 @@ class Checkpointer:
                 logger.error("CORRUPT CHECKPOINT: rank %d read a bad shard: %s", self.rank, error)
             if self.is_writer:
                 self._corrupt(step, error or f"another rank read a bad shard of step {step}")
-
-    def _fetch_latest(self) -> tuple[bytes | bytearray, storage.Manifest | None, str]:
-        """The chosen checkpoint's state bytes on every rank (empty when there is none).
-
-        ``rank0`` reads storage once per job and broadcasts; ``all`` broadcasts only the step and
-        lets every rank read and verify it (for states too large to hold twice or to broadcast).
-        """
-        ckpt = self.store.latest(on_corrupt=self._corrupt) if self.is_writer else None
-        where = (
-            f"step {ckpt.manifest.step} under {self.store.safe_url}" if ckpt else "chosen by rank 0"
-        )
-        if self.read_mode == "all":
-            step = edist.broadcast_int(ckpt.manifest.step if ckpt else -1, self.control)
-            if step < 0:
-                return b"", None, where
-            if not self.is_writer:
-                ckpt = self.store.read(step)
-            return ckpt.files[tstate.state_file_of(ckpt.manifest.metadata)], ckpt.manifest, where
-        # The broadcast is the gate: no rank proceeds until rank 0 has chosen.
-        payload = ckpt.files[tstate.state_file_of(ckpt.manifest.metadata)] if ckpt else None
-        return edist.broadcast_bytes(payload, self.control), ckpt.manifest if ckpt else None, where
 
     # -- save ----------------------------------------------------------------------------------
     def save(self, step: int, state: tstate.TrainState, reason: str) -> bool:
@@ -376,3 +405,5 @@ class Checkpointer:
         """Wait for a background persist still in flight (before exiting)."""
         if self.writer:
             self.writer.wait()
+        if self.local:
+            self.local.finish()

@@ -10,7 +10,6 @@ manifest, written last, listing every file with its size and hash.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import time
 from collections.abc import Callable
@@ -23,6 +22,7 @@ import storage
 from elastictrain.checkpoint import sharded
 from elastictrain.checkpoint import state as tstate
 from elastictrain.checkpoint.staging import Snapshot, Staging
+from storage.hashing import hex_digest
 
 _POLL_S = (0.005, 0.5)  # the wait for other ranks' reports: first and longest poll interval
 
@@ -119,10 +119,10 @@ class ShardedLayout:
         index = sharded.build_index([part for part, _ in parts], common_name, generation)
         entries[index_name] = store.write_file(step, index_name, index)[0]
         for rank, (part, raw) in enumerate(parts):
-            entries[part["file"]] = storage.FileEntry(**part["entry"])
+            entries[part["file"]] = storage.FileEntry.from_doc(part["entry"])
             # Listed too: its block digests are what a resharding reader verifies ranges with.
             entries[sharded.part_file(rank, generation)] = storage.FileEntry(
-                len(raw), hashlib.sha256(raw).hexdigest()
+                len(raw), hex_digest(raw, store.checksum), algorithm=store.checksum
             )
         return store.commit_written(
             step,

@@ -68,6 +68,11 @@ class CheckpointManager:
         event_log: str | None = None,
         preempt_signals: Sequence[str] = ("SIGTERM",),
         hang_timeout: float | None = None,
+        checksum: str = "xxh3",
+        local_checkpoint: bool = True,
+        local_checkpoint_dir: str | None = None,
+        local_every_steps: int | str = "auto",
+        local_overhead: float = 0.02,
     ) -> None:
         """
         Args:
@@ -94,6 +99,10 @@ class CheckpointManager:
                 step, and during resume and saves, ``timeout_s`` applies instead. Off (None) by
                 default, since it ends the process. Under torchrun it also exits (6) when the
                 agent is gone.
+            checksum: ``xxh3`` (fast, the default) or ``sha256``, as ``--checksum``.
+            local_checkpoint, local_checkpoint_dir, local_every_steps, local_overhead: the
+                local tier, as ``--local-checkpoint`` and friends: each node's copy of the state
+                on node-local storage (/dev/shm), preferred on resume when it is newer.
 
         Raises:
             ConfigError: a value that can never work; the message names the argument.
@@ -112,6 +121,11 @@ class CheckpointManager:
             hang_timeout=hang_timeout,
             preempt_signals=tuple(preempt_signals),
             event_log=event_log,
+            checksum=checksum,
+            local_checkpoint=local_checkpoint,
+            local_checkpoint_dir=local_checkpoint_dir,
+            local_every_steps=local_every_steps,
+            local_overhead=local_overhead,
         )
         alone = not (dist.is_available() and dist.is_initialized())
         rank = 0 if alone else dist.get_rank()

@@ -96,8 +96,14 @@ class Persister:
         keep_every: int | None,
         on_failure: str,
         attached: Callable[[], bool],
+        tier: str = "durable",
     ) -> None:
+        """``tier``: "local" for a node's local-tier writer (``local_tier``): its commits are
+        ``local_checkpoint`` events and DEBUG lines, since they come every few steps."""
         self.store = store
+        self.tier = tier
+        self.last_persist_s = 0.0
+        """The last commit's background seconds (the local tier's ``auto`` interval counts them)."""
         self.world_size = world_size
         self.generation = generation
         self.events = events
@@ -226,15 +232,16 @@ class Persister:
             deadline_s=self.reports_timeout_s,
         )
         self.last_committed = step
-        persist = time.monotonic() - t0
+        persist = self.last_persist_s = time.monotonic() - t0
         deleted = self.store.apply_retention(
             self.keep_last, newest_good=step, keep_every=self.keep_every
         )
         if not job.background:  # the loop waited for all of it
             blocked += time.monotonic() - t0
-        logger.info(
-            "checkpoint step %d committed (%s): %d bytes, loop blocked %.3fs, persist %.3fs "
-            "(%.2f GB/s)",
+        logger.log(
+            logging.INFO if self.tier == "durable" else logging.DEBUG,
+            "%s step %d committed (%s): %d bytes, loop blocked %.3fs, persist %.3fs (%.2f GB/s)",
+            "checkpoint" if self.tier == "durable" else "local checkpoint",
             step,
             reason,
             manifest.total_bytes,
@@ -243,7 +250,7 @@ class Persister:
             manifest.total_bytes / max(persist, 1e-9) / 1e9,
         )
         self.events.emit(
-            Event.CHECKPOINT,
+            Event.CHECKPOINT if self.tier == "durable" else Event.LOCAL_CHECKPOINT,
             step=step,
             reason=reason,
             bytes=manifest.total_bytes,

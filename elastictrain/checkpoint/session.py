@@ -32,7 +32,8 @@ import torch.distributed as dist
 
 from elastictrain import knobs
 from elastictrain.checkpoint.checkpointer import Checkpointer, Resumed
-from elastictrain.checkpoint.persist import Reason
+from elastictrain.checkpoint.local_tier import LocalTierConfig
+from elastictrain.checkpoint.persist import MUST_COMMIT, Reason
 from elastictrain.checkpoint.schedule import CheckpointSchedule
 from elastictrain.checkpoint.state import TrainState
 from elastictrain.control import Control
@@ -42,6 +43,7 @@ from elastictrain.observe.events import Event, EventLog, LastWords
 from elastictrain.observe.history import LAST_WORDS_WAIT_S, RunHistory
 from elastictrain.signals import StopSignals, parse_signal
 from elastictrain.watchdog import HangWatchdog
+from storage.hashing import ALGORITHMS, DEFAULT_ALGORITHM, check_algorithm
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +72,16 @@ class SessionConfig:
     """Signals that mean "checkpoint this step and stop"; Ctrl-C (SIGINT) always does too.
     Empty: leave every signal handler alone. See :func:`install_stop_signals`."""
     event_log: str | None = None
+    checksum: str = DEFAULT_ALGORITHM
+    """How new checkpoint files are hashed: xxh3 (fast) or sha256; reads follow each manifest."""
+    local_checkpoint: bool = True
+    """Keep a local tier: every node's copy of the replicated state on node-local storage."""
+    local_checkpoint_dir: str | None = None
+    """None: a per-job folder under /dev/shm (off, with one INFO line, when it lacks room)."""
+    local_every_steps: int | str = "auto"
+    """Local copies every N steps, or "auto": as often as ``local_overhead`` allows, measured."""
+    local_overhead: float = 0.02
+    """``auto``'s budget: the share of step time the local copies may cost."""
     spelling: Mapping[str, str] = field(default_factory=dict, repr=False, compare=False)
     """How the user spells each field (``--keep-last`` for the runner), named in errors."""
 
@@ -107,6 +119,25 @@ class SessionConfig:
             raise bad("resume_read", "'rank0' or 'all'")
         for name in self.preempt_signals:
             parse_signal(name, setting=self.spell("preempt_signals"))
+        try:
+            check_algorithm(self.checksum)
+        except ValueError:
+            raise bad("checksum", f"one of {sorted(ALGORITHMS)}") from None
+        if isinstance(self.local_every_steps, str) and self.local_every_steps.isdigit():
+            self.local_every_steps = int(self.local_every_steps)
+        every = self.local_every_steps
+        if every != "auto" and (not isinstance(every, int) or isinstance(every, bool) or every < 1):
+            raise bad("local_every_steps", "a positive whole number or 'auto'")
+        if not 0 < self.local_overhead < 1:
+            raise bad("local_overhead", "a fraction of step time between 0 and 1, e.g. 0.02")
+
+    def local_tier(self) -> LocalTierConfig:
+        return LocalTierConfig(
+            enabled=self.local_checkpoint,
+            dir=self.local_checkpoint_dir,
+            every_steps=self.local_every_steps,
+            overhead=self.local_overhead,
+        )
 
 
 def install_stop_signals(
@@ -196,6 +227,9 @@ class CheckpointSession:
             async_persist=config.async_save,
             attached=attached,
             gate_timeout_s=config.timeout_s,
+            checksum=config.checksum,
+            local=config.local_tier(),
+            local_rank=read_env().local_rank,
         )
         self.schedule = CheckpointSchedule(config.every_steps, config.every_seconds)
         self.control = Control(
@@ -287,6 +321,8 @@ class CheckpointSession:
         if may_save and (self.schedule.due_by_steps(done) or decided.checkpoint_by_time):
             reason = Reason.TIME if decided.checkpoint_by_time else Reason.STEPS
             saved = self.save(done, state, reason)
+        if may_save and self.ckpt.local is not None:
+            self.ckpt.local.after_step(done, state, durable_saved=saved)
         return StepOutcome(report=decided.report, saved=saved)
 
     def save(self, step: int, state: TrainState, reason: Reason) -> bool:
@@ -294,6 +330,9 @@ class CheckpointSession:
         returns. False only when a scheduled one was skipped under ``on_storage_failure=warn``."""
         with self.gate("checkpoint", f"the {reason} checkpoint at step {step}"):
             committed = self.ckpt.save(step, state, reason)
+            if committed and reason in MUST_COMMIT and self.ckpt.local is not None:
+                # The durable tier holds the newest state now; /dev/shm is memory.
+                self.ckpt.local.remove()
         # A skipped checkpoint restarts the clock too: storage that is down is retried at the
         # next scheduled checkpoint, not every step.
         self.schedule.mark_saved()

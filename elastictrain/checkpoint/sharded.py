@@ -170,7 +170,7 @@ def part_report(
     return json.dumps(
         {
             "file": file,
-            "entry": vars(entry),
+            "entry": entry.to_doc(),
             "blocks": list(blocks),
             "chunks": chunks,
         }

@@ -35,6 +35,8 @@ class Event(Name):
     CHECKPOINT = (
         "checkpoint"  # a checkpoint committed: step, reason, bytes, blocked/persist seconds
     )
+    LOCAL_CHECKPOINT = "local_checkpoint"  # a node's local-tier copy committed (same fields)
+    LOCAL_TIER = "local_tier"  # the local tier is off on a node, and why
     CORRUPT = "checkpoint_corrupt"  # resume skipped a committed checkpoint that did not verify
     CHECKPOINT_SKIPPED = "checkpoint_skipped"  # storage refused past the deadline, run went on
     CHECKPOINT_FAILED = "checkpoint_failed"  # a checkpoint the run needed could not be committed

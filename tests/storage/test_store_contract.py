@@ -131,6 +131,54 @@ def test_big_payloads_are_hashed_while_streamed(store, damage):
             store.read(3)
 
 
+@pytest.mark.parametrize("checksum", ["xxh3", "sha256"])
+def test_each_checksum_is_recorded_verifies_and_catches_a_flip(store_location, checksum):
+    """The algorithm is named in the manifest, so a store hashing with another one (the default
+    changed from sha256 to xxh3) still verifies every older checkpoint, big and small."""
+    import hashlib
+    import json
+    import os as _os
+
+    url, options = store_location
+    writer = open_store(url, storage_options=options, checksum=checksum)
+    big, small = _os.urandom(9 << 20), b"small payload"
+    writer.commit(1, {"state.bin": memoryview(big), "extra.bin": small}, {"step": 1})
+    raw = json.loads(writer._backend.read(_path(writer, 1, MANIFEST_NAME)))
+    assert raw["checksum_algorithm"] == checksum
+    assert raw["files"]["extra.bin"] == {"size": len(small), checksum: _hex(small, checksum)}
+    other = "sha256" if checksum == "xxh3" else "xxh3"
+    reader = open_store(url, storage_options=options, checksum=other)
+    assert reader.read(1).files["state.bin"] == big
+    _overwrite(writer, 1, "extra.bin", b"smaLl payload")
+    with pytest.raises(CheckpointCorruptError, match=f"{checksum} .* does not match"):
+        reader.read(1)
+    # A manifest exactly as the sha256-only format wrote it still verifies.
+    legacy = {
+        "format_version": 1,
+        "step": 2,
+        "generation": 0,
+        "created_at": 0.0,
+        "metadata": {},
+        "checksum_algorithm": "sha256",
+        "files": {
+            "a.bin": {"size": 3, "sha256": hashlib.sha256(b"abc").hexdigest(), "block_size": 0}
+        },
+    }
+    _overwrite(writer, 2, "a.bin", b"abc")
+    _overwrite(writer, 2, MANIFEST_NAME, json.dumps(legacy).encode())
+    assert open_store(url, storage_options=options).read(2).files["a.bin"] == b"abc"
+
+
+def _path(store, step, name):
+    return store._backend.join(store._backend.root, step_dir_name(step), name)
+
+
+def _hex(data, algorithm):
+    from storage.hashing import hex_digest
+
+    return hex_digest(data, algorithm)
+
+
 def test_a_flaky_read_is_not_called_corruption(store, monkeypatch, caplog):
     _commit(store, 1)
     good = store.read(1).files["state.pt"]
@@ -242,7 +290,7 @@ def test_a_late_stale_commit_never_outranks_the_current_generation(store):
     store.commit(120, {"state-g2.pt": b"b"}, {}, generation=2)
     backend, step_dir = store._backend, step_dir_name(150)
     backend.write(backend.join(backend.root, step_dir, "state-g1.pt"), b"zombie")
-    entry = FileEntry(size=6, sha256=hashlib.sha256(b"zombie").hexdigest())
+    entry = FileEntry(size=6, checksum=hashlib.sha256(b"zombie").hexdigest(), algorithm="sha256")
     late = Manifest(step=150, files={"state-g1.pt": entry}, generation=1)
     backend.write_atomic(backend.join(backend.root, step_dir, "manifest.json"), late.to_json())
     assert store.committed_steps() == [100, 120, 150]

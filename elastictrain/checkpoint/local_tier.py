@@ -1,0 +1,278 @@
+"""The local tier: every node keeps its own copy of the replicated state on fast node-local storage
+(a per-job folder under /dev/shm by default), taken every few steps, so a crashed worker resumes
+from seconds ago without reading remote storage.
+
+With DDP every node holds a full replica, so each node's local rank 0 writes one, with the
+machinery of the durable tier: a snapshot into a reused buffer, a background write, the manifest
+last, checksums, retention of the newest 2. No collective is involved: nodes checkpoint locally
+on their own schedules. The durable tier (``--checkpoint-dir``) keeps its own schedule and every
+guarantee; the final and preemption checkpoints go there, and a finished run removes its local
+tier. Resume (``tiers``) picks the newest copy on any tier that verifies.
+
+Sharded (FSDP) state is not kept locally: a node holds only its own ranks' shards, so one node's
+copy could never serve a restart alone. Its resume reads the durable tier, as before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import logging
+import math
+import os
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+import storage
+from elastictrain import knobs
+from elastictrain.checkpoint import state as tstate
+from elastictrain.checkpoint.layouts import FlatLayout
+from elastictrain.checkpoint.persist import Persister, Reason
+from elastictrain.observe.events import Event, EventLog
+from storage.urls import is_local, redact_url
+
+logger = logging.getLogger(__name__)
+
+KEEP = 2
+LOCK_NAME = ".writer.lock"
+COPIES_OF_ROOM = KEEP + 1  # the kept copies plus the one being written
+
+
+@dataclass(frozen=True)
+class LocalTierConfig:
+    enabled: bool = True
+    dir: str | None = None
+    """None: ``<root>/elastictrain-<uid>/<hash of the durable location>``; root is /dev/shm."""
+    every_steps: int | str = "auto"
+    """N, or "auto": as often as ``overhead`` of step time allows, measured."""
+    overhead: float = 0.02
+
+
+def default_dir(durable_url: str, root: str) -> str:
+    """One folder per durable location, so a restarted or relaunched job finds its copies and two
+    jobs never share one. The location as this host resolves it (an absolute path, or the URL
+    without credentials)."""
+    location = os.path.abspath(os.path.expanduser(durable_url)) if is_local(durable_url) else None
+    key = hashlib.sha256((location or redact_url(durable_url)).encode()).hexdigest()[:16]
+    return os.path.join(root, f"elastictrain-{os.getuid()}", key)
+
+
+def payload_bytes(tree: Any) -> int:
+    """Tensor bytes of a captured state: what the local copy will take, before it is taken."""
+    if isinstance(tree, torch.Tensor):
+        return tree.numel() * tree.element_size()
+    if isinstance(tree, dict):
+        return sum(payload_bytes(v) for v in tree.values())
+    if isinstance(tree, (list, tuple)):
+        return sum(payload_bytes(v) for v in tree)
+    return 0
+
+
+class LocalSchedule:
+    """When this node takes its next local copy: every N steps, or ``auto``: the interval that
+    keeps (snapshot + background write) under ``overhead`` of step time. The write is counted as
+    if it took its time from training: true when the CPU is the bottleneck, conservative on GPU."""
+
+    def __init__(self, every: int | str, overhead: float) -> None:
+        self.every, self.overhead = every, overhead
+        self.step_s: float | None = None
+        self.cost_s = 0.0
+        self.last: int | None = None
+        self._t_last: float | None = None
+        self._skip_next = True
+
+    def observe(self, checkpointed: bool) -> None:
+        """Called once per step; a step that took a checkpoint is left out of the step time."""
+        now = time.monotonic()
+        if self._t_last is not None and not self._skip_next:
+            dt = now - self._t_last
+            self.step_s = dt if self.step_s is None else 0.8 * self.step_s + 0.2 * dt
+        self._t_last, self._skip_next = now, checkpointed
+
+    def interval(self) -> int:
+        if self.every != "auto":
+            return int(self.every)
+        if not self.step_s:
+            return 1
+        return max(1, math.ceil(self.cost_s / (self.overhead * self.step_s)))
+
+    def due(self, step: int) -> bool:
+        if self.every != "auto":
+            return step % int(self.every) == 0
+        if self.step_s is None:
+            return False  # no step time measured yet
+        return self.last is None or step - self.last >= self.interval()
+
+
+class LocalTier:
+    """One per rank; only a node's local rank 0 writes (``self.writes``)."""
+
+    def __init__(
+        self,
+        config: LocalTierConfig,
+        *,
+        durable_url: str,
+        local_rank: int,
+        world_size: int,
+        generation: Callable[[], int],
+        events: EventLog,
+        attached: Callable[[], bool],
+        checksum: str,
+    ) -> None:
+        self.config = config
+        self.dir = config.dir or default_dir(durable_url, knobs.local_tier_root())
+        self.events = events
+        self.schedule = LocalSchedule(config.every_steps, config.overhead)
+        self.local_rank = local_rank
+        self.writes = config.enabled and local_rank == 0
+        self.store: storage.CheckpointStore | None = None
+        self.writer: Persister | None = None
+        self._sized = False
+        if not self.writes:
+            return
+        why = self._unusable()
+        if why:
+            self._off(why)
+            return
+        self.store = storage.open_store(
+            self.dir, checksum=checksum, retry=storage.RetryPolicy(deadline_s=5.0)
+        )
+        self.writer = Persister(
+            store=self.store,
+            layout=FlatLayout(),
+            world_size=world_size,
+            generation=generation,
+            events=events,
+            keep_last=KEEP,
+            keep_every=None,
+            on_failure="warn",  # the local tier never stops a run
+            attached=attached,
+            tier="local",
+        )
+
+    def _unusable(self) -> str | None:
+        parent = os.path.dirname(self.dir.rstrip("/")) or "/"
+        if self.config.dir is None and not os.path.isdir(os.path.dirname(parent)):
+            return f"{os.path.dirname(parent)} does not exist on this host"
+        try:
+            os.makedirs(self.dir, mode=0o700, exist_ok=True)
+            if self.config.dir is None:
+                os.chmod(parent, 0o700)  # files readable only by the user
+            os.chmod(self.dir, 0o700)
+            # One writer per folder: two "nodes" on one host (or a stopped writer of an earlier
+            # attempt that is still alive) must not write the same files. The lock dies with us.
+            self._lock = os.open(os.path.join(self.dir, LOCK_NAME), os.O_CREAT | os.O_RDWR, 0o600)
+            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return f"another process (another node of this job on this host?) writes {self.dir}"
+        except OSError as e:
+            return f"cannot use {self.dir}: {e.strerror or e}"
+        return None
+
+    def _off(self, why: str) -> None:
+        logger.info(
+            "local checkpoint tier off: %s. The durable tier (--checkpoint-dir) is unaffected; "
+            "set --local-checkpoint-dir to a node-local folder with room, or --no-local-checkpoint "
+            "to silence this.",
+            why,
+        )
+        self.events.emit(Event.LOCAL_TIER, enabled=False, dir=self.dir, why=why)
+        self.writes, self.writer = False, None
+
+    @property
+    def active(self) -> bool:
+        return self.writer is not None
+
+    # -- save ----------------------------------------------------------------------------------
+    def after_step(self, step: int, state: tstate.TrainState, *, durable_saved: bool) -> None:
+        """On every rank after every step; local rank 0 takes a copy when one is due."""
+        if not self.active:
+            return
+        due = self.schedule.due(step) and self.writer.last_committed != step
+        self.schedule.observe(checkpointed=durable_saved or due)
+        if due:
+            self.save(step, state)
+
+    def save(self, step: int, state: tstate.TrainState) -> None:
+        if not self._sized and not self._has_room(tstate.capture(state, step=step)):
+            return
+        self._sized = True
+        persisted = self.writer.last_persist_s  # the previous copy's background seconds
+        t0 = time.monotonic()
+        self.writer.save(
+            step,
+            state.epoch_of(step),
+            Reason.STEPS,
+            lambda: tstate.capture(state, step=step),
+            background=True,
+        )
+        self.schedule.last = step
+        self.schedule.cost_s = time.monotonic() - t0 + persisted
+        if self.writer.failure is not None or self.writer.skipped:
+            self._off(f"a local write failed: {self.writer.failure or 'storage refused it'}")
+
+    def _has_room(self, captured: dict[str, Any]) -> bool:
+        need = COPIES_OF_ROOM * payload_bytes(captured)
+        free = shutil.disk_usage(self.dir).free + _bytes_under(self.dir)
+        if free >= need:
+            return True
+        self._off(
+            f"{self.dir} has {free / 1e6:.1f} MB free, and the tier needs {need / 1e6:.1f} MB "
+            f"({COPIES_OF_ROOM} copies of the {need / COPIES_OF_ROOM / 1e6:.1f} MB state: "
+            f"{KEEP} kept + 1 being written)"
+        )
+        with contextlib.suppress(OSError):
+            shutil.rmtree(self.dir)
+        return False
+
+    # -- resume --------------------------------------------------------------------------------
+    def offers(self) -> list[tuple[int, int, int | None]]:
+        """(generation, step, saved world size) of each committed local copy on this node.
+        ``tiers`` leaves out copies of a generation the durable location never fenced (it was
+        wiped since, or they belong to another run)."""
+        if not self.active:
+            return []
+        try:
+            manifests = self.store.ranked_manifests()
+        except storage.StorageError as e:
+            logger.warning("local checkpoint tier unreadable, not used for resume: %s", e)
+            return []
+        return [(m.generation, m.step, m.metadata.get("world_size")) for m in manifests]
+
+    def read(self, step: int) -> tuple[bytes | memoryview | None, storage.Manifest | None, str]:
+        """The verified state bytes of local copy ``step``, or (None, None, why)."""
+        try:
+            ckpt = self.store.read(step)
+        except storage.StorageError as e:
+            return None, None, str(e)
+        return ckpt.files[tstate.state_file_of(ckpt.manifest.metadata)], ckpt.manifest, ""
+
+    # -- end -------------------------------------------------------------------------------------
+    def remove(self) -> None:
+        """The run finished (or was preempted) with the durable tier holding its newest state:
+        the local copies are of no further use, and /dev/shm is memory."""
+        if self.writer is not None:
+            self.writer.wait()
+        if self.config.enabled and self.local_rank == 0:
+            with contextlib.suppress(OSError):
+                shutil.rmtree(self.dir)
+        self.writes, self.writer = False, None
+
+    def finish(self) -> None:
+        if self.writer is not None:
+            self.writer.wait()
+
+
+def _bytes_under(path: str) -> int:
+    total = 0
+    for dirpath, _, names in os.walk(path):
+        for name in names:
+            with contextlib.suppress(OSError):
+                total += os.path.getsize(os.path.join(dirpath, name))
+    return total
