@@ -41,6 +41,7 @@ logger = logging.getLogger(__name__)
 
 KEEP = 2
 LOCK_NAME = ".writer.lock"
+SLACK_BYTES = 64 << 10  # per copy, beyond its tensors: the skeleton, the manifest, directories
 COPIES_OF_ROOM = KEEP + 1  # the kept copies plus the one being written
 
 
@@ -134,15 +135,17 @@ class LocalTier:
         self.store: storage.CheckpointStore | None = None
         self.writer: Persister | None = None
         self._sized = False
+        self._lock: int | None = None
         if not self.writes:
             return
         why = self._unusable()
+        if os.path.isdir(self.dir):  # a node whose tier is off may still hold copies to offer
+            self.store = storage.open_store(
+                self.dir, checksum=checksum, retry=storage.RetryPolicy(deadline_s=5.0)
+            )
         if why:
             self._off(why)
             return
-        self.store = storage.open_store(
-            self.dir, checksum=checksum, retry=storage.RetryPolicy(deadline_s=5.0)
-        )
         self.writer = Persister(
             store=self.store,
             layout=FlatLayout(),
@@ -170,6 +173,8 @@ class LocalTier:
             self._lock = os.open(os.path.join(self.dir, LOCK_NAME), os.O_CREAT | os.O_RDWR, 0o600)
             fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
+            os.close(self._lock)
+            self._lock = None
             return f"another process (another node of this job on this host?) writes {self.dir}"
         except OSError as e:
             return f"cannot use {self.dir}: {e.strerror or e}"
@@ -200,6 +205,10 @@ class LocalTier:
             self.save(step, state)
 
     def save(self, step: int, state: tstate.TrainState) -> None:
+        if self.writer.last_error is not None:  # the previous copy's background write failed
+            error = self.writer.last_error
+            self._off(f"a local write failed: {type(error).__name__}: {error}")
+            return
         if not self._sized and not self._has_room(tstate.capture(state, step=step)):
             return
         self._sized = True
@@ -214,17 +223,15 @@ class LocalTier:
         )
         self.schedule.last = step
         self.schedule.cost_s = time.monotonic() - t0 + persisted
-        if self.writer.failure is not None or self.writer.skipped:
-            self._off(f"a local write failed: {self.writer.failure or 'storage refused it'}")
 
     def _has_room(self, captured: dict[str, Any]) -> bool:
-        need = COPIES_OF_ROOM * payload_bytes(captured)
+        need = COPIES_OF_ROOM * (payload_bytes(captured) + SLACK_BYTES)
         free = shutil.disk_usage(self.dir).free + _bytes_under(self.dir)
         if free >= need:
             return True
         self._off(
-            f"{self.dir} has {free / 1e6:.1f} MB free, and the tier needs {need / 1e6:.1f} MB "
-            f"({COPIES_OF_ROOM} copies of the {need / COPIES_OF_ROOM / 1e6:.1f} MB state: "
+            f"{self.dir} has {_size(free)} free, and the tier needs {_size(need)} "
+            f"({COPIES_OF_ROOM} copies of the {_size(need // COPIES_OF_ROOM)} state: "
             f"{KEEP} kept + 1 being written)"
         )
         with contextlib.suppress(OSError):
@@ -236,7 +243,7 @@ class LocalTier:
         """(generation, step, saved world size) of each committed local copy on this node.
         ``tiers`` leaves out copies of a generation the durable location never fenced (it was
         wiped since, or they belong to another run)."""
-        if not self.active:
+        if self.store is None:
             return []
         try:
             manifests = self.store.ranked_manifests()
@@ -262,11 +269,23 @@ class LocalTier:
         if self.config.enabled and self.local_rank == 0:
             with contextlib.suppress(OSError):
                 shutil.rmtree(self.dir)
-        self.writes, self.writer = False, None
+        self.writes, self.writer, self.store = False, None, None
+        self.finish()
 
     def finish(self) -> None:
+        """Wait for the copy in flight and let go of the folder (another attempt may write)."""
         if self.writer is not None:
             self.writer.wait()
+        if self._lock is not None:
+            os.close(self._lock)
+            self._lock = None
+
+
+def _size(n: float) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{int(n)} bytes"
 
 
 def _bytes_under(path: str) -> int:

@@ -103,6 +103,7 @@ class Persister:
         self.store = store
         self.tier = tier
         self.last_persist_s = 0.0
+        self.last_error: BaseException | None = None
         """The last commit's background seconds (the local tier's ``auto`` interval counts them)."""
         self.world_size = world_size
         self.generation = generation
@@ -198,6 +199,9 @@ class Persister:
         except Exception as e:
             if not job.background:
                 raise
+            if self.tier == "local":
+                self.last_error = e  # the local tier turns itself off and says why
+                return FAILED, e
             # In the background nothing else would see it: report it and stop the run.
             logger.exception("CHECKPOINT FAILED at step %d (%s): %s", job.step, job.reason, e)
             self.events.emit(
@@ -267,6 +271,10 @@ class Persister:
 
     def _on_failure(self, step: int, reason: str, e: storage.StorageError) -> int:
         """Apply ``--on-storage-failure`` to a storage error; never silent."""
+        if self.tier == "local":  # never stops a run: the local tier turns itself off, saying why
+            self.skipped += 1
+            self.last_error = e
+            return SKIPPED
         skippable = (
             isinstance(e, storage.StorageUnavailableError)
             and self.on_failure == "warn"

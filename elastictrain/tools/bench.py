@@ -322,6 +322,14 @@ def main(argv: list[str]) -> int:
         "(--size sizes the toy model's state; default 64MB here)",
     )
     p.add_argument(
+        "--remote-mbps",
+        type=float,
+        default=None,
+        metavar="MB/S",
+        help="with --recovery: instead, the durable tier behind a link of this speed, with and "
+        "without the local tier, side by side (--size default 256MB here)",
+    )
+    p.add_argument(
         "--overhead",
         action="store_true",
         help="instead: the runner's per-step cost against a plain DDP loop on the same task",
@@ -360,6 +368,11 @@ def main(argv: list[str]) -> int:
         from elastictrain.tools import sharded_bench
 
         return sharded_bench.main(args.size, args.repeats, args.json, args.checkpoint_dir)
+    if args.recovery and args.remote_mbps:
+        from elastictrain.tools import tiers_bench
+
+        size = args.size if "--size" in argv else parse_size("256MB")
+        return tiers_bench.main(size, args.remote_mbps, args.json)
     if args.recovery:
         from elastictrain.tools import recovery_bench
 

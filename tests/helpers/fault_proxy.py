@@ -10,6 +10,8 @@ request the whole stack makes (aiohttp, botocore, s3fs, our retries) meets real 
   download gets half its body and then the connection dropped
 - ``delay_s``: every request waits this long first
 - ``down``: every request gets a 503 ``ServiceUnavailable`` until it is set back to False
+- ``bandwidth_bps``: request and response bodies share one link of this many bytes per second
+  (a slow remote: ``bench --recovery``)
 
 ``fail_fraction`` of the requests get one of ``kinds``, chosen by a seeded RNG. ``stats()`` counts
 requests, faults per kind, and ``retried``: faulted requests that were later sent again (some layer
@@ -56,6 +58,7 @@ class FaultProxy:
         delay_s: float = 0.0,
         seed: int = 0,
         port: int = 0,
+        bandwidth_bps: float | None = None,
     ) -> None:
         unknown = set(kinds) - set(KINDS)
         if unknown:
@@ -65,6 +68,8 @@ class FaultProxy:
         self.fail_fraction = fail_fraction
         self.kinds = kinds
         self.delay_s = delay_s
+        self.bandwidth_bps = bandwidth_bps
+        self._link_free_at = 0.0
         self.down = False
         self._rng = random.Random(seed)
         self._lock = threading.Lock()
@@ -88,6 +93,16 @@ class FaultProxy:
     def stats(self) -> dict[str, int]:
         with self._lock:
             return dict(self._counts)
+
+    def _throttle(self, nbytes: int) -> None:
+        """Hold ``nbytes`` back until the shared link has carried them (all connections queue)."""
+        if not self.bandwidth_bps or not nbytes:
+            return
+        with self._lock:
+            start = max(time.monotonic(), self._link_free_at)
+            self._link_free_at = start + nbytes / self.bandwidth_bps
+            done = self._link_free_at
+        time.sleep(max(0.0, done - time.monotonic()))
 
     # -- decisions ----------------------------------------------------------------------------
     def _decide(self, method: str, path: str) -> str | None:
@@ -133,11 +148,14 @@ class FaultProxy:
                     self.rfile.read(self._body_length() // 2)
                     return self._abort()
                 body = self._read_body()
+                proxy._throttle(len(body))
                 if fault in _ERROR_BODY:
                     return self._error(fault)
                 if fault == "reset":
                     return self._abort()
                 status, headers, payload = self._forward(body)
+                if self.command != "HEAD":
+                    proxy._throttle(len(payload))
                 self.send_response(status)
                 for name, value in headers:
                     if name.lower() not in _HOP_BY_HOP:
@@ -221,6 +239,7 @@ def main() -> None:
     p.add_argument("--kinds", default=",".join(KINDS))
     p.add_argument("--delay", type=float, default=0.0, help="seconds added to every request")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--bandwidth", type=float, default=None, help="bytes per second, all requests")
     args = p.parse_args()
     proxy = FaultProxy(
         args.upstream,
@@ -229,6 +248,7 @@ def main() -> None:
         delay_s=args.delay,
         seed=args.seed,
         port=args.port,
+        bandwidth_bps=args.bandwidth,
     )
     with proxy:
         print(

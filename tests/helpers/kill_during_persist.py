@@ -1,5 +1,9 @@
 """SIGKILL rank 0 while it is persisting a checkpoint, over and over, under one torchrun job.
 
+``tier``: ``durable`` aims at the writes to ``--checkpoint-dir`` (the local tier off);
+``local`` at the local tier's writes (every 10 steps, under /dev/shm), where every resume must come
+from the newest committed local copy and read no state from the durable tier.
+
 Each trial lets the restarted job commit one checkpoint, waits until the next one is half-written (its step directory holds payload bytes but no
 manifest), SIGKILLs rank 0 at a random moment inside that window, and then checks:
 
@@ -22,6 +26,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import sys
 import tempfile
 import time
@@ -90,23 +95,39 @@ def _wait_half_written(ckpt: str, timeout: float, job: Job) -> int:
     raise AssertionError(f"no checkpoint was being written within {timeout}s")
 
 
-def run_trials(workdir: str, trials: int, *, seed: int = 0, max_attempts: int | None = None):
+def run_trials(
+    workdir: str,
+    trials: int,
+    *,
+    seed: int = 0,
+    max_attempts: int | None = None,
+    tier: str = "durable",
+):
     rng = random.Random(seed)
-    ckpt, events = os.path.join(workdir, "ckpt"), os.path.join(workdir, "events.jsonl")
+    durable, events = os.path.join(workdir, "ckpt"), os.path.join(workdir, "events.jsonl")
     max_attempts = max_attempts or trials * 2
+    if tier == "local":
+        root = os.environ.get("ELASTICTRAIN_LOCAL_ROOT", "/dev/shm")
+        ckpt = tempfile.mkdtemp(prefix="kill-trials-", dir=root)  # the writes aimed at
+        tier_args = ["--local-checkpoint-dir", ckpt, "--local-every-steps", "10"]
+        every, written_event = "200", Event.LOCAL_CHECKPOINT
+    else:
+        ckpt, tier_args = durable, ["--no-local-checkpoint"]
+        every, written_event = "10", Event.CHECKPOINT
     job = Job(
         ["--standalone", "--nproc_per_node=2", f"--max-restarts={max_attempts + 1}"],
         [
             "--checkpoint-dir",
-            ckpt,
+            durable,
             "--event-log",
             events,
             "--max-steps",
             "1000000",
             "--checkpoint-every-steps",
-            "10",
+            every,
             "--keep-last",
             "2",
+            *tier_args,
             *(arg for opt in TOY for arg in ("--task-option", opt)),
         ],
         os.path.join(workdir, "torchrun.log"),
@@ -125,7 +146,7 @@ def run_trials(workdir: str, trials: int, *, seed: int = 0, max_attempts: int | 
             # Let this attempt commit one checkpoint first, so every resume has one to find and
             # retention runs; then aim at the next one.
             wait_for_count(
-                events, Event.CHECKPOINT, len(count_events(events, Event.CHECKPOINT)) + 1, 120, job
+                events, written_event, len(count_events(events, written_event)) + 1, 120, job
             )
             rank0 = job.workers()[0]
             step = _wait_half_written(ckpt, 120, job)
@@ -147,14 +168,22 @@ def run_trials(workdir: str, trials: int, *, seed: int = 0, max_attempts: int | 
                     "committed_but_incomplete": bad,
                     "newest_committed": newest,
                     "resumed_from": resumed["step"],
+                    "resumed_tier": resumed.get("tier"),
+                    "remote_bytes": resumed.get("remote_bytes"),
                 }
             )
-            if bad or resumed["step"] != newest:
+            wrong_tier = tier == "local" and (resumed["tier"], resumed["remote_bytes"]) != (
+                "local",
+                0,
+            )
+            if bad or resumed["step"] != newest or wrong_tier:
                 raise AssertionError(f"trial went wrong: {results[-1]}\n{job.log()[-3000:]}")
     finally:
         job.kill()
+        if tier == "local":
+            shutil.rmtree(ckpt, ignore_errors=True)
     corrupt_logged = "CORRUPT CHECKPOINT" in job.log()
-    full = max((e["bytes"] for e in count_events(events, Event.CHECKPOINT)), default=None)
+    full = max((e["bytes"] for e in count_events(events, written_event)), default=None)
     written = sorted(
         r["payload_bytes_on_disk"] / full for r in results if r["during_persist"] and full
     )
@@ -164,6 +193,9 @@ def run_trials(workdir: str, trials: int, *, seed: int = 0, max_attempts: int | 
         "committed_but_incomplete": sum(len(r["committed_but_incomplete"]) for r in results),
         "resumed_from_newest_committed": sum(
             r["resumed_from"] == r["newest_committed"] for r in results
+        ),
+        "resumed_from_the_local_tier_reading_no_remote_state": sum(
+            (r["resumed_tier"], r["remote_bytes"]) == ("local", 0) for r in results
         ),
         "corrupt_checkpoint_logged": corrupt_logged,
         "restarts": len(count_events(events, Event.START)) - 1,
@@ -206,10 +238,11 @@ def main() -> int:
     )
     p.add_argument("--trials", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tier", choices=["durable", "local"], default="durable")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as d:
         try:
-            result = run_trials(d, args.trials, seed=args.seed)
+            result = run_trials(d, args.trials, seed=args.seed, tier=args.tier)
         except AssertionError as e:
             print(f"FAILED: {e}", file=sys.stderr)
             return 1

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from elastictrain.checkpoint.persist import Reason
-from elastictrain.observe.events import Event, read_events
+from elastictrain.observe.events import Event, read_events, read_sample_log
 from tests.helpers.launcher import (
     assert_bitwise_equal,
     final_state,
@@ -28,7 +28,9 @@ def test_sigkill_workers_resume_bitwise(launch, tmp_path, nproc):
     assert ref.wait(180) == 0, ref.log()[-3000:]
 
     run_dir, ev = str(tmp_path / "run"), str(tmp_path / "run.jsonl")
-    job = launch(toy_args(run_dir, ev), nproc=nproc, max_restarts=3, name="killed")
+    # The durable tier alone: resumes land on its steps (the local tier's kill is on S3, below).
+    durable_only = toy_args(run_dir, ev, extra=("--no-local-checkpoint",))
+    job = launch(durable_only, nproc=nproc, max_restarts=3, name="killed")
     rng = random.Random(1000 + nproc)
     # Kill 1: right after the first checkpoint commits.
     wait_for_event(ev, lambda e: e["event"] == Event.CHECKPOINT, 90, job)
@@ -101,22 +103,52 @@ def test_user_task_example_trains_and_resumes(tmp_path):
 
 
 @pytest.mark.slow
-def test_sigkill_resume_on_s3(launch, tmp_path, s3_bucket):
-    """The same kill/resume contract with checkpoints on a real S3 endpoint (moto_server)."""
+def test_worker_sigkill_resumes_from_the_local_tier_reading_no_state_from_s3(
+    launch, tmp_path, s3_bucket
+):
+    """The durable tier is a real S3 endpoint (moto_server behind a recording proxy); the local
+    tier copies every 10 steps. SIGKILL rank 0 (the writer of both) at a random moment: the restart
+    resumes from the local copy, no state file is read from S3 afterwards (only listings and
+    manifests), at most the local interval is redone, and the run ends bitwise equal."""
+    from tests.helpers.elastic import committed_history
+    from tests.helpers.fault_proxy import FaultProxy
+
     bucket_url, options = s3_bucket
-    opts = tuple(a for k, v in options.items() for a in ("--storage-option", f"{k}={v}"))
     ref = launch(
         toy_args(str(tmp_path / "ref"), str(tmp_path / "ref.jsonl"), max_steps=200, step_time=0),
         name="ref",
     )
     assert ref.wait(120) == 0
-    url, ev = f"{bucket_url}/run", str(tmp_path / "run.jsonl")
-    job = launch(toy_args(url, ev, max_steps=200, step_time=0.01, extra=opts), name="s3-killed")
-    wait_for_event(ev, lambda e: e["event"] == Event.CHECKPOINT, 90, job)
-    job.kill_worker(0)  # rank 0: the writer
-    assert job.wait(180) == 0, job.log()[-3000:]
+    url, ev, samples = f"{bucket_url}/run", str(tmp_path / "run.jsonl"), str(tmp_path / "samples")
+    with FaultProxy(options["endpoint_url"]) as proxy:
+        opts = {**options, "endpoint_url": proxy.url}
+        extra = [a for k, v in opts.items() for a in ("--storage-option", f"{k}={v}")]
+        extra += ["--local-every-steps", "10", "--sample-log", samples]
+        job = launch(toy_args(url, ev, max_steps=200, step_time=0.01, extra=tuple(extra)))
+        wait_for_event(ev, lambda e: e["event"] == Event.CHECKPOINT, 90, job)
+        time.sleep(random.Random(17).uniform(0.05, 0.3))
+        seen = len(proxy.requests)
+        job.kill_worker(0)  # rank 0: the writer of both tiers
+        assert job.wait(180) == 0, job.log()[-3000:]
+        after_kill = proxy.requests[seen:]
+    state_reads = [p for m, p in after_kill if m == "GET" and "/state-" in p]
+    assert not state_reads, state_reads
+    assert any("manifest.json" in p for _, p in after_kill)  # it did look at the durable tier
     resumes = [e for e in read_events(ev) if e["event"] == Event.RESUME]
-    assert resumes[0]["fresh"] and not resumes[1]["fresh"] and resumes[1]["step"] >= 40
+    assert resumes[0]["fresh"]
+    resumed = resumes[1]
+    assert (resumed["tier"], resumed["remote_bytes"], resumed["source_rank"]) == ("local", 0, 0)
+    assert resumed["step"] >= resumed["durable_step"] >= 40 and resumed["step"] % 10 == 0
+    # Redone: what the killed attempt had trained past the copy it resumed from.
+    history = read_sample_log(samples)
+    killed = min(e["generation"] for e in history)  # the first attempt's
+    trained = max(e["step"] for e in history if e["generation"] == killed) + 1
+    redone = trained - resumed["step"]
+    assert 0 <= redone <= 10 + 1, (trained, resumed)  # the interval, plus a copy in flight
+    assert sorted(committed_history(history)) == list(range(200))
     assert_bitwise_equal(
         final_state(url, storage_options=options), final_state(str(tmp_path / "ref"))
+    )
+    print(
+        f"\nresumed from local step {resumed['step']}: {redone} steps redone, 0 state bytes from S3"
     )

@@ -87,12 +87,18 @@ def test_two_node_recipe_loses_a_node_and_rejoins_and_the_report_from_storage_sh
         args(ref_dir, str(tmp_path / "ref.jsonl"), tmp_path / "ref-samples", 0), name="ref"
     )
     run = args(ckpt, ev, samples, 0.02)
+    # Each node's local tier in its own folder, as on real hosts (here both are this machine).
+    local = {
+        node: ["--local-checkpoint-dir", str(tmp_path / f"host{node}" / "shm")] for node in (0, 1)
+    }
     nodes = []
     for node in (0, 1):
         home = tmp_path / f"host{node}"
         home.mkdir()
         env = node_env(node, port, run_id, ckpt)
-        nodes.append(launch(run, script=SCRIPT, env=env, cwd=str(home), name=f"node{node}"))
+        nodes.append(
+            launch(run + local[node], script=SCRIPT, env=env, cwd=str(home), name=f"node{node}")
+        )
     # Whatever order the agents met in, wait until the job runs on both.
     wait_for_event(
         ev, lambda e: e["event"] == Event.PROGRESS and e["world_size"] == 2 and e["step"] >= 80, 150
@@ -110,7 +116,9 @@ def test_two_node_recipe_loses_a_node_and_rejoins_and_the_report_from_storage_sh
     )
     t_join = time.time()
     env = node_env(1, port, run_id, ckpt)
-    back = launch(run, script=SCRIPT, env=env, cwd=str(tmp_path / "host1"), name="node1-back")
+    back = launch(
+        run + local[1], script=SCRIPT, env=env, cwd=str(tmp_path / "host1"), name="node1-back"
+    )
     grown = wait_for_event(
         ev, lambda e: e["event"] == Event.MEMBERSHIP and e["new_world_size"] == 2, 120, nodes[0]
     )
@@ -123,6 +131,15 @@ def test_two_node_recipe_loses_a_node_and_rejoins_and_the_report_from_storage_sh
 
     events = read_events(ev)
     assert events[-1]["event"] == Event.END and events[-1]["step"] == STEPS
+    # The survivor resumed from its own local copy, newer than the durable tier's, reading no
+    # state remotely; after the rejoin (the preemption checkpoint is durable, and newer than
+    # node 1's old local copies by generation) from the durable tier.
+    resumes = [e for e in events if e["event"] == Event.RESUME and not e["fresh"]]
+    survivor = next(e for e in resumes if e["time"] > t_kill)
+    assert (survivor["tier"], survivor["remote_bytes"], survivor["source_rank"]) == ("local", 0, 0)
+    assert survivor["step"] >= survivor["durable_step"], survivor
+    rejoined = next(e for e in resumes if e["time"] > t_join)
+    assert rejoined["tier"] == "durable" and rejoined["world_size"] == 2, rejoined
     # The agent stops a healthy group with SIGTERM for the rejoin: it saved the exact step first.
     assert grown["step"] in [e["step"] for e in events if e["event"] == Event.PREEMPTED]
     ledger = assert_exactly_once(
@@ -134,7 +151,9 @@ def test_two_node_recipe_loses_a_node_and_rejoins_and_the_report_from_storage_sh
     with capsys.disabled():  # the README's recovery figures, shown with -s
         print(
             f"\ntwo-node recipe: node SIGKILLed -> training at world size 1 after "
-            f"{alone['time'] - t_kill:.1f}s; node back -> training at world size 2 after "
+            f"{alone['time'] - t_kill:.1f}s (from its local copy of step {survivor['step']}, "
+            f"{survivor['steps_saved']} steps newer than the durable one); node back -> training "
+            f"at world size 2 after "
             f"{together['time'] - t_join:.1f}s; weights vs a fixed 2-rank run: rel. error {rel:.1e}"
         )
 

@@ -72,6 +72,52 @@ def test_custom_loop_stopped_and_resumed_equals_one_straight_run(tmp_path, async
     assert storage.open_store(url).committed_steps() == [16, 20]
 
 
+def test_crashes_resume_from_the_newest_local_copy_past_a_corrupt_one_and_end_equal(tmp_path):
+    """The local tier in library mode (the session the runner shares): a crash resumes from the
+    local copy newer than the durable tier's and reads no durable state; a corrupt newest copy
+    falls back, reported, to the next good one (the same step locally beats the durable copy);
+    the run ends equal to a straight one and a finished run removes its local copies."""
+    import storage
+    from storage.layout import step_dir_name
+
+    straight, _ = run(str(tmp_path / "straight"), 20)
+    url, local, ev = str(tmp_path / "durable"), tmp_path / "local", str(tmp_path / "ev.jsonl")
+    kw = dict(local_checkpoint_dir=str(local), local_every_steps=3, event_log=ev)
+    model, opt, sched = build()
+
+    def attempt(steps: int, final: bool = False) -> int:
+        with CheckpointManager(url, every_steps=4, keep_last=2, **kw) as ckpt:
+            start = ckpt.resume(model, opt, sched)
+            for step in range(start, steps):
+                train(model, opt, sched, step)
+                ckpt.step(step + 1, model, opt, sched)
+            if final:
+                ckpt.save(steps, model, opt, sched, final=True)
+        return start
+
+    assert attempt(10) == 0  # "crash" after step 10: durable 4, 8; local 6, 9
+    assert attempt(15) == 9  # durable 12; local 12, 15
+    local_store = storage.open_store(str(local))
+    assert local_store.committed_steps() == [12, 15]
+    newest = local / step_dir_name(15)
+    state_file = next(p for p in newest.iterdir() if p.name.startswith("state-"))
+    raw = bytearray(state_file.read_bytes())
+    raw[len(raw) // 2] ^= 1
+    state_file.write_bytes(bytes(raw))
+    assert attempt(20, final=True) == 12
+    for a, b in zip(straight.state_dict().values(), model.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+    resumes = [e for e in read_events(ev) if e["event"] == Event.RESUME and not e["fresh"]]
+    assert [(e["step"], e["tier"], e["remote_bytes"], e["durable_step"]) for e in resumes] == [
+        (9, "local", 0, 8),
+        (12, "local", 0, 12),
+    ]
+    assert resumes[0]["steps_saved"] == 1
+    corrupt = [e for e in read_events(ev) if e["event"] == Event.CORRUPT]
+    assert [(e["step"], e["tier"]) for e in corrupt] == [(15, "local")]
+    assert not local.exists()  # the finished run removed its local tier
+
+
 def test_resume_hands_back_extra_and_maps_to_the_requested_device(tmp_path):
     url = str(tmp_path / "c")
     run(url, 6)  # final extra {"done": True}; the step-4 one held {"loss": ..., "seen": 4}

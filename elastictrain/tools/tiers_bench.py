@@ -1,0 +1,158 @@
+"""``python -m elastictrain bench --recovery --remote-mbps 50``: what the local tier buys when the
+durable tier is slow, side by side in one run.
+
+The durable tier is ``throttled://`` (``throttled_fs``: a folder reached at ``--remote-mbps``
+through the fsspec path S3 takes). Three real 2-worker ``torchrun --standalone`` jobs of the toy
+task, its state sized by ``--size``, durable checkpoints every ``EVERY`` steps:
+
+- ``durable``: ``--no-local-checkpoint``, today's behaviour;
+- ``two_tiers``: the local tier on (``--local-every-steps auto``, under /dev/shm);
+- ``empty``: nothing to resume from (no checkpoint before the kill): the floor of a restart.
+
+Each is SIGKILLed (worker 1) halfway between two durable checkpoints, and reports: steps redone
+(what the killed attempt had trained past the step it resumed from), kill -> first step, state
+bytes read from the durable tier, and the step time before the kill (the local schedule's
+overhead is ``two_tiers`` against ``durable``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import statistics
+import tempfile
+import time
+from typing import Any
+
+from elastictrain.observe.events import Event, read_sample_log
+from elastictrain.tools.recovery_bench import _env, _events, _Torchrun, _wait
+from elastictrain.tools.throttled_fs import bytes_read
+
+EVERY = 40  # durable checkpoint interval, in steps
+MODES = {
+    "durable": ["--no-local-checkpoint"],
+    "two_tiers": [],
+    "empty": ["--no-local-checkpoint"],
+}
+
+
+def _trained(samples: str) -> int:
+    """Steps the job has trained so far (rank 0's ledger)."""
+    rows = read_sample_log(samples) if os.path.isdir(samples) else []
+    return max((e["step"] + 1 for e in rows if e["rank"] == 0), default=0)
+
+
+def measure(workdir: str, mode: str, size: int, remote_bps: float) -> dict[str, Any]:
+    layers = max(1, round(size / (8 * 1024 * 1024)))  # weights + momentum of 1024x1024 layers
+    base = os.path.join(workdir, mode)
+    ev, samples, log = base + "-events.jsonl", base + "-samples", base + "-reads.tsv"
+    every = 10**9 if mode == "empty" else EVERY
+    args = ["-m", "elastictrain", "--checkpoint-dir", f"throttled://{base}-ckpt",
+            "--task", "elastictrain.tools.throttled_fs:make_task", "--event-log", ev,
+            "--sample-log", samples, "--max-steps", "1000000", "--log-every-seconds", "0.5",
+            "--checkpoint-every-steps", str(every), "--keep-last", "2",
+            "--task-option", "hidden=1024", "--task-option", f"layers={layers}",
+            "--task-option", "batch_size=32", *MODES[mode]]  # fmt: skip
+    env = {**_env(), "ET_THROTTLE_BPS": str(remote_bps), "ET_THROTTLE_LOG": log}
+    job = _Torchrun(args, base + "-job.log", env)
+    kill_at = EVERY + EVERY // 2  # halfway between the first two durable checkpoints
+    try:
+        if mode != "empty":
+            _wait(lambda: any(e["event"] == Event.CHECKPOINT for e in _events(ev)), 600,
+                  "the first durable checkpoint", job)  # fmt: skip
+        _wait(lambda: _trained(samples) >= kill_at, 600, f"step {kill_at}", job)
+        rates = [e["steps_per_s"] for e in _events(ev) if e["event"] == Event.PROGRESS]
+        reads_before = bytes_read(log)
+        t_kill = time.time()
+        os.kill(job.workers()[1], signal.SIGKILL)
+        first = _wait(
+            lambda: [e for e in _events(ev) if e["event"] == Event.FIRST_STEP and e["time"] > t_kill],
+            600, "the first step after the kill", job,
+        )[0]  # fmt: skip
+        resume = next(e for e in _events(ev) if e["event"] == Event.RESUME and e["time"] > t_kill)
+        killed_at = _trained_by_the_killed_attempt(samples)
+    finally:
+        job.stop()
+    resumed = resume["step"]
+    return {
+        "resumed_step": resumed,
+        "checkpoint_bytes": resume.get("bytes", 0),
+        "tier": resume.get("tier", "none"),
+        "steps_redone": killed_at - resumed,
+        "kill_to_first_step_s": round(first["time"] - t_kill, 3),
+        "remote_state_bytes_read": bytes_read(log) - reads_before,
+        # None when the job reached the kill before its second progress line (a tiny state).
+        "step_s_before_kill": round(1 / statistics.median(rates[1:]), 4) if rates[1:] else None,
+    }
+
+
+def _trained_by_the_killed_attempt(samples: str) -> int:
+    """The killed attempt's last step (its generation is the oldest in the ledger)."""
+    rows = read_sample_log(samples)
+    first = min(e["generation"] for e in rows)
+    return max(e["step"] + 1 for e in rows if e["generation"] == first)
+
+
+def run(size: int, remote_mbps: float) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as workdir:
+        result = {mode: measure(workdir, mode, size, remote_mbps * 1e6) for mode in MODES}
+    durable, local, empty = result["durable"], result["two_tiers"], result["empty"]
+    result["state_mb"] = size / 1e6
+    result["remote_mbps"] = remote_mbps
+    result["restart_over_empty"] = {
+        mode: round(result[mode]["kill_to_first_step_s"] / empty["kill_to_first_step_s"], 3)
+        for mode in ("durable", "two_tiers")
+    }
+    timed = local["step_s_before_kill"] and durable["step_s_before_kill"]
+    result["local_step_overhead"] = (
+        round(local["step_s_before_kill"] / durable["step_s_before_kill"] - 1, 4) if timed else None
+    )
+    return result
+
+
+def table(r: dict[str, Any]) -> str:
+    rows = [
+        ("steps redone after the SIGKILL", "steps_redone", "{:d}"),
+        ("kill -> first step (s)", "kill_to_first_step_s", "{:.2f}"),
+        ("state bytes read from the durable tier (MB)", "remote_state_bytes_read", None),
+        ("step time before the kill (s)", "step_s_before_kill", "{:.4f}"),
+        ("resumed from (tier, step)", None, None),
+    ]
+    held = max(r[mode]["checkpoint_bytes"] for mode in MODES)
+    lines = [
+        f"state {held / 1e6:.0f} MB, durable tier at {r['remote_mbps']:g} MB/s, durable "
+        f"checkpoints every {EVERY} steps, SIGKILL at step ~{EVERY + EVERY // 2}",
+        f"| {'figure':<44} | {'durable only':>12} | {'two tiers':>12} | {'no checkpoint':>13} |",
+        f"|{'-' * 46}|{'-' * 14}|{'-' * 14}|{'-' * 15}|",
+    ]
+    for name, key, fmt in rows:
+        cells = []
+        for mode in MODES:
+            m = r[mode]
+            if key is None:
+                cells.append(f"{m['tier']} {m['resumed_step']}")
+            elif m[key] is None:
+                cells.append("-")
+            elif fmt is None:
+                cells.append(f"{m[key] / 1e6:.1f}")
+            else:
+                cells.append(fmt.format(m[key]))
+        lines.append(f"| {name:<44} | {cells[0]:>12} | {cells[1]:>12} | {cells[2]:>13} |")
+    ratio = r["restart_over_empty"]
+    lines.append(
+        f"kill -> first step / the same restart with nothing to load: durable only "
+        f"{ratio['durable']:.2f}, two tiers {ratio['two_tiers']:.2f} (target <= 1.2)"
+    )
+    if r["local_step_overhead"] is not None:
+        lines.append(
+            f"step-time overhead of the local tier (auto): {r['local_step_overhead'] * 100:+.1f}%"
+            " (target <= 2%; median of the progress lines before the kill, noisy here)"
+        )
+    return "\n".join(lines)
+
+
+def main(size: int, remote_mbps: float, as_json: bool) -> int:
+    result = run(size, remote_mbps)
+    print(json.dumps(result, indent=1) if as_json else table(result))
+    return 0

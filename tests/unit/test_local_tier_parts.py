@@ -1,0 +1,64 @@
+"""The local tier's pure parts: its folder, its ``auto`` interval, and how resume ranks copies."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from elastictrain.checkpoint.local_tier import LocalSchedule, default_dir, payload_bytes
+from elastictrain.checkpoint.tiers import DURABLE, LOCAL, candidates
+
+
+def test_one_folder_per_durable_location_without_its_credentials(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    a = default_dir("./ckpt", "/dev/shm")
+    assert a == default_dir(str(tmp_path / "ckpt"), "/dev/shm")  # resolved, as the store does
+    assert a.startswith(f"/dev/shm/elastictrain-{os.getuid()}/")
+    assert default_dir("s3://b/run", "/r") != default_dir("s3://b/other", "/r")
+    key = os.path.basename(default_dir("s3://KEY:SECRET@b/run", "/r"))
+    assert len(key) == 16 and int(key, 16) >= 0  # a hash: no URL, let alone its credentials
+
+
+def test_auto_interval_keeps_the_copies_within_the_overhead_budget():
+    schedule = LocalSchedule("auto", overhead=0.02)
+    assert not schedule.due(1)  # no step time measured yet
+    schedule.step_s, schedule.cost_s = 0.010, 0.001  # a copy costs 10% of a step
+    assert schedule.interval() == 5  # 0.001 / (0.02 * 0.010)
+    assert schedule.due(7)  # the first copy: it measures the cost
+    schedule.last = 7
+    assert not schedule.due(11) and schedule.due(12)
+    schedule.cost_s = 0.0  # a copy cheaper than anything: every step, never 0
+    assert schedule.interval() == 1
+    fixed = LocalSchedule(10, overhead=0.02)
+    assert [s for s in range(1, 31) if fixed.due(s)] == [10, 20, 30]
+
+
+def test_step_time_leaves_out_the_steps_that_took_a_copy(monkeypatch):
+    clock = iter([0.0, 0.1, 0.2, 5.0, 5.1])
+    monkeypatch.setattr("elastictrain.checkpoint.local_tier.time.monotonic", lambda: next(clock))
+    schedule = LocalSchedule("auto", overhead=0.02)
+    for checkpointed in (False, False, True, False, False):
+        schedule.observe(checkpointed)
+    # Steps of 0.1 s; the 4.8 s step that took a copy (the third call's) is not one of them.
+    assert abs(schedule.step_s - 0.1) < 1e-9
+
+
+def test_payload_bytes_counts_tensors_only():
+    tree = {"a": torch.zeros(10), "b": [torch.zeros(2, dtype=torch.int64), "x", 3]}
+    assert payload_bytes(tree) == 40 + 16
+
+
+def test_resume_ranks_by_generation_then_step_and_prefers_a_local_copy():
+    offers = [
+        {"fence": 30, "durable": [(30, 40, 2), (20, 90, 2)], "local": [(30, 40, 2), (30, 35, 2)]},
+        {"fence": 0, "durable": [], "local": [(30, 45, 2), (31, 99, 2), (0, 50, 2)]},
+    ]
+    ranked = [(c.generation, c.step, c.tier, c.rank) for c in candidates(offers)]
+    assert ranked == [
+        (30, 45, LOCAL, 1),  # a peer's newer copy; (31, 99) was never fenced: not offered
+        (30, 40, LOCAL, 0),  # the same step locally before durably
+        (30, 40, DURABLE, 0),
+        (30, 35, LOCAL, 0),
+        (20, 90, DURABLE, 0),  # an older generation, whatever its step
+    ]
