@@ -129,6 +129,7 @@ class Checkpointer:
             self.local = LocalTier(
                 self._local_config,
                 durable_url=self._url,
+                rank=self.rank,
                 local_rank=self.local_rank,
                 world_size=self.world_size,
                 generation=lambda: self.generation,

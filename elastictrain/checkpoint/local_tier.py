@@ -77,24 +77,37 @@ def payload_bytes(tree: Any) -> int:
 
 class LocalSchedule:
     """When this node takes its next local copy: every N steps, or ``auto``: the interval that
-    keeps (snapshot + background write) under ``overhead`` of step time. The write is counted as
-    if it took its time from training: true when the CPU is the bottleneck, conservative on GPU."""
+    keeps what copies cost under ``overhead`` of step time. A copy costs what it blocks the loop
+    (the snapshot) plus what it slows the steps that run while it is written, measured against the
+    step time without one: the background write is free on a GPU node whose CPU idles, and not
+    on a CPU-bound one."""
 
     def __init__(self, every: int | str, overhead: float) -> None:
         self.every, self.overhead = every, overhead
         self.step_s: float | None = None
+        """Step time while no copy is being written (EMA); steps that took a copy left out."""
         self.cost_s = 0.0
+        self.excess_s = 0.0
+        """Step time beyond ``step_s`` while the latest copy was written."""
         self.last: int | None = None
         self._t_last: float | None = None
         self._skip_next = True
 
-    def observe(self, checkpointed: bool) -> None:
-        """Called once per step; a step that took a checkpoint is left out of the step time."""
+    def observe(self, *, checkpointed: bool, writing: bool) -> None:
+        """Called once per step: did it take a copy, and did a copy's write overlap it."""
         now = time.monotonic()
         if self._t_last is not None and not self._skip_next:
             dt = now - self._t_last
-            self.step_s = dt if self.step_s is None else 0.8 * self.step_s + 0.2 * dt
+            if writing and self.step_s is not None:
+                self.excess_s += max(0.0, dt - self.step_s)
+            elif not writing:
+                self.step_s = dt if self.step_s is None else 0.8 * self.step_s + 0.2 * dt
         self._t_last, self._skip_next = now, checkpointed
+
+    def took_copy(self, step: int, blocked_s: float) -> None:
+        """A copy was just taken: its cost is known once the previous one's slowdown is in."""
+        self.cost_s = blocked_s + self.excess_s
+        self.excess_s, self.last = 0.0, step
 
     def interval(self) -> int:
         if self.every != "auto":
@@ -119,6 +132,7 @@ class LocalTier:
         config: LocalTierConfig,
         *,
         durable_url: str,
+        rank: int,
         local_rank: int,
         world_size: int,
         generation: Callable[[], int],
@@ -130,11 +144,12 @@ class LocalTier:
         self.dir = config.dir or default_dir(durable_url, knobs.local_tier_root())
         self.events = events
         self.schedule = LocalSchedule(config.every_steps, config.overhead)
-        self.local_rank = local_rank
+        self.rank, self.local_rank = rank, local_rank
         self.writes = config.enabled and local_rank == 0
         self.store: storage.CheckpointStore | None = None
         self.writer: Persister | None = None
         self._sized = False
+        self._writing_since = False
         self._lock: int | None = None
         if not self.writes:
             return
@@ -181,7 +196,9 @@ class LocalTier:
         return None
 
     def _off(self, why: str) -> None:
-        logger.info(
+        # INFO on rank 0 (shown there by default); other nodes' writers show only warnings.
+        logger.log(
+            logging.INFO if self.rank == 0 else logging.WARNING,
             "local checkpoint tier off: %s. The durable tier (--checkpoint-dir) is unaffected; "
             "set --local-checkpoint-dir to a node-local folder with room, or --no-local-checkpoint "
             "to silence this.",
@@ -200,9 +217,13 @@ class LocalTier:
         if not self.active:
             return
         due = self.schedule.due(step) and self.writer.last_committed != step
-        self.schedule.observe(checkpointed=durable_saved or due)
+        # A step overlapped a copy's write if one was in flight when it began or when it ended:
+        # a write shorter than a step is over by the end of the step it slows.
+        writing = self._writing_since or self.writer.writing
+        self.schedule.observe(checkpointed=durable_saved or due, writing=writing)
         if due:
             self.save(step, state)
+        self._writing_since = self.active and self.writer.writing
 
     def save(self, step: int, state: tstate.TrainState) -> None:
         if self.writer.last_error is not None:  # the previous copy's background write failed
@@ -212,7 +233,6 @@ class LocalTier:
         if not self._sized and not self._has_room(tstate.capture(state, step=step)):
             return
         self._sized = True
-        persisted = self.writer.last_persist_s  # the previous copy's background seconds
         t0 = time.monotonic()
         self.writer.save(
             step,
@@ -221,8 +241,8 @@ class LocalTier:
             lambda: tstate.capture(state, step=step),
             background=True,
         )
-        self.schedule.last = step
-        self.schedule.cost_s = time.monotonic() - t0 + persisted
+        # The previous copy's slowdown of the steps since, plus this one's blocking.
+        self.schedule.took_copy(step, time.monotonic() - t0)
 
     def _has_room(self, captured: dict[str, Any]) -> bool:
         need = COPIES_OF_ROOM * (payload_bytes(captured) + SLACK_BYTES)
@@ -251,14 +271,6 @@ class LocalTier:
             logger.warning("local checkpoint tier unreadable, not used for resume: %s", e)
             return []
         return [(m.generation, m.step, m.metadata.get("world_size")) for m in manifests]
-
-    def read(self, step: int) -> tuple[bytes | memoryview | None, storage.Manifest | None, str]:
-        """The verified state bytes of local copy ``step``, or (None, None, why)."""
-        try:
-            ckpt = self.store.read(step)
-        except storage.StorageError as e:
-            return None, None, str(e)
-        return ckpt.files[tstate.state_file_of(ckpt.manifest.metadata)], ckpt.manifest, ""
 
     # -- end -------------------------------------------------------------------------------------
     def remove(self) -> None:

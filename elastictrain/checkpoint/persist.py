@@ -102,9 +102,8 @@ class Persister:
         ``local_checkpoint`` events and DEBUG lines, since they come every few steps."""
         self.store = store
         self.tier = tier
-        self.last_persist_s = 0.0
         self.last_error: BaseException | None = None
-        """The last commit's background seconds (the local tier's ``auto`` interval counts them)."""
+        """The local tier's last failure (it turns the tier off rather than stop the run)."""
         self.world_size = world_size
         self.generation = generation
         self.events = events
@@ -126,6 +125,11 @@ class Persister:
         self._thread: threading.Thread | None = None
         self._in_flight: int | None = None
         self._pending: _Job | None = None
+
+    @property
+    def writing(self) -> bool:
+        """A background persist is in flight."""
+        return self._thread is not None and self._thread.is_alive()
 
     def wait(self) -> float:
         """Wait for the persist in flight, if any; returns the seconds waited."""
@@ -236,7 +240,7 @@ class Persister:
             deadline_s=self.reports_timeout_s,
         )
         self.last_committed = step
-        persist = self.last_persist_s = time.monotonic() - t0
+        persist = time.monotonic() - t0
         deleted = self.store.apply_retention(
             self.keep_last, newest_good=step, keep_every=self.keep_every
         )

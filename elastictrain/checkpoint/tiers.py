@@ -41,7 +41,6 @@ class Candidate:
 @dataclass(frozen=True)
 class Found:
     data: bytes | bytearray | memoryview
-    manifest: storage.Manifest | None
     where: str
     tier: str
     source_rank: int
@@ -77,7 +76,7 @@ def fetch_best(ckpt, local: LocalTier | None) -> Found | None:
     ranked = candidates(offers)
     newest_durable = max((c.step for c in ranked if c.tier == DURABLE), default=None)
     for c in ranked:
-        data, manifest, why = _read_on_holder(ckpt, local, c)
+        data, why = _read_on_holder(ckpt, local, c)
         ok = edist.broadcast_int(int(data is not None), group, src=c.rank)
         if not ok:
             if rank == c.rank:
@@ -88,23 +87,21 @@ def fetch_best(ckpt, local: LocalTier | None) -> Found | None:
         where = f"step {c.step} ({c.tier} tier, read by rank {c.rank})"
         if c.tier == DURABLE and ckpt.read_mode == "all":
             if not ckpt.is_writer:
-                ckpt_read = ckpt.store.read(c.step)
-                manifest = ckpt_read.manifest
-                data = ckpt_read.files[tstate.state_file_of(manifest.metadata)]
+                read = ckpt.store.read(c.step)
+                data = read.files[tstate.state_file_of(read.manifest.metadata)]
         else:
             data = edist.broadcast_bytes(data if rank == c.rank else None, group, src=c.rank)
-        return Found(data, manifest, where, c.tier, c.rank, c.saved_world_size, newest_durable)
+        return Found(data, where, c.tier, c.rank, c.saved_world_size, newest_durable)
     return None
 
 
-def _read_on_holder(ckpt, local, c: Candidate):
-    """On the rank that holds candidate ``c``: its verified bytes, else (None, None, why)."""
+def _read_on_holder(ckpt, local, c: Candidate) -> tuple[bytes | memoryview | None, str]:
+    """On the rank that holds candidate ``c``: its verified bytes, else (None, why)."""
     if ckpt.rank != c.rank:
-        return None, None, ""
-    if c.tier == LOCAL:
-        return local.read(c.step)
+        return None, ""
+    store = local.store if c.tier == LOCAL else ckpt.store
     try:
-        read = ckpt.store.read(c.step)
-    except storage.CheckpointCorruptError as e:
-        return None, None, str(e)
-    return read.files[tstate.state_file_of(read.manifest.metadata)], read.manifest, ""
+        read = store.read(c.step)
+    except storage.StorageError as e:
+        return None, str(e)
+    return read.files[tstate.state_file_of(read.manifest.metadata)], ""

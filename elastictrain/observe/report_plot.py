@@ -143,7 +143,7 @@ def _html(timeline: Timeline, title: str, png_b64: str) -> str:
     e = html.escape
     rows = "".join(
         f"<tr><td>{a.index}</td><td>{a.start - timeline.t0:.1f}</td><td>{a.world_size}</td>"
-        f"<td>{a.resumed_step if a.resumed else '-'}</td><td>{a.last_step}</td><td>{len(a.checkpoints)}</td>"
+        f"<td>{a.resumed_step if a.resumed else '-'}</td><td>{e(a.resumed_from)}</td><td>{a.last_step}</td><td>{len(a.checkpoints)}</td>"
         f"<td{'' if a.outcome == Outcome.FINISHED else ' class=bad'}>{e(a.outcome)}</td>"
         f"<td>{e(a.detail)}</td></tr>"
         for a in timeline.attempts
@@ -158,7 +158,7 @@ def _html(timeline: Timeline, title: str, png_b64: str) -> str:
 <style>body{{font-family:sans-serif;margin:2em}}table{{border-collapse:collapse}}
 td,th{{border:1px solid #ccc;padding:2px 8px;text-align:right}}.bad{{color:#b00}}</style></head>
 <body><h1>{e(title)}</h1><img alt="run report" src="data:image/png;base64,{png_b64}">
-<h2>Attempts</h2><table><tr><th>#</th><th>start (s)</th><th>world</th><th>from step</th>
+<h2>Attempts</h2><table><tr><th>#</th><th>start (s)</th><th>world</th><th>from step</th><th>from copy</th>
 <th>to step</th><th>checkpoints</th><th>ended</th><th>detail</th></tr>{rows}</table>
 <h2>Checkpoints</h2><table><tr><th>step</th><th>at (s)</th><th>reason</th><th>bytes</th>
 <th>blocked (s)</th><th>persist (s)</th></tr>{ckpts}</table></body></html>

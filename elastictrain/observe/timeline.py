@@ -35,6 +35,8 @@ class Attempt:
     """False when the attempt ended before its resume completed (killed during startup)."""
     resumed_step: int = 0
     """The step it resumed from; for one that never resumed, the step the run had reached."""
+    resumed_from: str = ""
+    """Which copy served the resume: "local tier (rank 1), +5 steps" or "durable tier"."""
     end: float | None = None
     """Time of the attempt's last event."""
     trained_at: float | None = None
@@ -96,6 +98,7 @@ def build_timeline(events: list[dict[str, Any]]) -> Timeline:
         step = e.get("step")
         if kind == Event.RESUME:
             a.resumed, a.resumed_step = True, int(step or 0)
+            a.resumed_from = _resumed_from(e)
             a.points.append((t, a.resumed_step))
         elif isinstance(step, int) and kind in (
             Event.FIRST_STEP,
@@ -181,7 +184,16 @@ def summary(timeline: Timeline) -> str:
         lines.append(
             f"attempt {a.index} at +{a.start - timeline.t0:.1f}s: world size {a.world_size}, "
             f"{f'steps {a.resumed_step}->{a.last_step}' if a.resumed else 'ended before resuming'}"
+            f"{f' (from the {a.resumed_from})' if a.resumed_from else ''}"
             f", checkpoints {ckpts}{extras}; "
             f"ended: {a.outcome}{' (' + a.detail + ')' if a.detail else ''}"
         )
     return "\n".join(lines)
+
+
+def _resumed_from(e: dict[str, Any]) -> str:
+    if e.get("fresh") or "tier" not in e:
+        return ""
+    if e["tier"] != "local":
+        return f"{e['tier']} tier"
+    return f"local tier of rank {e.get('source_rank')}, {e.get('steps_saved', 0)} steps past the durable one"

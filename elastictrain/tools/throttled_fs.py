@@ -22,9 +22,9 @@ _lock = threading.Lock()
 _link_free_at = 0.0
 
 
-def _throttle(nbytes: int) -> None:
+def _throttle(nbytes: int, bps: float) -> None:
+    """Hold ``nbytes`` back until this process's link has carried them (threads queue)."""
     global _link_free_at
-    bps = float(os.environ.get("ET_THROTTLE_BPS", "0"))
     if not bps or not nbytes:
         return
     with _lock:
@@ -33,15 +33,12 @@ def _throttle(nbytes: int) -> None:
     time.sleep(max(0.0, done - time.monotonic()))
 
 
-def _record(nbytes: int, path: str) -> None:
-    log = os.environ.get("ET_THROTTLE_LOG")
-    if log and nbytes:
-        with open(log, "a") as f:
-            f.write(f"{os.getpid()}\t{nbytes}\t{path}\n")
-
-
 class ThrottledFileSystem(LocalFileSystem):
+    """``log_env``/``bps_env``: the environment variables a subclass reads instead (the test
+    suite's ``counting://`` only counts)."""
+
     protocol = ("throttled",)
+    log_env, bps_env = "ET_THROTTLE_LOG", "ET_THROTTLE_BPS"
 
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("auto_mkdir", True)  # object-store semantics: no directories to make
@@ -49,39 +46,56 @@ class ThrottledFileSystem(LocalFileSystem):
 
     @classmethod
     def _strip_protocol(cls, path):
-        if isinstance(path, str) and path.startswith("throttled://"):
-            path = path[len("throttled://") :]
+        prefix = f"{cls.protocol[0]}://"
+        if isinstance(path, str) and path.startswith(prefix):
+            path = path[len(prefix) :]
         return super()._strip_protocol(path)
 
-    def cat_file(self, path, start=None, end=None, **kwargs):
-        data = super().cat_file(path, start=start, end=end, **kwargs)
-        _throttle(len(data))
-        _record(len(data), str(path))
-        return data
-
     def pipe_file(self, path, value, mode="overwrite", **kwargs):
-        _throttle(len(value))
-        return super().pipe_file(path, value, **kwargs)
+        # ``value`` may be bytes or the backend's sliceable view of a big payload (what s3fs
+        # uploads in parts): written here 8 MB at a time, each part through the link.
+        part = 8 << 20
+        with super()._open(path, "wb") as f:
+            for start in range(0, len(value), part):
+                chunk = value[start : start + part]
+                self._pass(len(chunk))
+                f.write(chunk)
 
     def _open(self, path, mode="rb", **kwargs):
+        # Every read goes through here: whole-file reads (``cat_file`` opens and reads) and
+        # chunked ones (``readinto``), so each byte is counted and throttled once.
         f = super()._open(path, mode=mode, **kwargs)
-        return _Reader(f, str(path)) if "r" in mode else f
+        return _Reader(f, str(path), self) if "r" in mode else f
+
+    def _pass(self, nbytes: int) -> None:
+        bps = float(os.environ.get(self.bps_env, "0")) if self.bps_env else 0.0
+        _throttle(nbytes, bps)
+
+    def _record(self, nbytes: int, path: str) -> None:
+        log = os.environ.get(self.log_env)
+        if log and nbytes:
+            with open(log, "a") as f:
+                f.write(f"{os.getpid()}\t{nbytes}\t{path}\n")
 
 
 class _Reader:
-    def __init__(self, f, path: str) -> None:
-        self._f, self._path = f, path
+    """A read-only file object whose every byte read passes the link and is recorded."""
+
+    def __init__(self, f, path: str, fs: ThrottledFileSystem) -> None:
+        self._f, self._path, self._fs = f, path, fs
+
+    def _got(self, n: int) -> None:
+        self._fs._pass(n)
+        self._fs._record(n, self._path)
 
     def read(self, *args):
         data = self._f.read(*args)
-        _throttle(len(data))
-        _record(len(data), self._path)
+        self._got(len(data))
         return data
 
     def readinto(self, buffer):
         n = self._f.readinto(buffer) or 0
-        _throttle(n)
-        _record(n, self._path)
+        self._got(n)
         return n
 
     def __getattr__(self, name):

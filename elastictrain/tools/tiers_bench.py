@@ -3,7 +3,8 @@ durable tier is slow, side by side in one run.
 
 The durable tier is ``throttled://`` (``throttled_fs``: a folder reached at ``--remote-mbps``
 through the fsspec path S3 takes). Three real 2-worker ``torchrun --standalone`` jobs of the toy
-task, its state sized by ``--size``, durable checkpoints every ``EVERY`` steps:
+task, its state sized by ``--size``, each step sleeping ``STEP_S`` on top of its CPU compute (a
+stand-in for GPU compute, which leaves the CPU free), durable checkpoints every ``EVERY`` steps:
 
 - ``durable``: ``--no-local-checkpoint``, today's behaviour;
 - ``two_tiers``: the local tier on (``--local-every-steps auto``, under /dev/shm);
@@ -29,7 +30,8 @@ from elastictrain.observe.events import Event, read_sample_log
 from elastictrain.tools.recovery_bench import _env, _events, _Torchrun, _wait
 from elastictrain.tools.throttled_fs import bytes_read
 
-EVERY = 40  # durable checkpoint interval, in steps
+EVERY = 100  # durable checkpoint interval, in steps
+STEP_S = 0.05  # each step also sleeps this long: the GPU compute a CPU-only run does not do
 MODES = {
     "durable": ["--no-local-checkpoint"],
     "two_tiers": [],
@@ -53,10 +55,12 @@ def measure(workdir: str, mode: str, size: int, remote_bps: float) -> dict[str, 
             "--sample-log", samples, "--max-steps", "1000000", "--log-every-seconds", "0.5",
             "--checkpoint-every-steps", str(every), "--keep-last", "2",
             "--task-option", "hidden=1024", "--task-option", f"layers={layers}",
-            "--task-option", "batch_size=32", *MODES[mode]]  # fmt: skip
+            "--task-option", "batch_size=32", "--task-option", f"step_time={STEP_S}",
+            *MODES[mode]]  # fmt: skip
     env = {**_env(), "ET_THROTTLE_BPS": str(remote_bps), "ET_THROTTLE_LOG": log}
     job = _Torchrun(args, base + "-job.log", env)
-    kill_at = EVERY + EVERY // 2  # halfway between the first two durable checkpoints
+    # Halfway between the first two durable checkpoints; with none, early (only the restart counts).
+    kill_at = 20 if mode == "empty" else EVERY + EVERY // 2
     try:
         if mode != "empty":
             _wait(lambda: any(e["event"] == Event.CHECKPOINT for e in _events(ev)), 600,
@@ -94,12 +98,22 @@ def _trained_by_the_killed_attempt(samples: str) -> int:
     return max(e["step"] + 1 for e in rows if e["generation"] == first)
 
 
-def run(size: int, remote_mbps: float) -> dict[str, Any]:
+def run(size: int, remote_mbps: float, repeats: int) -> dict[str, Any]:
+    """Each mode ``repeats`` times, the modes interleaved (restart times here vary by seconds
+    from run to run); each figure is the median."""
+    runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in MODES}
     with tempfile.TemporaryDirectory() as workdir:
-        result = {mode: measure(workdir, mode, size, remote_mbps * 1e6) for mode in MODES}
+        for i in range(repeats):
+            for mode in MODES:
+                where = os.path.join(workdir, str(i))
+                os.makedirs(where, exist_ok=True)
+                runs[mode].append(measure(where, mode, size, remote_mbps * 1e6))
+    result: dict[str, Any] = {mode: _medians(runs[mode]) for mode in MODES}
+    result["runs"] = runs
     durable, local, empty = result["durable"], result["two_tiers"], result["empty"]
     result["state_mb"] = size / 1e6
     result["remote_mbps"] = remote_mbps
+    result["repeats"] = repeats
     result["restart_over_empty"] = {
         mode: round(result[mode]["kill_to_first_step_s"] / empty["kill_to_first_step_s"], 3)
         for mode in ("durable", "two_tiers")
@@ -111,9 +125,18 @@ def run(size: int, remote_mbps: float) -> dict[str, Any]:
     return result
 
 
+def _medians(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    out = {}
+    for key, value in runs[0].items():
+        values = [r[key] for r in runs]
+        numeric = all(isinstance(v, (int, float)) for v in values)
+        out[key] = statistics.median(values) if numeric else value
+    return out
+
+
 def table(r: dict[str, Any]) -> str:
     rows = [
-        ("steps redone after the SIGKILL", "steps_redone", "{:d}"),
+        ("steps redone after the SIGKILL", "steps_redone", "{:g}"),
         ("kill -> first step (s)", "kill_to_first_step_s", "{:.2f}"),
         ("state bytes read from the durable tier (MB)", "remote_state_bytes_read", None),
         ("step time before the kill (s)", "step_s_before_kill", "{:.4f}"),
@@ -122,7 +145,8 @@ def table(r: dict[str, Any]) -> str:
     held = max(r[mode]["checkpoint_bytes"] for mode in MODES)
     lines = [
         f"state {held / 1e6:.0f} MB, durable tier at {r['remote_mbps']:g} MB/s, durable "
-        f"checkpoints every {EVERY} steps, SIGKILL at step ~{EVERY + EVERY // 2}",
+        f"checkpoints every {EVERY} steps, steps sleep {STEP_S * 1e3:.0f} ms on top of their "
+        f"compute, SIGKILL at step ~{EVERY + EVERY // 2}; medians of {r['repeats']} runs each",
         f"| {'figure':<44} | {'durable only':>12} | {'two tiers':>12} | {'no checkpoint':>13} |",
         f"|{'-' * 46}|{'-' * 14}|{'-' * 14}|{'-' * 15}|",
     ]
@@ -131,7 +155,7 @@ def table(r: dict[str, Any]) -> str:
         for mode in MODES:
             m = r[mode]
             if key is None:
-                cells.append(f"{m['tier']} {m['resumed_step']}")
+                cells.append(f"{m['tier']} {m['resumed_step']:g}")
             elif m[key] is None:
                 cells.append("-")
             elif fmt is None:
@@ -152,7 +176,7 @@ def table(r: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main(size: int, remote_mbps: float, as_json: bool) -> int:
-    result = run(size, remote_mbps)
+def main(size: int, remote_mbps: float, repeats: int, as_json: bool) -> int:
+    result = run(size, remote_mbps, repeats)
     print(json.dumps(result, indent=1) if as_json else table(result))
     return 0

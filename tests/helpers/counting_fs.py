@@ -12,56 +12,16 @@ from __future__ import annotations
 import os
 
 import fsspec
-from fsspec.implementations.local import LocalFileSystem
 
+from elastictrain.tools.throttled_fs import ThrottledFileSystem
 from elastictrain.toy import make_task as make_toy_task
 
 
-class CountingFileSystem(LocalFileSystem):
+class CountingFileSystem(ThrottledFileSystem):
+    """``throttled://`` without the throttle: every read recorded to ``COUNTING_FS_LOG``."""
+
     protocol = ("counting",)
-
-    @classmethod
-    def _strip_protocol(cls, path):
-        if isinstance(path, str) and path.startswith("counting://"):
-            path = path[len("counting://") :]
-        return super()._strip_protocol(path)
-
-    def _open(self, path, mode="rb", **kwargs):
-        f = super()._open(path, mode=mode, **kwargs)
-        return _CountingReader(f, path) if "r" in mode else f
-
-
-def _record(nbytes: int, path: str) -> None:
-    log = os.environ.get("COUNTING_FS_LOG")
-    if log and nbytes:
-        with open(log, "a") as f:
-            f.write(f"{os.getpid()}\t{nbytes}\t{path}\n")
-
-
-class _CountingReader:
-    """A read-only file object that records every byte read through it."""
-
-    def __init__(self, f, path: str) -> None:
-        self._f, self._path = f, path
-
-    def read(self, *args):
-        data = self._f.read(*args)
-        _record(len(data), self._path)
-        return data
-
-    def readinto(self, buffer):
-        n = self._f.readinto(buffer)
-        _record(n or 0, self._path)
-        return n
-
-    def __getattr__(self, name):
-        return getattr(self._f, name)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self._f.close()
+    log_env, bps_env = "COUNTING_FS_LOG", None
 
 
 fsspec.register_implementation("counting", CountingFileSystem, clobber=True)

@@ -114,8 +114,11 @@ def run_trials(
     else:
         ckpt, tier_args = durable, ["--no-local-checkpoint"]
         every, written_event = "10", Event.CHECKPOINT
+    # The local tier's writer is each node's local rank 0: one worker is a node (and half the
+    # CPU of each restart, which is what these trials spend).
+    nproc = 1 if tier == "local" else 2
     job = Job(
-        ["--standalone", "--nproc_per_node=2", f"--max-restarts={max_attempts + 1}"],
+        ["--standalone", f"--nproc_per_node={nproc}", f"--max-restarts={max_attempts + 1}"],
         [
             "--checkpoint-dir",
             durable,

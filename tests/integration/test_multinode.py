@@ -163,6 +163,7 @@ def test_two_node_recipe_loses_a_node_and_rejoins_and_the_report_from_storage_sh
     assert report.main([ckpt, "-o", out]) == 0
     summary = capsys.readouterr().out
     assert "world size 2 -> 1" in summary and "world size 1 -> 2" in summary, summary
+    assert "(from the local tier of rank 0, " in summary, summary  # the survivor's own copy
     assert summary.rstrip().splitlines()[-2].endswith(f"ended: finished (step {STEPS})"), summary
     assert os.path.getsize(out) > 20_000
     keep = os.environ.get("ELASTICTRAIN_KEEP_REPORT")

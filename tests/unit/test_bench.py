@@ -21,6 +21,7 @@ KEYS = {
     "elastictrain_blocked_s",
     "elastictrain_persist_s",
     "persist_gbps",
+    "persist_over_raw_write",
     "load_s",
     "load_gbps",
     "step_inflation",

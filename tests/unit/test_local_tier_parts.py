@@ -23,25 +23,37 @@ def test_one_folder_per_durable_location_without_its_credentials(tmp_path, monke
 def test_auto_interval_keeps_the_copies_within_the_overhead_budget():
     schedule = LocalSchedule("auto", overhead=0.02)
     assert not schedule.due(1)  # no step time measured yet
-    schedule.step_s, schedule.cost_s = 0.010, 0.001  # a copy costs 10% of a step
-    assert schedule.interval() == 5  # 0.001 / (0.02 * 0.010)
+    schedule.step_s = 0.010
     assert schedule.due(7)  # the first copy: it measures the cost
-    schedule.last = 7
-    assert not schedule.due(11) and schedule.due(12)
+    schedule.took_copy(7, blocked_s=0.0006)
+    schedule.excess_s = 0.0004  # the steps it slowed while being written
+    schedule.took_copy(8, blocked_s=0.0006)  # 0.001 in all: 10% of a step
+    assert schedule.interval() == 5  # 0.001 / (0.02 * 0.010)
+    assert not schedule.due(12) and schedule.due(13)
     schedule.cost_s = 0.0  # a copy cheaper than anything: every step, never 0
     assert schedule.interval() == 1
     fixed = LocalSchedule(10, overhead=0.02)
     assert [s for s in range(1, 31) if fixed.due(s)] == [10, 20, 30]
 
 
-def test_step_time_leaves_out_the_steps_that_took_a_copy(monkeypatch):
-    clock = iter([0.0, 0.1, 0.2, 5.0, 5.1])
+def test_a_copy_costs_its_blocking_plus_the_slowdown_of_the_steps_it_overlaps(monkeypatch):
+    clock = iter([0.0, 0.1, 0.2, 5.0, 5.15, 5.3, 5.4])
     monkeypatch.setattr("elastictrain.checkpoint.local_tier.time.monotonic", lambda: next(clock))
     schedule = LocalSchedule("auto", overhead=0.02)
-    for checkpointed in (False, False, True, False, False):
-        schedule.observe(checkpointed)
-    # Steps of 0.1 s; the 4.8 s step that took a copy (the third call's) is not one of them.
-    assert abs(schedule.step_s - 0.1) < 1e-9
+    for checkpointed, writing in [
+        (False, False),
+        (False, False),
+        (True, False),  # this step took a copy (the next gap, 4.8 s, is left out)
+        (False, True),  # its write runs during the next steps
+        (False, True),  # 0.15 s: 0.05 s over the 0.1 s step
+        (False, True),  # 0.15 s: 0.05 s over
+        (False, False),  # 0.1 s, no copy in flight
+    ]:
+        schedule.observe(checkpointed=checkpointed, writing=writing)
+    assert abs(schedule.step_s - 0.1) < 1e-9  # only the steps without a copy in flight
+    assert abs(schedule.excess_s - 0.1) < 1e-9
+    schedule.took_copy(9, blocked_s=0.02)
+    assert abs(schedule.cost_s - 0.12) < 1e-9 and schedule.excess_s == 0
 
 
 def test_payload_bytes_counts_tensors_only():
