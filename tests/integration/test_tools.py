@@ -71,7 +71,7 @@ def test_bench_recovery_against_a_slow_remote_gives_sane_figures():
     r = json.loads(out.stdout)
     durable, local, empty = r["durable"], r["two_tiers"], r["empty"]
     assert (durable["tier"], local["tier"], empty["tier"]) == ("durable", "local", "none"), r
-    assert durable["remote_state_bytes_read"] >= durable["checkpoint_bytes"] > 4_000_000, r
+    assert durable["remote_state_bytes_read"] >= durable["checkpoint_bytes"] > 100_000, r
     assert local["remote_state_bytes_read"] == 0 and empty["resumed_step"] == 0, r
     assert durable["resumed_step"] >= 100 and durable["resumed_step"] % 100 == 0, r
     assert local["resumed_step"] >= durable["resumed_step"], r
