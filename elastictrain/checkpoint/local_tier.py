@@ -92,22 +92,25 @@ class LocalSchedule:
         self.last: int | None = None
         self._t_last: float | None = None
         self._skip_next = True
+        self._blocked_in_gap = 0.0
 
-    def observe(self, *, checkpointed: bool, writing: bool) -> None:
-        """Called once per step: did it take a copy, and did a copy's write overlap it."""
+    def observe(self, *, skip: bool, writing: bool) -> None:
+        """Called once per step. ``skip``: the step took a durable checkpoint (not a normal step,
+        and not this tier's cost). ``writing``: a local copy's write overlapped it."""
         now = time.monotonic()
         if self._t_last is not None and not self._skip_next:
-            dt = now - self._t_last
+            # The gap after a local copy holds its snapshot, already counted as blocked.
+            dt = now - self._t_last - self._blocked_in_gap
             if writing and self.step_s is not None:
                 self.excess_s += max(0.0, dt - self.step_s)
             elif not writing:
                 self.step_s = dt if self.step_s is None else 0.8 * self.step_s + 0.2 * dt
-        self._t_last, self._skip_next = now, checkpointed
+        self._t_last, self._skip_next, self._blocked_in_gap = now, skip, 0.0
 
     def took_copy(self, step: int, blocked_s: float) -> None:
         """A copy was just taken: its cost is known once the previous one's slowdown is in."""
         self.cost_s = blocked_s + self.excess_s
-        self.excess_s, self.last = 0.0, step
+        self.excess_s, self.last, self._blocked_in_gap = 0.0, step, blocked_s
 
     def interval(self) -> int:
         if self.every != "auto":
@@ -220,7 +223,7 @@ class LocalTier:
         # A step overlapped a copy's write if one was in flight when it began or when it ended:
         # a write shorter than a step is over by the end of the step it slows.
         writing = self._writing_since or self.writer.writing
-        self.schedule.observe(checkpointed=durable_saved or due, writing=writing)
+        self.schedule.observe(skip=durable_saved, writing=writing)
         if due:
             self.save(step, state)
         self._writing_since = self.active and self.writer.writing

@@ -1,10 +1,12 @@
 """``python -m elastictrain bench --overhead``: the runner's per-step cost, with no checkpoint due.
 
-Runs the same 2-worker toy task under ``torchrun --standalone`` two ways, alternating, ``--repeats``
-times each: the full runner (``-m elastictrain --checkpoint-every-steps 0``), and a plain DDP loop
-that calls the very same ``Trainer.step`` and nothing else (no per-step flag all-reduce, watchdog,
-progress or checkpoint checks). Both time the steps after the first, the same way, and the result
-is the median ratio of their mean step times.
+Runs the same 2-worker toy task under ``torchrun --standalone`` three ways, in turn, ``--repeats``
+times each: a plain DDP loop that calls the very same ``Trainer.step`` and nothing else (no
+per-step flag all-reduce, watchdog, progress or checkpoint checks); the full runner without the
+local tier (``-m elastictrain --checkpoint-every-steps 0 --no-local-checkpoint``); and the runner
+with its local tier on ``auto`` (the default). All time the steps after the first, the same way.
+``runner_overhead`` is the median ratio of the runner's mean step time to the plain loop's;
+``local_tier_overhead`` the median ratio of the runner with the local tier to without it.
 """
 
 from __future__ import annotations
@@ -80,7 +82,7 @@ def _torchrun(args: list[str], workdir: str) -> None:
         done.check_returncode()
 
 
-def _elastictrain_step_s(steps: int, workdir: str, i: int) -> float:
+def _elastictrain_step_s(steps: int, workdir: str, i: str, *extra: str) -> float:
     from elastictrain.observe.events import read_events
 
     ev = os.path.join(workdir, f"ev{i}.jsonl")
@@ -88,7 +90,7 @@ def _elastictrain_step_s(steps: int, workdir: str, i: int) -> float:
     _torchrun(
         ["-m", "elastictrain", "--checkpoint-dir", os.path.join(workdir, f"c{i}"),
          "--checkpoint-every-steps", "0", "--max-steps", str(steps), "--event-log", ev,
-         "--log-every-seconds", "1000", *options],
+         "--log-every-seconds", "1000", *options, *extra],
         workdir,
     )  # fmt: skip
     (end,) = [e for e in read_events(ev) if e["event"] == Event.END]
@@ -96,7 +98,7 @@ def _elastictrain_step_s(steps: int, workdir: str, i: int) -> float:
 
 
 def run(steps: int, repeats: int) -> dict[str, float]:
-    ratios, ours, plain = [], [], []
+    ratios, local_ratios, ours, local, plain = [], [], [], [], []
     with tempfile.TemporaryDirectory() as workdir:
         for i in range(repeats):
             out = os.path.join(workdir, f"plain{i}.json")
@@ -105,13 +107,17 @@ def run(steps: int, repeats: int) -> dict[str, float]:
             )
             with open(out) as f:
                 plain.append(json.load(f)["step_s"])
-            ours.append(_elastictrain_step_s(steps, workdir, i))
+            ours.append(_elastictrain_step_s(steps, workdir, f"{i}", "--no-local-checkpoint"))
+            local.append(_elastictrain_step_s(steps, workdir, f"{i}-local"))
             ratios.append(ours[-1] / plain[-1])
+            local_ratios.append(local[-1] / ours[-1])
     return {
         "steps": steps,
         "plain_step_s": statistics.median(plain),
         "elastictrain_step_s": statistics.median(ours),
+        "with_local_tier_step_s": statistics.median(local),
         "runner_overhead": statistics.median(ratios) - 1,
+        "local_tier_overhead": statistics.median(local_ratios) - 1,
     }
 
 
@@ -123,8 +129,10 @@ def main(steps: int, repeats: int, as_json: bool) -> int:
         print(
             f"toy task {TASK_OPTIONS}, 2 workers, {steps} steps, median of {repeats}:\n"
             f"plain DDP loop   {r['plain_step_s'] * 1e3:8.3f} ms/step\n"
-            f"elastictrain     {r['elastictrain_step_s'] * 1e3:8.3f} ms/step\n"
-            f"runner overhead  {r['runner_overhead'] * 100:+.1f}% (target <= 2%)"
+            f"elastictrain     {r['elastictrain_step_s'] * 1e3:8.3f} ms/step (no local tier)\n"
+            f"+ local tier     {r['with_local_tier_step_s'] * 1e3:8.3f} ms/step (auto)\n"
+            f"runner overhead  {r['runner_overhead'] * 100:+.1f}% (target <= 2%)\n"
+            f"local tier       {r['local_tier_overhead'] * 100:+.1f}% (auto; target <= 2%)"
         )
     return 0
 

@@ -25,6 +25,9 @@ def test_bench_overhead_gives_sane_figures(tmp_path):
     ratio = overhead["elastictrain_step_s"] / overhead["plain_step_s"]
     assert overhead["runner_overhead"] == pytest.approx(ratio - 1)
     assert -0.5 < overhead["runner_overhead"] < 1.0, overhead  # same loop: never 2x slower
+    local = overhead["with_local_tier_step_s"] / overhead["elastictrain_step_s"]
+    assert overhead["local_tier_overhead"] == pytest.approx(local - 1)
+    assert -0.5 < overhead["local_tier_overhead"] < 1.0, overhead
 
 
 def test_bench_loader_gives_sane_figures(tmp_path):

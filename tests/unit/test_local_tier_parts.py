@@ -37,23 +37,21 @@ def test_auto_interval_keeps_the_copies_within_the_overhead_budget():
 
 
 def test_a_copy_costs_its_blocking_plus_the_slowdown_of_the_steps_it_overlaps(monkeypatch):
-    clock = iter([0.0, 0.1, 0.2, 5.0, 5.15, 5.3, 5.4])
+    clock = iter([0.0, 0.1, 0.2, 0.34, 0.49, 0.59, 0.7, 5.0])
     monkeypatch.setattr("elastictrain.checkpoint.local_tier.time.monotonic", lambda: next(clock))
     schedule = LocalSchedule("auto", overhead=0.02)
-    for checkpointed, writing in [
-        (False, False),
-        (False, False),
-        (True, False),  # this step took a copy (the next gap, 4.8 s, is left out)
-        (False, True),  # its write runs during the next steps
-        (False, True),  # 0.15 s: 0.05 s over the 0.1 s step
-        (False, True),  # 0.15 s: 0.05 s over
-        (False, False),  # 0.1 s, no copy in flight
-    ]:
-        schedule.observe(checkpointed=checkpointed, writing=writing)
-    assert abs(schedule.step_s - 0.1) < 1e-9  # only the steps without a copy in flight
-    assert abs(schedule.excess_s - 0.1) < 1e-9
-    schedule.took_copy(9, blocked_s=0.02)
-    assert abs(schedule.cost_s - 0.12) < 1e-9 and schedule.excess_s == 0
+    schedule.observe(skip=False, writing=False)  # 0.0
+    schedule.observe(skip=False, writing=False)  # 0.1: start-up, left out
+    schedule.observe(skip=False, writing=False)  # 0.2: a 0.1 s step
+    schedule.took_copy(3, blocked_s=0.02)  # a copy after this step: 0.02 s of snapshot
+    schedule.observe(skip=False, writing=True)  # 0.34: 0.14 s, of which 0.02 blocked: 0.02 over
+    schedule.observe(skip=False, writing=True)  # 0.49: 0.15 s, 0.05 over
+    schedule.observe(skip=True, writing=False)  # 0.59: a step that took a durable checkpoint
+    schedule.observe(skip=False, writing=False)  # 0.7: its gap is left out
+    schedule.observe(skip=False, writing=False)  # 5.0: a slow step, but no copy: not a cost
+    assert abs(schedule.excess_s - 0.07) < 1e-9
+    schedule.took_copy(9, blocked_s=0.03)
+    assert abs(schedule.cost_s - 0.10) < 1e-9 and schedule.excess_s == 0
 
 
 def test_payload_bytes_counts_tensors_only():
