@@ -87,9 +87,13 @@ def test_two_node_recipe_loses_a_node_and_rejoins_and_the_report_from_storage_sh
         args(ref_dir, str(tmp_path / "ref.jsonl"), tmp_path / "ref-samples", 0), name="ref"
     )
     run = args(ckpt, ev, samples, 0.02)
-    # Each node's local tier in its own folder, as on real hosts (here both are this machine).
+    # Each node's local tier in its own folder, as on real hosts (here both are this machine),
+    # every 5 steps, which divides the durable interval: the survivor's newest copy is never older
+    # than the durable one (auto's interval would depend on this machine's load).
     local = {
-        node: ["--local-checkpoint-dir", str(tmp_path / f"host{node}" / "shm")] for node in (0, 1)
+        node: ["--local-checkpoint-dir", str(tmp_path / f"host{node}" / "shm")]
+        + ["--local-every-steps", "5"]
+        for node in (0, 1)
     }
     nodes = []
     for node in (0, 1):
