@@ -294,6 +294,7 @@ class _Attempt:
                 CONTEXT.step = done
                 if progress.live:
                     progress.last_checkpoint = session.last_committed
+                    progress.last_local = session.last_local
                     progress.tick(done, loss)
                 t_done = time.monotonic()
                 if step == resumed.step:  # how long a (re)start took to get back to training
@@ -312,6 +313,7 @@ class _Attempt:
                 )
                 if outcome.report:
                     progress.last_checkpoint = session.last_committed
+                    progress.last_local = session.last_local
                     report(done, stragglers.gather(trainer.timer, self.groups.control))
 
         if resumed.step > cfg.max_steps:

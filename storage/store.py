@@ -378,6 +378,6 @@ class CheckpointStore(VerifiedReads, RunFiles):
                     self.safe_url,
                     e,
                 )
-        if deleted:
-            logger.info("retention: deleted checkpoint steps %s under %s", deleted, self.safe_url)
+        if deleted:  # the caller says it where a person should see it (the commit line)
+            logger.debug("retention: deleted checkpoint steps %s under %s", deleted, self.safe_url)
         return deleted

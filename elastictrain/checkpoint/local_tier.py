@@ -214,6 +214,11 @@ class LocalTier:
     def active(self) -> bool:
         return self.writer is not None
 
+    @property
+    def newest(self) -> int | None:
+        """The step of this node's newest committed local copy (None on other ranks)."""
+        return self.writer.last_committed if self.writer is not None else None
+
     # -- save ----------------------------------------------------------------------------------
     def after_step(self, step: int, state: tstate.TrainState, *, durable_saved: bool) -> None:
         """On every rank after every step; local rank 0 takes a copy when one is due."""

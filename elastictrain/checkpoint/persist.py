@@ -246,9 +246,11 @@ class Persister:
         )
         if not job.background:  # the loop waited for all of it
             blocked += time.monotonic() - t0
+        # Durable commits at INFO, one line each with what retention deleted; local copies come
+        # every few steps, so they (and their retention) are DEBUG and events only.
         logger.log(
             logging.INFO if self.tier == "durable" else logging.DEBUG,
-            "%s step %d committed (%s): %d bytes, loop blocked %.3fs, persist %.3fs (%.2f GB/s)",
+            "%s step %d committed (%s): %d bytes, loop blocked %.3fs, persist %.3fs (%.2f GB/s)%s",
             "checkpoint" if self.tier == "durable" else "local checkpoint",
             step,
             reason,
@@ -256,6 +258,9 @@ class Persister:
             blocked,
             persist,
             manifest.total_bytes / max(persist, 1e-9) / 1e9,
+            f"; deleted step{'s' if len(deleted) > 1 else ''} {', '.join(map(str, deleted))}"
+            if deleted
+            else "",
         )
         self.events.emit(
             Event.CHECKPOINT if self.tier == "durable" else Event.LOCAL_CHECKPOINT,

@@ -250,6 +250,11 @@ class CheckpointSession:
     def last_committed(self) -> int | None:
         return self.ckpt.last_committed
 
+    @property
+    def last_local(self) -> int | None:
+        """This node's newest local-tier copy, if this rank writes one."""
+        return self.ckpt.local.newest if self.ckpt.local is not None else None
+
     def emit_start(self, **fields: Any) -> None:
         """The ``start`` event that begins an attempt in the run report."""
         self.events.emit(

@@ -54,6 +54,7 @@ class Progress:
         self._last_t = clock()
         self._last_step = start_step
         self.last_checkpoint: int | None = None
+        self.last_local: int | None = None  # the newest local-tier copy, when there is one
         self.live = enabled and live
         if self.live:
             STATUS.attach(stream or sys.stderr)
@@ -83,7 +84,8 @@ class Progress:
         eta = (self.max_steps - step) / rate if rate > 0 else float("inf")
         return (
             f"step {step}/{self.max_steps} [{bar}] {100 * frac:5.1f}% | loss {loss:.5f} | "
-            f"{rate:.1f} steps/s | ETA {fmt_eta(eta)} | ckpt {self.last_checkpoint} | "
+            f"{rate:.1f} steps/s | ETA {fmt_eta(eta)} | ckpt {self.last_checkpoint}"
+            f"{f' (local {self.last_local})' if self._local_is_newer() else ''} | "
             f"world {self.world_size} | restarts {self.restarts}"
         )
 
@@ -108,7 +110,7 @@ class Progress:
         metrics = dict(metrics or {})
         if not self.live:  # on a terminal the status line already says all of this
             logger.info(
-                "progress %d/%d loss %.5f%s %.1f steps/s eta %s last checkpoint %s world size %d",
+                "progress %d/%d loss %.5f%s %.1f steps/s eta %s last checkpoint %s world size %d%s",
                 step,
                 self.max_steps,
                 value,
@@ -117,6 +119,7 @@ class Progress:
                 fmt_eta(eta),
                 self.last_checkpoint,
                 self.world_size,
+                f" local copy {self.last_local}" if self._local_is_newer() else "",
             )
         self.events.emit(
             Event.PROGRESS,
@@ -131,6 +134,10 @@ class Progress:
             logger.info("%s", stragglers.describe())
             self.events.emit(Event.STRAGGLERS, step=step, **stragglers.as_event())
         self._last_t, self._last_step = now, step
+
+    def _local_is_newer(self) -> bool:
+        """A local copy is worth showing only while it is newer than the durable checkpoint."""
+        return self.last_local is not None and (self.last_checkpoint or -1) < self.last_local
 
     def close(self) -> None:
         """Draw the status once more (the final checkpoint has landed since) and leave it."""

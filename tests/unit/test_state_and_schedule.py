@@ -139,3 +139,17 @@ def test_progress_reports_rate_eta_and_last_checkpoint(tmp_path, caplog):
         and "eta" in caplog.text
         and "last checkpoint 40 world size 2" in caplog.text
     )
+    assert "local copy" not in caplog.text  # no local tier: nothing to say
+    # A local copy newer than the durable checkpoint is worth a word; an older one is not.
+    progress.last_local = 47
+    with caplog.at_level(logging.INFO, logger="elastictrain.observe.progress"):
+        progress.report(60, torch.tensor(0.25))
+        progress.last_checkpoint = 60
+        progress.report(70, torch.tensor(0.25))
+    first, second = [
+        r.getMessage()
+        for r in caplog.records
+        if "progress 6" in r.getMessage() or "progress 7" in r.getMessage()
+    ]
+    assert first.endswith("world size 2 local copy 47"), first
+    assert second.endswith("world size 2"), second
