@@ -19,32 +19,100 @@ from typing import Any
 import torch
 from torch import nn
 
+from elastictrain.errors import ConfigError
+
 MODES = ("ddp", "fsdp")
 
 
 def shard(model: nn.Module, task_shard: Any, device: torch.device, world_size: int) -> None:
-    """Apply FSDP2 in place: the task's ``shard(model, mesh)``, else each child module that has
-    parameters (through ModuleLists), then the root."""
+    """Apply FSDP2 in place: the task's ``shard(model, mesh)``, else the default units (see
+    :func:`default_units`), then the root.
+
+    Raises:
+        ConfigError: the task's ``shard`` put two modules that share a parameter (tied weights) in
+            different FSDP groups, which FSDP2 would only refuse at the first forward.
+    """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh(device.type, (world_size,))
     if task_shard is not None:
+        tied = shared_parameters(model)
         task_shard(model, mesh)
+        check_ties_grouped(model, tied)
         return
-    for unit in _units(model):
-        fully_shard(unit, mesh=mesh)
+    for group in default_units(model):
+        fully_shard(group if len(group) > 1 else group[0], mesh=mesh)
     fully_shard(model, mesh=mesh)
 
 
-def _units(model: nn.Module) -> Iterator[nn.Module]:
-    """The default FSDP units: each child module with parameters; a container without a forward
-    of its own (ModuleList, ModuleDict) stands for its children."""
+def shared_parameters(model: nn.Module) -> dict[int, list[str]]:
+    """Tied weights: for each parameter (by ``id``) reached from more than one module, the names
+    of those modules (``""`` for the root), found by identity before anything is sharded."""
+    owners: dict[int, list[str]] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        for param in module._parameters.values():
+            if param is not None and name not in owners.setdefault(id(param), []):
+                owners[id(param)].append(name)
+    return {pid: names for pid, names in owners.items() if len(names) > 1}
+
+
+def default_units(model: nn.Module) -> list[list[nn.Module]]:
+    """The default FSDP units, each a list of modules sharded as one group: each child module with
+    parameters; a container without a forward of its own (ModuleList, ModuleDict) stands for its
+    children. A module holding one end of a tied weight is walked into, so the tie is found at
+    its smallest modules (GPT-2's ``wte`` and ``lm_head``, not ``transformer``), and the modules
+    that share a parameter are grouped: FSDP2 requires one group to manage a shared parameter."""
+    units = list(_units(model, set(shared_parameters(model))))
+    # Union the units whose parameters overlap (by identity), keeping first-seen order.
+    groups: list[tuple[list[nn.Module], set[int]]] = []
+    for unit in units:
+        ids = {id(p) for p in unit.parameters()}
+        merged = [g for g in groups if g[1] & ids]
+        members = [m for g in merged for m in g[0]] + [unit]
+        for g in merged:
+            groups.remove(g)
+        groups.append((members, ids.union(*(g[1] for g in merged))))
+    return [members for members, _ in groups]
+
+
+def _units(model: nn.Module, tied_ids: set[int]) -> Iterator[nn.Module]:
     for child in model.children():
         if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
-            yield from _units(child)
+            yield from _units(child, tied_ids)
+        elif any(id(p) in tied_ids for p in child.parameters()) and any(
+            True for _ in child.children()
+        ):
+            # Its own direct parameters (if any) fall to the enclosing group: the root's.
+            yield from _units(child, tied_ids)
         elif any(True for _ in child.parameters()):
             yield child
+
+
+def check_ties_grouped(model: nn.Module, tied: dict[int, list[str]]) -> None:
+    """Every tied parameter's modules must share one FSDP group: the nearest ``fully_shard``ed
+    module at or above each must have the same FSDP state."""
+    from torch.distributed.fsdp import FSDPModule
+
+    def group_of(name: str) -> Any:
+        parts = name.split(".") if name else []
+        for depth in range(len(parts), -1, -1):
+            module = model.get_submodule(".".join(parts[:depth]))
+            if isinstance(module, FSDPModule):
+                return module._get_fsdp_state()
+        return None
+
+    for names in tied.values():
+        groups = [group_of(n) for n in names]
+        if any(g is not groups[0] for g in groups[1:]):
+            shown = " and ".join(repr(n or "<root>") for n in names)
+            together = ", ".join(f"model.get_submodule({n!r})" for n in names if n)
+            raise ConfigError(
+                f"Task.shard put modules {shown}, which share a parameter (tied weights), in "
+                "different FSDP groups; FSDP2 would fail at the first forward. Shard them as one "
+                f"group, fully_shard([{together}], mesh=mesh), or leave them all to the root's "
+                "fully_shard(model)."
+            )
 
 
 def wrap_ddp(model: nn.Module, device: torch.device, model_devices: Any) -> nn.Module:

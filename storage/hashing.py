@@ -147,6 +147,21 @@ def read_hashed(
     return view, hasher.root()
 
 
+def hash_stream(
+    backend: Backend, path: str, block_size: int = 0, algorithm: str = DEFAULT_ALGORITHM
+) -> tuple[int, str]:
+    """(size, hash) of a file read once through one reused buffer: verifies a file of any size
+    in constant memory, for a reader that then takes only the pieces it needs (``export``)."""
+    hasher, size = _Hasher(block_size, algorithm), 0
+    chunk = max(block_size, _READ_CHUNK - _READ_CHUNK % block_size) if block_size else _READ_CHUNK
+    buffer = memoryview(bytearray(chunk))
+    with backend.open_read(path) as f:
+        while n := _fill(f, buffer):
+            hasher.update(buffer[:n])
+            size += n
+    return size, hasher.root()
+
+
 def _fill(f, view: memoryview) -> int:
     """Read until ``view`` is full or the file ends (a stream may return short reads)."""
     got = 0

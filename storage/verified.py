@@ -8,7 +8,7 @@ import logging
 from dataclasses import dataclass
 
 from storage.errors import CheckpointCorruptError, CheckpointNotFoundError
-from storage.hashing import block_root, read_hashed
+from storage.hashing import block_root, hash_stream, read_hashed
 from storage.layout import FileEntry, Manifest, check_file_name, step_dir_name
 from storage.ranges import Range, read_verified
 
@@ -82,6 +82,32 @@ class VerifiedReads:
         raise CheckpointCorruptError(
             f"Checkpoint step {step} under {self.safe_url!r}: file {name!r} {problem}, twice."
         )
+
+    def check_file(self, manifest: Manifest, name: str) -> None:
+        """Verify one file of a committed checkpoint against ``manifest`` without holding it: one
+        streamed read in constant memory. A reader that then opens it (:meth:`open_file`) reads
+        bytes that verified, since committed files are never rewritten. Raises
+        CheckpointCorruptError."""
+        entry, step = manifest.files[name], manifest.step
+        path = self._backend.join(self._step_dir(step), name)
+        try:
+            size, root = self._call(
+                f"hash {step_dir_name(step)}/{name}",
+                lambda: hash_stream(self._backend, path, entry.block_size, entry.algorithm),
+            )
+        except FileNotFoundError as e:
+            raise CheckpointCorruptError(
+                f"Checkpoint step {step} under {self.safe_url!r}: file {name!r} is missing."
+            ) from e
+        if size != entry.size or root != entry.checksum:
+            problem = (
+                f"has {size} bytes, manifest says {entry.size}"
+                if size != entry.size
+                else f"{entry.algorithm} {root[:16]}... does not match manifest {entry.checksum[:16]}..."
+            )
+            raise CheckpointCorruptError(
+                f"Checkpoint step {step} under {self.safe_url!r}: file {name!r} {problem}."
+            )
 
     def open_file(self, step: int, name: str):
         """An unverified, random-access file object for one payload file (for cheap inspection)."""

@@ -76,6 +76,7 @@ class ShardReader(StorageReader):
         self.store, self.manifest, self.index = store, manifest, index
         self.bytes_read = 0
         self._storage_data: dict[MetadataIndex, dict[str, Any]] = {}
+        self._reports: dict[str, dict[str, Any]] = {}  # shard file -> its part report
 
     def reset(self, checkpoint_id: Any = None) -> None:
         self.bytes_read = 0
@@ -102,9 +103,11 @@ class ShardReader(StorageReader):
             chunk = self._storage_data[req.storage_index]
             by_file.setdefault(chunk["file"], []).append((req, chunk, _byte_range(req, chunk)))
         for name, reqs in by_file.items():
-            report = json.loads(
-                bytes(self.store.read_file(self.manifest, self.index.doc["files"][name]))
-            )
+            if name not in self._reports:  # once per file: a reader may read a tensor at a time
+                self._reports[name] = json.loads(
+                    bytes(self.store.read_file(self.manifest, self.index.doc["files"][name]))
+                )
+            report = self._reports[name]
             views, n = self.store.read_ranges(
                 self.manifest, name, report["blocks"], [r for _, _, r in reqs]
             )

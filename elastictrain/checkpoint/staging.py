@@ -29,7 +29,7 @@ import torch
 MAGIC = b"ETFLAT01"
 _TRAILER = struct.Struct("<Q8s")  # header length, magic
 _ALIGN = 64
-_MARKER = "__et_tensor__"
+MARKER = "__et_tensor__"
 
 
 def is_flat(data: bytes | bytearray | memoryview) -> bool:
@@ -45,7 +45,7 @@ def _flatten(tree: Any, tensors: list[torch.Tensor]) -> Any:
                 "supported (convert it in your task's state_dict)"
             )
         tensors.append(tree.detach())
-        return {_MARKER: len(tensors) - 1}
+        return {MARKER: len(tensors) - 1}
     if isinstance(tree, dict):
         return type(tree)((k, _flatten(v, tensors)) for k, v in tree.items())
     if isinstance(tree, (list, tuple)):
@@ -55,8 +55,8 @@ def _flatten(tree: Any, tensors: list[torch.Tensor]) -> Any:
 
 def _unflatten(tree: Any, tensors: list[torch.Tensor]) -> Any:
     if isinstance(tree, dict):
-        if len(tree) == 1 and _MARKER in tree:
-            return tensors[tree[_MARKER]]
+        if len(tree) == 1 and MARKER in tree:
+            return tensors[tree[MARKER]]
         return type(tree)((k, _unflatten(v, tensors)) for k, v in tree.items())
     if isinstance(tree, (list, tuple)):
         return type(tree)(_unflatten(v, tensors) for v in tree)
@@ -202,8 +202,10 @@ def load(data: bytes | bytearray | memoryview, map_location: Any = "cpu") -> Any
     return _unflatten(skeleton, tensors)
 
 
-def load_meta(f: Any) -> Any:
-    """The state's structure with ``meta`` tensors, from a seekable file, reading only its tail."""
+def read_layout(f: Any) -> tuple[Any, list[tuple[str, list[int], int, int]]]:
+    """(the skeleton, each tensor's (dtype, shape, byte offset, byte length)) from a seekable flat
+    file, reading only its tail: what a reader that takes one tensor at a time needs. A tensor's
+    place in the skeleton is ``{MARKER: i}``, ``i`` its row in the table."""
     f.seek(-_TRAILER.size, io.SEEK_END)
     end = f.tell()
     header_len, magic = _TRAILER.unpack(f.read(_TRAILER.size))
@@ -213,9 +215,22 @@ def load_meta(f: Any) -> Any:
     header = json.loads(f.read(header_len))
     f.seek(end - header_len - header["skeleton_bytes"])
     skeleton = torch.load(io.BytesIO(f.read(header["skeleton_bytes"])), weights_only=True)
+    return skeleton, [tuple(row) for row in header["tensors"]]
+
+
+def tensor_index(node: Any) -> int | None:
+    """The table row of a tensor's place in a skeleton from :func:`read_layout`; None otherwise."""
+    if isinstance(node, dict) and len(node) == 1 and MARKER in node:
+        return node[MARKER]
+    return None
+
+
+def load_meta(f: Any) -> Any:
+    """The state's structure with ``meta`` tensors, from a seekable file, reading only its tail."""
+    skeleton, table = read_layout(f)
     tensors = [
         torch.empty(shape, dtype=getattr(torch, dtype), device="meta")
-        for dtype, shape, _, _ in header["tensors"]
+        for dtype, shape, _, _ in table
     ]
     return _unflatten(skeleton, tensors)
 

@@ -81,6 +81,16 @@ def unwrap(model: nn.Module) -> nn.Module:
 _PLAIN = (str, int, float, bool, type(None), torch.Tensor, torch.dtype, torch.Size)
 
 
+def tied_names(model: nn.Module) -> list[list[str]]:
+    """Tied weights as state_dict keys: one list per parameter reached under more than one name,
+    in state_dict order (the first is the name an export keeps, as Hugging Face's does). Recorded
+    in every checkpoint, so tools that see only tensors (``export``) know which are one."""
+    names: dict[int, list[str]] = {}
+    for name, param in unwrap(model).named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    return [group for group in names.values() if len(group) > 1]
+
+
 def check_plain(tree: Any, where: str) -> None:
     """Raise ConfigError at the first value the flat payload cannot carry (loading never
     unpickles code, so a custom object saved now could never be loaded back)."""
@@ -114,6 +124,7 @@ def capture(
         "scheduler": state.scheduler.state_dict() if state.scheduler is not None else None,
         "progress": {"step": step},
         "data": state.fingerprint.as_dict() if state.fingerprint is not None else {},
+        "tied": tied_names(state.model),
     }
     if state.stateful:
         payload["stateful"] = {name: obj.state_dict() for name, obj in state.stateful.items()}

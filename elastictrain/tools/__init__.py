@@ -7,7 +7,10 @@ TOOLS = {
     "verify": ("elastictrain.tools.cli", "re-read and check every checkpoint's checksums"),
     "inspect": ("elastictrain.tools.cli", "show a checkpoint's manifest and tensors"),
     "prune": ("elastictrain.tools.cli", "apply a retention policy"),
-    "export": ("elastictrain.tools.export", "write the consolidated model to .safetensors/.pt"),
+    "export": (
+        "elastictrain.tools.export",
+        "write the consolidated model: a Hugging Face folder, .safetensors or .pt",
+    ),
     "report": ("elastictrain.observe.report", "draw a run's life from its event log"),
     "bench": ("elastictrain.tools.bench", "measure checkpoint speed against the hardware"),
     "chaos": ("elastictrain.tools.chaos", "inject cluster faults into a torchrun command"),
