@@ -89,6 +89,11 @@ class _MicroBatches(Dataset):
         return (step, micro), self.collate_fn([self.dataset[i] for i in indices])
 
 
+def worker_init() -> Callable[[int], None]:
+    """Every loader worker's start, for this process's DataLoaders (map-style or stream)."""
+    return functools.partial(_worker_init, os.getpid())
+
+
 def _worker_init(parent_pid: int, worker_id: int) -> None:
     # Stop signals are the training process's to handle: torchrun stops a worker with killpg, so
     # its SIGTERM reaches the loader workers too, and one dying of it would crash the rank (the
@@ -152,7 +157,7 @@ class StepLoader:
             num_workers=num_workers,
             prefetch_factor=prefetch_factor if num_workers > 0 else None,
             pin_memory=pin_memory,
-            worker_init_fn=functools.partial(_worker_init, os.getpid()),
+            worker_init_fn=worker_init(),
         )
         self._it: Iterator[Any] | None = None
         self._where = (

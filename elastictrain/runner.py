@@ -12,12 +12,13 @@ import logging
 import os
 import sys
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from elastictrain import dist as edist
-from elastictrain import parallel
+from elastictrain import parallel, streams
 from elastictrain.checkpoint.checkpointer import Resumed
 from elastictrain.checkpoint.persist import Reason
 from elastictrain.checkpoint.session import (
@@ -29,8 +30,8 @@ from elastictrain.checkpoint.state import DataFingerprint, TrainState, check_pla
 from elastictrain.config import RunConfig
 from elastictrain.data import GlobalBatchSampler
 from elastictrain.env import DistEnv, read_env
-from elastictrain.errors import EXIT_PREEMPTED, named_timeout
-from elastictrain.loader import StepLoader, check_micro_steps
+from elastictrain.errors import EXIT_PREEMPTED, EXIT_USER_ERROR, named_timeout
+from elastictrain.loader import StepLoader, check_micro_steps, worker_init
 from elastictrain.loop import Trainer
 from elastictrain.observe import stragglers
 from elastictrain.observe.events import Event, SampleLog
@@ -60,8 +61,12 @@ def run(cfg: RunConfig, early_signals: StopSignals | None = None) -> int:
     # Built before any process-group work, so a bad --task fails fast and identically everywhere.
     torch.manual_seed(cfg.seed)
     task = build_task(cfg.task, cfg.task_options)
-    sampler = GlobalBatchSampler(len(task.dataset), task.batch_size, cfg.seed)
-    sampler.share(0, env.rank, env.world_size)  # validates world size against the batch
+    if streams.is_stream(task.dataset):  # no sampler: the stream says what comes next
+        streams.check_stream(task.dataset, task.batch_size, env.world_size, cfg.grad_accum_steps)
+        sampler = None
+    else:
+        sampler = GlobalBatchSampler(len(task.dataset), task.batch_size, cfg.seed)
+        sampler.share(0, env.rank, env.world_size)  # validates world size against the batch
     check_micro_steps(task.batch_size, env.world_size, cfg.grad_accum_steps)
     device = edist.pick_device(env, task.model_devices)
     # Started before init: an orphan (agent gone) must exit even while it waits in init or resume.
@@ -116,7 +121,13 @@ def run(cfg: RunConfig, early_signals: StopSignals | None = None) -> int:
             return EXIT_PREEMPTED
         except Exception as e:
             # Last words for the run report: why this attempt ended (it may also be a peer's death).
-            session.last_words(type(e).__name__, str(e).splitlines()[0][:300])
+            # A user error (exit 2: the task, the data or the checkpoint does not fit) leaves the
+            # checkpoint location byte for byte as it was; its reason is in the log.
+            session.last_words(
+                type(e).__name__,
+                str(e).splitlines()[0][:300],
+                to_storage=getattr(e, "exit_code", None) != EXIT_USER_ERROR,
+            )
             raise
     finally:
         STATUS.close()  # never leave a terminal on a half-drawn line
@@ -132,13 +143,30 @@ class _Attempt:
         cfg: RunConfig,
         env: DistEnv,
         task: Task,
-        sampler: GlobalBatchSampler,
+        sampler: GlobalBatchSampler | None,
         device: torch.device,
         groups: edist.ProcessGroups,
         session: CheckpointSession,
     ) -> None:
         self.cfg, self.env, self.task, self.sampler, self.device = cfg, env, task, sampler, device
         self.groups, self.session, self.events = groups, session, session.events
+        self.stream = (
+            streams.StreamLoader(
+                dataset=task.dataset,
+                batch_size=task.batch_size,
+                rank=env.rank,
+                world_size=env.world_size,
+                micro_steps=cfg.grad_accum_steps,
+                collate_fn=task.collate_fn,
+                num_workers=cfg.num_workers,
+                prefetch_factor=cfg.prefetch_factor,
+                pin_memory=device.type == "cuda",
+                worker_init_fn=worker_init(),
+                waiting=self._waiting,
+            )
+            if sampler is None
+            else None
+        )
 
     def _build(self, precision: Precision) -> TrainState:
         # A model-parallel task placed its own layers; otherwise the whole model goes here.
@@ -156,20 +184,27 @@ class _Attempt:
             optimizer,
             scheduler,
             fingerprint=DataFingerprint(
-                self.task.batch_size, len(self.task.dataset), self.cfg.seed
+                self.task.batch_size,
+                0 if self.stream else len(self.task.dataset),  # a stream has no length
+                self.cfg.seed,
             ),
-            epoch_of=lambda step: self.sampler.epoch_of(max(step - 1, 0)),
+            epoch_of=lambda step: self.sampler.epoch_of(max(step - 1, 0)) if self.sampler else 0,
             stateful=self.task.state,
             scaler=precision.scaler,
+            per_rank={"data_stream": self.stream} if self.stream else {},
         )
 
-    def _loader(self, start: int) -> StepLoader:
-        cfg, watchdog = self.cfg, self.session.watchdog
+    def _waiting(self) -> Any:
+        # A hung or dead-slow worker is a hang like any other: stacks, exit 4, restart.
+        return self.session.watchdog.phase(
+            "waiting for the data loader", self.cfg.hang_timeout, "--hang-timeout"
+        )
 
-        def waiting():
-            # A hung or dead-slow worker is a hang like any other: stacks, exit 4, restart.
-            return watchdog.phase("waiting for the data loader", cfg.hang_timeout, "--hang-timeout")
-
+    def _loader(self, start: int) -> StepLoader | streams.StreamLoader:
+        cfg = self.cfg
+        if self.stream is not None:
+            self.stream.start(start)
+            return self.stream
         return StepLoader(
             task=self.task,
             sampler=self.sampler,
@@ -182,7 +217,7 @@ class _Attempt:
             num_workers=cfg.num_workers,
             prefetch_factor=cfg.prefetch_factor,
             pin_memory=self.device.type == "cuda",
-            waiting=waiting,
+            waiting=self._waiting,
         )
 
     def _evaluate(self, step: int, model: torch.nn.Module, precision: Precision) -> None:
@@ -210,16 +245,18 @@ class _Attempt:
     def train(self) -> int:
         cfg, env, session = self.cfg, self.env, self.session
         t0 = time.monotonic()
-        session.preflight()  # before any compute is spent on building the model
-        t1 = time.monotonic()
         precision = Precision(cfg.precision, self.device)
+        # Before the preflight's first write: a task that cannot run (tied weights split over
+        # FSDP groups, Task.state a checkpoint cannot carry) leaves the location untouched.
         state = self._build(precision)
+        t1 = time.monotonic()
+        session.preflight()
         t2 = time.monotonic()
         resumed = session.resume(state)
         t3 = time.monotonic()
         # Where a (re)start's time goes, for the first_step event. ddp_s (DDP wrap, loader,
         # bucket priming) runs from here to the loop's start, which adds its own clock to it.
-        startup = {"probe_s": t1 - t0, "build_s": t2 - t1, "resume_s": t3 - t2, "ddp_s": -t3}
+        startup = {"build_s": t1 - t0, "probe_s": t2 - t1, "resume_s": t3 - t2, "ddp_s": -t3}
         if self.cfg.parallel == "ddp":
             model = parallel.wrap_ddp(state.model, self.device, self.task.model_devices)
         else:

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, IterableDataset
 from torch.utils.data._utils.collate import default_collate
 
 from elastictrain.errors import ConfigError, TaskLoadError
@@ -32,7 +32,9 @@ class Task:
     model: nn.Module
     """Built on the CPU; the runner moves it to this rank's device and wraps it in DDP."""
     dataset: Dataset
-    """Map-style: ``len(dataset)`` and ``dataset[i]``. Must be identical on every rank."""
+    """Map-style: ``len(dataset)`` and ``dataset[i]``, identical on every rank. Or a stream, an
+    ``IterableDataset`` with ``state_dict()``/``load_state_dict()`` (and ``seek(position, rank,
+    world_size)`` to resume at another world size): see :mod:`elastictrain.streams`."""
     batch_size: int
     """Global batch: samples per optimizer step across all ranks. Constant when ranks come and go."""
     make_optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
@@ -85,6 +87,8 @@ class Task:
                     f"Task.state[{name!r}] is a {type(obj).__name__}: each entry needs a str name "
                     "and state_dict() and load_state_dict() methods."
                 )
+        if isinstance(self.dataset, IterableDataset):
+            return  # a stream: checked by the runner (streams.check_stream), which knows the ranks
         if len(self.dataset) < self.batch_size:
             raise ConfigError(
                 f"Task.dataset has {len(self.dataset)} samples, fewer than one global batch "

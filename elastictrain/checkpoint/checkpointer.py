@@ -119,11 +119,13 @@ class Checkpointer:
             self.writer = Persister(
                 store=self.store, layout=layout, is_committer=self.is_writer, **self._writer_args
             )
-        if self._local_config.enabled and self.sharded:
+        if self._local_config.enabled and (self.sharded or state.per_rank):
             if self.is_writer:
                 logger.info(
-                    "local checkpoint tier off: sharded (FSDP) state; a node holds only its own "
-                    "shards, so resume reads the durable tier"
+                    "local checkpoint tier off: %s, so resume reads the durable tier",
+                    "sharded (FSDP) state; a node holds only its own shards"
+                    if self.sharded
+                    else "a stream's per-rank positions are gathered at durable checkpoints only",
                 )
         elif self._local_config.enabled:
             self.local = LocalTier(

@@ -30,6 +30,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
+from elastictrain import dist as edist
 from elastictrain import knobs
 from elastictrain.checkpoint.checkpointer import Checkpointer, Resumed
 from elastictrain.checkpoint.local_tier import LocalTierConfig
@@ -334,6 +335,8 @@ class CheckpointSession:
         """Checkpoint ``step`` on every rank; the final and preemption ones commit before this
         returns. False only when a scheduled one was skipped under ``on_storage_failure=warn``."""
         with self.gate("checkpoint", f"the {reason} checkpoint at step {step}"):
+            if state.per_rank:  # every rank is here (the save is agreed): one small all-gather
+                state.gather(lambda mine: edist.all_gather_object(mine, self.ckpt.control))
             committed = self.ckpt.save(step, state, reason)
             if committed and reason in MUST_COMMIT and self.ckpt.local is not None:
                 # The durable tier holds the newest state now; /dev/shm is memory.

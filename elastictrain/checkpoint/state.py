@@ -70,6 +70,22 @@ class TrainState:
     ``Stateful`` shape), saved and restored with the rest; the names must match on resume."""
     scaler: Any = None
     """fp16's ``torch.amp.GradScaler``; its scale and growth tracker are restored exactly."""
+    per_rank: Mapping[str, Any] = field(default_factory=dict)
+    """State each rank holds on its own (a stream's position): name -> an object with
+    ``state_dict()``, ``check_rank_states(states, step, where)`` and ``load_rank_states(states,
+    step)``. Gathered from every rank at each save (:meth:`gather`); on resume every rank gets
+    every rank's saved state, checked before anything is loaded."""
+    gathered: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+    """Every rank's encoded ``per_rank`` states, as of the last :meth:`gather`."""
+
+    def gather(self, all_gather: Callable[[Any], list[Any]]) -> None:
+        """On every rank, at an agreed save: collect every rank's ``per_rank`` states (encoded
+        in the flat format: loading them never unpickles code)."""
+        for name, obj in self.per_rank.items():
+            mine = to_bytes(obj.state_dict())
+            self.gathered[name] = [
+                torch.frombuffer(bytearray(b), dtype=torch.uint8) for b in all_gather(mine)
+            ]
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -128,11 +144,18 @@ def capture(
     }
     if state.stateful:
         payload["stateful"] = {name: obj.state_dict() for name, obj in state.stateful.items()}
+    if state.per_rank:
+        payload["per_rank"] = {name: state.gathered.get(name, []) for name in state.per_rank}
     if state.scaler is not None:
         payload["scaler"] = state.scaler.state_dict()
     if state.extra is not None:
         payload["extra"] = state.extra
     return payload
+
+
+def rank_states(encoded: list[torch.Tensor]) -> list[Any]:
+    """Every rank's ``per_rank`` state, decoded from a checkpoint (weights-only)."""
+    return [from_bytes(bytearray(t.numpy().tobytes())) for t in encoded]
 
 
 def to_bytes(state: dict[str, Any]) -> bytes:
@@ -202,6 +225,16 @@ def check_compatible(state: TrainState, payload: dict[str, Any], where: str) -> 
         problems.append(
             f"Task.state entries {sorted(entries)} vs {sorted(saved_entries)} in the checkpoint"
         )
+    saved_per_rank = payload.get("per_rank", {})
+    if set(saved_per_rank) != set(state.per_rank):
+        problems.append(
+            f"per-rank state {sorted(state.per_rank)} vs {sorted(saved_per_rank)} in the "
+            "checkpoint (a stream, Task.dataset as an IterableDataset, saves each rank's position)"
+        )
+    else:
+        step = int(payload.get("progress", {}).get("step", 0))
+        for name, obj in state.per_rank.items():
+            obj.check_rank_states(rank_states(saved_per_rank[name]), step, where)
     saved_data = payload.get("data", {})
     for name, value in (fingerprint.as_dict() if fingerprint else {}).items():
         if name in saved_data and saved_data[name] != value:
@@ -223,6 +256,10 @@ def restore(state: TrainState, payload: dict[str, Any], *, model_and_optimizer: 
         state.scheduler.load_state_dict(payload["scheduler"])
     for name, obj in state.stateful.items():
         obj.load_state_dict(payload["stateful"][name])
+    for name, obj in state.per_rank.items():
+        obj.load_rank_states(
+            rank_states(payload["per_rank"][name]), int(payload["progress"]["step"])
+        )
     saved_scaler = payload.get("scaler")
     if state.scaler is not None and saved_scaler is not None:
         state.scaler.load_state_dict(saved_scaler)

@@ -1,0 +1,108 @@
+"""Does a clean finish exit 0, every time? The tutorial's loop in library mode, and the runner.
+
+    python -m tests.helpers.clean_exit --runs 50 [--runner] [--workers 2]
+
+Each run is a fresh ``torchrun --standalone --nproc_per_node=2 --max-restarts=0`` job in its own
+folder: library mode runs this file's ``loop`` (plain ``dist.init_process_group("gloo")``, DDP,
+``CheckpointManager``, ``close()``, ``destroy_process_group()``, then a normal return: no
+``os._exit``); ``--runner`` runs ``-m elastictrain`` (the toy task). Prints one line per failed
+run (exit code and the first telling line of its log) and a JSON summary line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+
+def loop(url: str) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from elastictrain import CheckpointManager
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(10, 10), nn.ReLU(), nn.Linear(10, 5))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    ckpt = CheckpointManager(url, every_steps=5)
+    start = ckpt.resume(model, optimizer)
+    net = DDP(model)
+    for step in range(start, 20):
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(8, 10, generator=g), torch.randn(8, 5, generator=g)
+        optimizer.zero_grad()
+        nn.functional.mse_loss(net(x[rank::world]), y[rank::world]).backward()
+        optimizer.step()
+        ckpt.step(step + 1, model, optimizer)
+    ckpt.save(20, model, optimizer, final=True)
+    ckpt.close()
+    dist.destroy_process_group()
+
+
+def _one(i: int, runner: bool, root: str) -> tuple[int, int, str]:
+    here = os.path.join(root, f"run-{i}")
+    os.makedirs(here)
+    entry = ["-m", "elastictrain", "--max-steps", "30"] if runner else [__file__, "loop"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        "--max-restarts=0",
+        *entry,
+        "--checkpoint-dir" if runner else os.path.join(here, "ckpt"),
+        *([os.path.join(here, "ckpt")] if runner else []),
+    ]
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "PYTHONPATH": repo, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run(cmd, cwd=here, env=env, capture_output=True, text=True, timeout=300)
+    log = out.stdout + out.stderr
+    telling = next(
+        (
+            line
+            for line in log.splitlines()
+            if any(w in line for w in ("terminate called", "Signal", "exitcode", "Error"))
+        ),
+        log.strip().splitlines()[-1] if log.strip() else "",
+    )
+    return i, out.returncode, telling[:300]
+
+
+def main() -> int:
+    if len(sys.argv) > 2 and sys.argv[1] == "loop":
+        loop(sys.argv[2])
+        return 0
+    p = argparse.ArgumentParser()
+    p.add_argument("--runs", type=int, default=50)
+    p.add_argument("--runner", action="store_true")
+    p.add_argument("--workers", type=int, default=1, help="runs at once")
+    args = p.parse_args()
+    t0 = time.monotonic()
+    with tempfile.TemporaryDirectory() as root, ThreadPoolExecutor(args.workers) as pool:
+        results = list(pool.map(lambda i: _one(i, args.runner, root), range(args.runs)))
+    failed = [(i, rc, why) for i, rc, why in results if rc != 0]
+    for i, rc, why in failed:
+        print(f"run {i}: exit {rc}: {why}")
+    summary = {
+        "mode": "runner" if args.runner else "library",
+        "runs": args.runs,
+        "nonzero": len(failed),
+        "seconds": round(time.monotonic() - t0, 1),
+    }
+    print("CLEAN_EXIT " + json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
