@@ -182,3 +182,17 @@ def test_tied_model_under_ddp_keeps_the_tie_through_a_resume_and_each_single_fil
     model = HandmadeLM(0.0)
     model.load_state_dict(saved)  # strict: every key
     assert torch.equal(model.eval()(ids), expected)
+
+
+def test_a_task_shard_that_splits_a_tie_stops_at_start_with_exit_2_writing_nothing(
+    launch, tmp_path
+):
+    ckpt = str(tmp_path / "never")
+    job = launch(
+        [*TIED, *FSDP, "--task-option", "split=1", "--checkpoint-dir", ckpt], max_restarts=0
+    )
+    assert job.wait(120) != 0
+    errors = [line for line in job.log().splitlines() if "FAILED (exit 2): ConfigError" in line]
+    assert len(errors) == 2 and all("'transformer.wte' and 'lm_head'" in e for e in errors)
+    assert "Traceback" not in job.log().split("FAILED (exit 2)")[0]  # no step was attempted
+    assert not os.path.exists(ckpt)
