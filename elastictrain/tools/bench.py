@@ -3,6 +3,10 @@
 One synthetic state of ``--size`` bytes (a model plus Adam-like moments, float32), measured in one
 run against the same storage, each figure the median of ``--repeats``:
 
+Each elastictrain figure is measured in back-to-back pairs with its floor, alternating which goes
+first, and reported as the median of the per-pair ratios with their spread (flagged when too wide
+to trust):
+
 - ``copy_s``: the memcpy floor, a copy of every tensor into warm, preallocated buffers
 - ``raw_write_gbps`` / ``raw_read_gbps``: writing (and fsync) / reading the same number of bytes
   as one file, with nothing else; local reads start from a cold page cache (``posix_fadvise``)
@@ -43,6 +47,17 @@ def _median(fn: Callable[[], float], repeats: int) -> float:
     return statistics.median(fn() for _ in range(repeats))
 
 
+def _pair(
+    ours: Callable[[], float], floor: Callable[[], float], ours_first: bool
+) -> tuple[float, float]:
+    """(ours, floor), run back to back in the given order."""
+    if ours_first:
+        a = ours()
+        return a, floor()
+    b = floor()
+    return ours(), b
+
+
 def _timed(fn: Callable[[], Any]) -> float:
     t0 = time.perf_counter()
     fn()
@@ -71,22 +86,6 @@ class Bench:
         return os.path.join(self.fs_root, name) if self.local else f"{self.fs_root}/{name}"
 
     # -- the floors --------------------------------------------------------------------------
-    def copy_s(self) -> float:
-        """Every tensor copied into warm host buffers (pinned, from a GPU), and nothing else."""
-        src = _tensors(self.state)
-        on_gpu = self.device.type == "cuda"
-        dst = [torch.empty(t.shape, dtype=t.dtype, pin_memory=on_gpu) for t in src]
-        for d in dst:
-            d.zero_()  # warm: touched before timing
-
-        def copy() -> None:
-            for d, s in zip(dst, src, strict=True):
-                d.copy_(s, non_blocking=on_gpu)
-            if on_gpu:
-                torch.cuda.synchronize()
-
-        return _median(lambda: _timed(copy), self.repeats)
-
     def _raw_write(self, path: str, data: memoryview) -> float:
         """Write ``data`` as one new file, and nothing else (plus fsync on a local disk)."""
         t0 = time.perf_counter()
@@ -99,9 +98,9 @@ class Bench:
             self.fs.pipe_file(path, bytes(data))
         return time.perf_counter() - t0
 
-    def _raw_read(self, path: str) -> float:
+    def _raw_read(self, path: str, cold: bool = True) -> float:
         """Read one file, and nothing else: unbuffered, into unzeroed memory, 4 MB at a time."""
-        if self.local:
+        if self.local and cold:
             drop_cache(path)
         t0 = time.perf_counter()
         if self.local:
@@ -159,57 +158,101 @@ class Bench:
             self.fs.rm(self._path(f"dcp-async{i}"), recursive=True)
         return statistics.median(saves), statistics.median(blocked)
 
-    # -- elastictrain ------------------------------------------------------------------------
-    def elastictrain(self) -> dict[str, float]:
+    # -- elastictrain, each figure paired with its floor --------------------------------------
+    def elastictrain(self) -> dict[str, Any]:
+        """Each of our figures beside its floor, in pairs on the same bytes, alternating which
+        goes first: the loop blocked by a snapshot / the copy into warm buffers; persist / a raw
+        write; load + verify / a raw read (both from a cold cache), and the same two reads from
+        the page cache, which shows what the disk itself limits. The per-pair ratio's median and
+        spread are steadier than a ratio of medians on a machine whose speed drifts."""
         staging = snapshot.Staging()
         staging.snapshot(self.state)  # first use allocates and touches the buffer, once per run
-        blocked, persist, load, raw_write, raw_read = [], [], [], [], []
-        # Side by side, on the same bytes: a raw write of them to a new file, then elastictrain's
-        # persist; a raw read of the committed payload file, then elastictrain's load of it.
-        for step in range(1, self.repeats + 1):
+        copy = self._warm_copy()
+        pairs: dict[str, list[tuple[float, float]]] = {
+            "blocked": [], "persist": [], "load": [], "load_warm": [],
+        }  # fmt: skip
+
+        def blocked() -> float:
             t0 = time.perf_counter()
-            snap = staging.snapshot(self.state)
             # On a GPU the copies run on a side stream and only the GPU waits for them; counted
             # here until they land, the most a training step could be held up.
-            snap.wait()
-            blocked.append(time.perf_counter() - t0)
+            staging.snapshot(self.state).wait()
+            return time.perf_counter() - t0
+
+        for step in range(1, self.repeats + 1):
+            ours_first = step % 2 == 0
+            pairs["blocked"].append(_pair(blocked, copy, ours_first))
+            snap = staging.snapshot(self.state)
             raw = self._path(f"raw-{step}.bin")
 
-            def raw_once(r=raw, d=snap.data) -> float:
+            def raw_write(r=raw, d=snap.data) -> float:
+                if self.local:
+                    os.sync()  # on a disk still writing back, the second writer would pay
                 seconds = self._raw_write(r, d)
                 self.fs.rm(r)  # both writers draw on the same free pages (tmpfs, page cache)
                 return seconds
 
-            timed = {
-                "raw": raw_once,
-                "ours": lambda s=step, d=snap.data: _timed(
-                    lambda: self.store.commit(s, {"state.bin": d}, {})
-                ),
-            }
-            # Alternate which goes first, each after a sync: on a disk still writing back the
-            # previous file, the second writer would otherwise always pay for the first.
-            for name in ("raw", "ours") if step % 2 else ("ours", "raw"):
+            def persist(s=step, d=snap.data) -> float:
                 if self.local:
                     os.sync()
-                (raw_write if name == "raw" else persist).append(timed[name]())
+                return _timed(lambda: self.store.commit(s, {"state.bin": d}, {}))
+
+            pairs["persist"].append(_pair(persist, raw_write, ours_first))
             payload = self._path(f"step-{step:012d}/state.bin")
-            raw_read.append(self._raw_read(payload))
+
+            def load(s=step, cold=True, payload=payload) -> float:
+                if self.local and cold:
+                    drop_cache(payload)
+                return _timed(lambda: from_bytes(self.store.read(s).files["state.bin"]))
+
+            pairs["load"].append(_pair(load, lambda p=payload: self._raw_read(p), ours_first))
             if self.local:
-                drop_cache(payload)
-            load.append(_timed(lambda s=step: from_bytes(self.store.read(s).files["state.bin"])))
+                pairs["load_warm"].append(
+                    _pair(
+                        lambda: load(cold=False),
+                        lambda p=payload: self._raw_read(p, cold=False),
+                        ours_first,
+                    )
+                )
             self.store.delete(step)
-        return {
-            "raw_write_s": statistics.median(raw_write),
-            "raw_read_s": statistics.median(raw_read),
-            "elastictrain_blocked_s": statistics.median(blocked),
-            "elastictrain_persist_s": statistics.median(persist),
-            # Each pair ran back to back: the median of their ratios is steadier than the ratio
-            # of medians on storage whose speed drifts during the run.
-            "persist_over_raw_write": statistics.median(
-                r / p for r, p in zip(raw_write, persist, strict=True)
-            ),
-            "load_s": statistics.median(load),
-        }
+        out: dict[str, Any] = {}
+        for name, ratio_of in (
+            ("blocked", lambda ours, floor: ours / floor),  # x the copy: lower is better
+            ("persist", lambda ours, floor: floor / ours),  # x raw write speed: higher is better
+            ("load", lambda ours, floor: floor / ours),  # x raw read speed
+            ("load_warm", lambda ours, floor: floor / ours),
+        ):
+            if not pairs[name]:
+                continue
+            ours, floors = zip(*pairs[name], strict=True)
+            ratios = [ratio_of(o, f) for o, f in pairs[name]]
+            out[name] = {
+                "s": statistics.median(ours),
+                "floor_s": statistics.median(floors),
+                "ratio": statistics.median(ratios),
+                "spread": (max(ratios) - min(ratios)) / statistics.median(ratios),
+                "ratios": [round(r, 3) for r in ratios],
+            }
+        return out
+
+    def _warm_copy(self) -> Callable[[], float]:
+        """The floor of a snapshot: every tensor copied into warm, preallocated host buffers
+        (pinned, from a GPU), and nothing else."""
+        src = _tensors(self.state)
+        on_gpu = self.device.type == "cuda"
+        dst = [torch.empty(t.shape, dtype=t.dtype, pin_memory=on_gpu) for t in src]
+        for d in dst:
+            d.zero_()  # warm: touched before timing
+
+        def copy() -> float:
+            t0 = time.perf_counter()
+            for d, s in zip(dst, src, strict=True):
+                d.copy_(s, non_blocking=on_gpu)
+            if on_gpu:
+                torch.cuda.synchronize()
+            return time.perf_counter() - t0
+
+        return copy
 
     def step_inflation(self, step_time: float = 0.02, steps: int = 40) -> float:
         """Median toy step time while persists run in the background, over the same without."""
@@ -244,24 +287,30 @@ class Bench:
 
     def run(self) -> dict[str, Any]:
         gb = self.nbytes / 1e9
-        copy = self.copy_s()
         torch_save = self.torch_save_s()
         dcp_save, dcp_blocked = self.dcp()
-        ours = self.elastictrain()
+        pairs = self.elastictrain()
         result = {
             "bytes": self.nbytes,
             "device": str(self.device),
             "repeats": self.repeats,
             "location": storage.redact_url(self.root),
-            "copy_s": copy,
-            "raw_write_gbps": gb / ours["raw_write_s"],
-            "raw_read_gbps": gb / ours["raw_read_s"],
+            "copy_s": pairs["blocked"]["floor_s"],
+            "raw_write_gbps": gb / pairs["persist"]["floor_s"],
+            "raw_read_gbps": gb / pairs["load"]["floor_s"],
             "torch_save_s": torch_save,
             "dcp_save_s": dcp_save,
             "dcp_async_blocked_s": dcp_blocked,
-            **ours,
-            "persist_gbps": gb / ours["elastictrain_persist_s"],
-            "load_gbps": gb / ours["load_s"],
+            "elastictrain_blocked_s": pairs["blocked"]["s"],
+            "elastictrain_persist_s": pairs["persist"]["s"],
+            "blocked_over_copy": pairs["blocked"]["ratio"],
+            "persist_over_raw_write": pairs["persist"]["ratio"],
+            "load_s": pairs["load"]["s"],
+            "load_over_raw_read": pairs["load"]["ratio"],
+            "persist_gbps": gb / pairs["persist"]["s"],
+            "load_gbps": gb / pairs["load"]["s"],
+            "pairs": pairs,
+            "noisy": sorted(k for k, v in pairs.items() if v["spread"] > NOISY_SPREAD),
             "step_inflation": self.step_inflation(),
         }
         with contextlib.suppress(FileNotFoundError):
@@ -269,23 +318,33 @@ class Bench:
         return result
 
 
+NOISY_SPREAD = 0.25
+"""A ratio whose pairs span more than this fraction of their median is not to be trusted."""
+
+
 def table(r: dict[str, Any]) -> str:
-    copy, gb = r["copy_s"], r["bytes"] / 1e9
+    copy, gb, pairs = r["copy_s"], r["bytes"] / 1e9, r["pairs"]
 
     def row(name: str, seconds: float | None, ratio: str) -> str:
         shown = "n/a" if seconds is None else f"{seconds:8.3f} s"
-        return f"| {name:<44} | {shown:>10} | {ratio:>24} |"
+        return f"| {name:<44} | {shown:>10} | {ratio:>30} |"
 
     def vs_copy(s: float | None) -> str:
         return "" if s is None else f"{s / copy:.1f}x the copy"
 
+    def paired(name: str, unit: str) -> str:
+        p = pairs[name]
+        flag = " (!)" if p["spread"] > NOISY_SPREAD else ""
+        return f"{p['ratio']:.2f}x {unit} +-{50 * p['spread']:.0f}%{flag}"
+
     lines = [
-        f"state: {gb:.2f} GB at {r['location']}, median of {r['repeats']}",
-        f"| {'what':<44} | {'time':>10} | {'ratio':>24} |",
-        f"|{'-' * 46}|{'-' * 12}|{'-' * 26}|",
+        f"state: {gb:.2f} GB at {r['location']}; each ratio is the median of {r['repeats']} "
+        "back-to-back pairs (+- half their range)",
+        f"| {'what':<44} | {'time':>10} | {'ratio':>30} |",
+        f"|{'-' * 46}|{'-' * 12}|{'-' * 32}|",
         row("copy into warm buffers (the floor)", copy, "1.0x"),
-        row(f"raw write + fsync ({r['raw_write_gbps']:.2f} GB/s)", r["raw_write_s"], ""),
-        row(f"raw read ({r['raw_read_gbps']:.2f} GB/s)", r["raw_read_s"], ""),
+        row(f"raw write + fsync ({r['raw_write_gbps']:.2f} GB/s)", pairs["persist"]["floor_s"], ""),
+        row(f"raw read ({r['raw_read_gbps']:.2f} GB/s)", pairs["load"]["floor_s"], ""),
         row("torch.save + fsync, blocking", r["torch_save_s"], vs_copy(r["torch_save_s"])),
         row("DCP save, blocking", r["dcp_save_s"], vs_copy(r["dcp_save_s"])),
         row(
@@ -294,22 +353,34 @@ def table(r: dict[str, Any]) -> str:
             vs_copy(r["dcp_async_blocked_s"]),
         ),
         row(
-            "elastictrain: loop blocked",
-            r["elastictrain_blocked_s"],
-            vs_copy(r["elastictrain_blocked_s"]),
+            "elastictrain: loop blocked", r["elastictrain_blocked_s"], paired("blocked", "the copy")
         ),
         row(
             f"elastictrain: background persist ({r['persist_gbps']:.2f} GB/s)",
             r["elastictrain_persist_s"],
-            f"{r['persist_over_raw_write']:.2f}x raw write",
+            paired("persist", "raw write"),
         ),
         row(
             f"elastictrain: load + verify ({r['load_gbps']:.2f} GB/s)",
             r["load_s"],
-            f"{r['load_gbps'] / r['raw_read_gbps']:.2f}x raw read",
+            paired("load", "raw read"),
         ),
-        f"step-time inflation while persisting: {r['step_inflation'] * 100:+.1f}%",
     ]
+    if "load_warm" in pairs:
+        lines.append(
+            row(
+                "  the same two reads from the page cache",
+                pairs["load_warm"]["s"],
+                paired("load_warm", "raw read"),
+            )
+        )
+    lines.append(f"step-time inflation while persisting: {r['step_inflation'] * 100:+.1f}%")
+    if r["noisy"]:
+        lines.append(
+            f"(!) {', '.join(r['noisy'])}: the pairs spread over more than "
+            f"{100 * NOISY_SPREAD:.0f}% of their median; this machine was too noisy to trust "
+            "that ratio. Run again with more --repeats on a quiet machine."
+        )
     return "\n".join(lines)
 
 

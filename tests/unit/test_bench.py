@@ -22,6 +22,10 @@ KEYS = {
     "elastictrain_persist_s",
     "persist_gbps",
     "persist_over_raw_write",
+    "blocked_over_copy",
+    "load_over_raw_read",
+    "pairs",
+    "noisy",
     "load_s",
     "load_gbps",
     "step_inflation",
@@ -62,7 +66,12 @@ def test_bench_reports_every_figure_as_json(tmp_path):
     result = json.loads(out.stdout)
     assert set(result) >= KEYS
     dcp = {"dcp_save_s", "dcp_async_blocked_s"}
-    assert all(result[k] > 0 for k in KEYS - {"step_inflation"} - dcp)
+    assert all(result[k] > 0 for k in KEYS - {"step_inflation", "pairs", "noisy"} - dcp)
+    # Every ratio is the median of back-to-back pairs with its floor, with their spread.
+    for name in ("blocked", "persist", "load", "load_warm"):
+        pair = result["pairs"][name]
+        assert len(pair["ratios"]) == 1 and pair["spread"] == 0 and pair["ratio"] > 0, pair
+    assert result["persist_over_raw_write"] == result["pairs"]["persist"]["ratio"]
     try:
         import numpy  # noqa: F401
     except ImportError:  # DCP's writer needs numpy, which torch does not depend on
