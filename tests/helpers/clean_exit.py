@@ -32,9 +32,16 @@ def loop(url: str) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(10, 10), nn.ReLU(), nn.Linear(10, 5))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    ckpt = CheckpointManager(url, every_steps=5)
+    # 16 MB of weights + momentum: past the size from which payloads are hashed on a helper
+    # thread while they are written, so every thread the manager can start is started.
+    width = 10 if os.environ.get("CLEAN_EXIT_SMALL") else 1024
+    model = nn.Sequential(
+        nn.Linear(10, width), nn.ReLU(), nn.Linear(width, width), nn.Linear(width, 5)
+    )
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    ckpt = CheckpointManager(
+        url, every_steps=5, event_log=os.path.join(url, "..", "events.jsonl"), hang_timeout=120
+    )
     start = ckpt.resume(model, optimizer)
     net = DDP(model)
     for step in range(start, 20):
