@@ -64,7 +64,10 @@ class HangWatchdog:
         return self
 
     def stop(self) -> None:
+        """Stop watching and end the thread (it wakes at once): none is left for teardown."""
         self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(self._poll_s + 1.0)
 
     def beat(self, step: int) -> None:
         self._step = step

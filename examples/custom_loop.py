@@ -16,7 +16,6 @@ uses the runner's restart-safe handshake.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 
@@ -51,12 +50,7 @@ def main() -> None:
     finally:
         if distributed:
             dist.destroy_process_group()
-    # torch 2.13 sometimes aborts in interpreter teardown after a clean finish ("terminate called
-    # without an active exception"; 2 of 24 runs of this script here), and torchrun then counts the
-    # finished job as failed and runs it again. The work is saved and the groups are gone: skip it.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    sys.exit(code)
 
 
 def train(args: argparse.Namespace, distributed: bool) -> None:

@@ -49,6 +49,14 @@ def _hasher() -> concurrent.futures.ThreadPoolExecutor:
     return concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="storage-hash")
 
 
+def stop_hasher() -> None:
+    """End the helper thread (after any hash in flight); the next big payload starts a new one.
+    For a process about to exit: no thread of ours is left for interpreter teardown."""
+    if _hasher.cache_info().currsize:
+        _hasher().shutdown(wait=True)
+        _hasher.cache_clear()
+
+
 def hex_digest(data: bytes | memoryview, algorithm: str) -> str:
     h = ALGORITHMS[algorithm]()
     h.update(data)

@@ -44,7 +44,7 @@ from elastictrain.observe.events import Event, EventLog, LastWords
 from elastictrain.observe.history import LAST_WORDS_WAIT_S, RunHistory
 from elastictrain.signals import StopSignals, parse_signal
 from elastictrain.watchdog import HangWatchdog
-from storage.hashing import ALGORITHMS, DEFAULT_ALGORITHM, check_algorithm
+from storage.hashing import ALGORITHMS, DEFAULT_ALGORITHM, check_algorithm, stop_hasher
 
 logger = logging.getLogger(__name__)
 
@@ -362,7 +362,11 @@ class CheckpointSession:
             self.signals = None
         with self.gate("close"):
             self.ckpt.finish()
-        self._flush_history()
+        # End every thread this session started (the history's writer, the hash helper): one
+        # still alive at interpreter teardown can abort a cleanly finished process.
+        if self.is_rank0:
+            self.history.close(wait_s=LAST_WORDS_WAIT_S)
+        stop_hasher()
         if self.ckpt.failure is not None:
             self.ckpt.raise_failure()
 

@@ -49,6 +49,7 @@ class RunHistory:
         self._write_lock = threading.Lock()
         self._failing = False
         self._thread: threading.Thread | None = None
+        self._closing = False
 
     # -- rank 0: the mirror ----------------------------------------------------------------------
     def add(self, line: str, *, flush: bool) -> None:
@@ -63,16 +64,32 @@ class RunHistory:
         with self._cv:
             self._asked = self._written + len(self._queue)
             if self._thread is None:
+                self._closing = False
                 self._thread = threading.Thread(target=self._run, name="history", daemon=True)
                 self._thread.start()
             self._cv.notify_all()
             if wait_s > 0:
                 self._cv.wait_for(lambda: self._tried >= self._asked, timeout=wait_s)
 
+    def close(self, wait_s: float = LAST_WORDS_WAIT_S) -> None:
+        """Flush what is queued (waiting up to ``wait_s``) and end the writer thread: nothing this
+        object started may still run when the interpreter tears down (a thread caught there can
+        abort the process, and torchrun would count a clean finish as a failure)."""
+        if self._thread is None:
+            return
+        self.flush(wait_s=wait_s)
+        with self._cv:
+            self._closing = True
+            self._cv.notify_all()
+        self._thread.join(wait_s)
+        self._thread = None
+
     def _run(self) -> None:
         while True:
             with self._cv:
-                self._cv.wait_for(lambda: self._asked > self._tried)
+                self._cv.wait_for(lambda: self._asked > self._tried or self._closing)
+                if self._closing and self._asked <= self._tried:
+                    return
                 lines, seq, covered = list(self._queue), self._seq, self._written + len(self._queue)
             # On failure the lines stay queued; the retry rewrites this name with them and newer.
             ok = self._put(segment_name(self.generation, seq), "".join(lines).encode())

@@ -83,6 +83,10 @@ def _one(i: int, runner: bool, root: str) -> tuple[int, int, str]:
         ),
         log.strip().splitlines()[-1] if log.strip() else "",
     )
+    if out.returncode != 0 and os.environ.get("CLEAN_EXIT_KEEP"):  # a folder for failed runs' logs
+        os.makedirs(os.environ["CLEAN_EXIT_KEEP"], exist_ok=True)
+        with open(os.path.join(os.environ["CLEAN_EXIT_KEEP"], f"run-{i}.log"), "w") as f:
+            f.write(log)
     return i, out.returncode, telling[:300]
 
 

@@ -221,3 +221,34 @@ def test_hang_timeout_dumps_stacks_and_exits_4(tmp_path):
     assert load_checkpoint(str(tmp_path / "h"))["progress"]["step"] == 2  # saves were not hangs
     with pytest.raises(ConfigError, match="hang_timeout must be > 0, got 0"):
         CheckpointManager(str(tmp_path / "h"), hang_timeout=0)
+
+
+def test_close_ends_every_thread_the_manager_started(tmp_path):
+    """A script that ends normally must exit 0: any thread still alive at interpreter teardown
+    can abort the process ("terminate called without an active exception"), which torchrun
+    counts as a failure. So close() ends them all: the history writer, the hash helper (the
+    state here is big enough to be hashed beside its write) and the hang watchdog."""
+    import threading
+
+    before = set(threading.enumerate())
+    model = nn.Linear(1200, 1200)  # 17 MB with Adam's moments: hashed on a helper thread
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5)
+    with CheckpointManager(
+        str(tmp_path / "c"),
+        every_steps=2,
+        event_log=str(tmp_path / "ev.jsonl"),
+        hang_timeout=60,
+        local_checkpoint_dir=str(tmp_path / "local"),
+        local_every_steps=1,
+    ) as ckpt:
+        ckpt.resume(model, opt, sched)
+        for step in range(4):
+            model(torch.randn(2, 1200)).sum().backward()
+            opt.step()
+            ckpt.step(step + 1, model, opt, sched)
+        ckpt.save(4, model, opt, sched, final=True)
+        assert len(set(threading.enumerate()) - before) >= 3  # the threads this is about
+    left = set(threading.enumerate()) - before
+    assert not left, sorted(t.name for t in left)
+    assert os.listdir(tmp_path / "c" / "events")  # the history reached storage before its end
