@@ -215,11 +215,13 @@ def toy_args(
     ]
 
 
-def run_single(args: list[str], cwd: str, timeout: float = 120) -> subprocess.CompletedProcess:
+def run_single(
+    args: list[str], cwd: str, timeout: float = 120, module: str = "elastictrain"
+) -> subprocess.CompletedProcess:
     """``python -m elastictrain ARGS`` without torchrun: a training run of one process (world
-    size 1), or a tool (``ls``, ``bench``, ``chaos``, ...)."""
+    size 1), or a tool (``ls``, ``bench``, ``chaos``, ...); ``module``: another module's main."""
     return subprocess.run(
-        [sys.executable, "-m", "elastictrain", *args],
+        [sys.executable, "-m", module, *args],
         cwd=cwd,
         env=job_env(),
         capture_output=True,

@@ -4,23 +4,14 @@ near the largest tensor, not the model, and it never reads the optimizer state b
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
-from tests.helpers.launcher import job_env
+from tests.helpers.launcher import run_single
 
 
 def _helper(*args: str, cwd: str) -> str:
-    out = subprocess.run(
-        [sys.executable, "-m", "tests.helpers.export_memory", *args],
-        cwd=cwd,
-        env=job_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    out = run_single(list(args), cwd, module="tests.helpers.export_memory")
     assert out.returncode == 0, out.stderr[-3000:]
     return out.stdout
 
