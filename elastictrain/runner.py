@@ -30,7 +30,7 @@ from elastictrain.checkpoint.state import DataFingerprint, TrainState, check_pla
 from elastictrain.config import RunConfig
 from elastictrain.data import GlobalBatchSampler
 from elastictrain.env import DistEnv, read_env
-from elastictrain.errors import EXIT_PREEMPTED, EXIT_USER_ERROR, named_timeout
+from elastictrain.errors import EXIT_PREEMPTED, named_timeout
 from elastictrain.loader import StepLoader, check_micro_steps, worker_init
 from elastictrain.loop import Trainer
 from elastictrain.observe import stragglers
@@ -121,13 +121,7 @@ def run(cfg: RunConfig, early_signals: StopSignals | None = None) -> int:
             return EXIT_PREEMPTED
         except Exception as e:
             # Last words for the run report: why this attempt ended (it may also be a peer's death).
-            # A user error (exit 2: the task, the data or the checkpoint does not fit) leaves the
-            # checkpoint location byte for byte as it was; its reason is in the log.
-            session.last_words(
-                type(e).__name__,
-                str(e).splitlines()[0][:300],
-                to_storage=getattr(e, "exit_code", None) != EXIT_USER_ERROR,
-            )
+            session.last_words(type(e).__name__, str(e).splitlines()[0][:300])
             raise
     finally:
         STATUS.close()  # never leave a terminal on a half-drawn line
@@ -348,7 +342,9 @@ class _Attempt:
                 outcome = session.step(
                     done, state, report=progress.due(), may_save=done < cfg.max_steps
                 )
-                if outcome.report:
+                # The last step's report comes after the final checkpoint, once: a report agreed
+                # at the last step too would record the final step twice.
+                if outcome.report and done < cfg.max_steps:
                     progress.last_checkpoint = session.last_committed
                     progress.last_local = session.last_local
                     report(done, stragglers.gather(trainer.timer, self.groups.control))

@@ -192,8 +192,7 @@ class LastWords:
     def __init__(self, path: str | None, rank: int, history: Any = None) -> None:
         self.path, self.rank, self.history = path, rank, history
 
-    def __call__(self, cause: str, detail: str, *, to_storage: bool = True) -> None:
-        """``to_storage=False``: the local event log only (a refused start changes nothing)."""
+    def __call__(self, cause: str, detail: str) -> None:
         record = {"event": Event.EXIT, "time": time.time(), "cause": cause, "detail": detail}
         line = _line({**record, "rank": self.rank})
         if self.path:
@@ -202,5 +201,5 @@ class LastWords:
                 _append_line(self.path, line)
             except OSError as e:
                 logger.warning("could not append to event log %s: %s", self.path, e)
-        if self.history is not None and to_storage:
+        if self.history is not None:
             self.history.last_words(line)

@@ -11,6 +11,7 @@ import pytest
 from elastictrain.observe.events import Event, read_events, read_sample_log
 from tests.helpers.elastic import assert_exactly_once
 from tests.helpers.launcher import assert_bitwise_equal, final_state, toy_args, wait_for_event
+from tests.helpers.paths import checkpoint_files
 
 STREAM = ("--task", "tests.helpers.stream_task:make_task")
 BATCH = 12
@@ -61,8 +62,9 @@ def test_stream_ledger_is_exactly_once_across_a_world_size_change_or_the_resume_
     launch, tmp_path
 ):
     """A seekable stream trains 30 steps at 2 ranks, then on at 3: the ledger holds every sample
-    of the first 50 * 12 exactly once. A stream without seek, resumed at 3, stops with exit 2 and
-    one message, and its checkpoint location is byte for byte what it was."""
+        of the first 50 * 12 exactly once. A stream without seek, resumed at 3, stops with exit 2 and
+        one message, and every file of its checkpoints is byte for byte what it was (the run's history, events/,
+    records why the start failed)."""
     runs = {}
     for kind in ("seekable", "stateful"):
         ckpt = str(tmp_path / kind)
@@ -74,7 +76,7 @@ def test_stream_ledger_is_exactly_once_across_a_world_size_change_or_the_resume_
         )
         assert job.wait(120) == 0, job.log()[-3000:]
     ckpt, extra = runs["stateful"]
-    before = _tree(ckpt)
+    before = checkpoint_files(ckpt)
     refused = launch(
         toy_args(ckpt, ckpt + ".jsonl", max_steps=50, every=10, step_time=0, extra=extra),
         nproc=3,
@@ -85,7 +87,7 @@ def test_stream_ledger_is_exactly_once_across_a_world_size_change_or_the_resume_
     log = refused.log()
     assert "FAILED (exit 2): CheckpointMismatchError" in log and "no seek" in log, log[-3000:]
     assert "Nothing was loaded or changed" in log and "relaunch at world size 2" in log
-    assert _tree(ckpt) == before
+    assert checkpoint_files(ckpt) == before  # the run's history (events/) records the refusal
 
     ckpt, extra = runs["seekable"]
     wider = launch(
@@ -109,13 +111,3 @@ def test_a_plain_iterable_dataset_stops_at_start_with_exit_2_writing_nothing(lau
     errors = [line for line in job.log().splitlines() if "FAILED (exit 2)" in line]
     assert errors and all("IterableDataset (PlainStream) without state_dict()" in e for e in errors)
     assert not os.path.exists(ckpt)
-
-
-def _tree(root: str) -> dict[str, bytes]:
-    out = {}
-    for folder, _, files in os.walk(root):
-        for name in files:
-            path = os.path.join(folder, name)
-            with open(path, "rb") as f:
-                out[os.path.relpath(path, root)] = f.read()
-    return out

@@ -21,6 +21,7 @@ from tests.helpers.launcher import (
     toy_args,
     wait_for_event,
 )
+from tests.helpers.paths import checkpoint_files
 
 pytest.importorskip("transformers")
 
@@ -170,9 +171,15 @@ def test_tied_model_under_ddp_keeps_the_tie_through_a_resume_and_each_single_fil
     rebuilt.load_state_dict(state["model"])
     ids = torch.randint(0, 96, (3, 16))
     expected = rebuilt.eval()(ids)
-    for name in ("m.safetensors", "m.pt"):
-        out = run_single(["export", ckpt, "-o", str(tmp_path / name)], str(tmp_path))
+    for name, cast in (
+        ("m.safetensors", []),
+        ("m.pt", []),
+        ("bf16.safetensors", ["--dtype", "bfloat16"]),
+    ):
+        out = run_single(["export", ckpt, "-o", str(tmp_path / name), *cast], str(tmp_path))
         assert out.returncode == 0, out.stderr[-3000:]
+    cast = load_file(str(tmp_path / "bf16.safetensors"))
+    assert all(torch.equal(t, state["model"][k].bfloat16()) for k, t in cast.items()), cast.keys()
     assert set(load_file(str(tmp_path / "m.safetensors"))) == set(state["model"]) - {"head.weight"}
     model = HandmadeLM(0.0)
     assert load_model(model, str(tmp_path / "m.safetensors")) == (set(), [])
@@ -195,4 +202,7 @@ def test_a_task_shard_that_splits_a_tie_stops_at_start_with_exit_2_writing_nothi
     errors = [line for line in job.log().splitlines() if "FAILED (exit 2): ConfigError" in line]
     assert len(errors) == 2 and all("'transformer.wte' and 'lm_head'" in e for e in errors)
     assert "Traceback" not in job.log().split("FAILED (exit 2)")[0]  # no step was attempted
-    assert not os.path.exists(ckpt)
+    # Nothing but the run's history, which records why the start failed: no probe, no fence.
+    assert os.listdir(ckpt) == ["events"] and not checkpoint_files(ckpt)
+    exits = [n for n in os.listdir(os.path.join(ckpt, "events")) if n.startswith("exit-")]
+    assert exits and len(os.listdir(os.path.join(ckpt, "events"))) == len(exits)
