@@ -18,42 +18,29 @@ BATCH = 12
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("workers", [0, 2])
-def test_stream_killed_twice_resumes_bitwise_equal(launch, tmp_path, workers):
-    """A stateful stream (no seek) at 2 ranks, SIGKILLed at two random points: the run ends bit
-    for bit equal to an uninterrupted one, with in-process loading and with 2 loader workers."""
+@pytest.mark.parametrize("workers, rank", [(0, 1), (2, 0)])
+def test_stream_killed_resumes_bitwise_equal(launch, tmp_path, workers, rank):
+    """A stateful stream (no seek) at 2 ranks, one rank SIGKILLed after the first checkpoint: the
+    run ends bit for bit equal to an uninterrupted one, with in-process loading and with 2
+    loader workers (whose own dataset states are restored by torchdata)."""
     extra = (*STREAM, "--task-option", "stream=stateful", "--num-workers", str(workers))
 
     def args(ckpt: str, step_time: float) -> list[str]:
         return toy_args(
-            ckpt, ckpt + ".jsonl", max_steps=60, every=10, step_time=step_time, extra=extra
+            ckpt, ckpt + ".jsonl", max_steps=40, every=10, step_time=step_time, extra=extra
         )
 
     ref_dir, run_dir = str(tmp_path / "ref"), str(tmp_path / "run")
     ref = launch(args(ref_dir, 0), name="ref")
     job = launch(args(run_dir, 0.03), name="run")
     ev = run_dir + ".jsonl"
-    for kill, rank in enumerate((1, 0)):
-        wait_for_event(
-            ev,
-            lambda e, n=kill: (
-                e["event"] == Event.CHECKPOINT
-                and sum(x["event"] == Event.RESUME for x in read_events(ev)) == n + 1
-            ),
-            120,
-            job,
-        )
-        job.kill_worker(rank)
-        wait_for_event(
-            ev,
-            lambda e, n=kill: sum(x["event"] == Event.RESUME for x in read_events(ev)) > n + 1,
-            120,
-            job,
-        )
+    wait_for_event(ev, lambda e: e["event"] == Event.CHECKPOINT, 120, job)
+    job.kill_worker(rank)
     assert job.wait(180) == 0, job.log()[-3000:]
     assert ref.wait(180) == 0, ref.log()[-3000:]
     resumes = [e for e in read_events(ev) if e["event"] == Event.RESUME]
-    assert [e["fresh"] for e in resumes] == [True, False, False], resumes
+    assert [e["fresh"] for e in resumes] == [True, False], resumes
+    assert 10 <= resumes[-1]["step"] < 40, resumes  # it resumed mid-stream, from a checkpoint
     assert_bitwise_equal(final_state(run_dir), final_state(ref_dir))
 
 
