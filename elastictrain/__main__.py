@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import importlib
 import logging
-import os
 import signal
 import sys
 
 import storage
 from elastictrain.errors import EXIT_CRASH, EXIT_STORAGE, EXIT_USER_ERROR, ElasticTrainError
-from elastictrain.signals import StopSignals
+from elastictrain.signals import StopSignals, exit_without_teardown
 from elastictrain.tools import TOOLS
 
 logger = logging.getLogger("elastictrain")
@@ -52,23 +51,10 @@ def _storage_exit_code(e: Exception) -> int:
     return EXIT_USER_ERROR
 
 
-def _exit_now(code: int) -> None:
-    """Exit without interpreter finalization once everything is committed and flushed.
-
-    A training process holds C++ threads (gloo, the c10d store, torch's pools) whose teardown
-    during finalization can abort the process ("terminate called without an active exception",
-    SIGABRT) after a clean finish, which torchrun would count as a failure and restart. Seen once
-    in about a hundred finishes here; nothing is left to do at this point, so skip that teardown.
-    """
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] in TOOLS:
         sys.exit(main())
     # Before torch is imported (seconds on a cold start): a SIGTERM or Ctrl-C from here on is a
     # graceful stop at the first step, never a KeyboardInterrupt traceback out of an import.
-    _exit_now(main(early_signals=StopSignals([signal.SIGTERM])))
+    code = main(early_signals=StopSignals([signal.SIGTERM]))
+    exit_without_teardown(code)

@@ -266,3 +266,6 @@ if __name__ == "__main__":
             resume_worker(url, size, sys.argv[5])
     finally:
         dist.destroy_process_group()
+    from elastictrain.signals import exit_without_teardown
+
+    exit_without_teardown(0)  # torch's FSDP/gloo teardown aborted one of these workers once

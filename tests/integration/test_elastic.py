@@ -110,7 +110,11 @@ def test_losing_the_rendezvous_host_ends_the_job_and_a_relaunch_resumes(launch, 
     # The relaunch's first resume is from the newest checkpoint. (If agent b arrives after a's
     # first rendezvous closed, a starts alone and b's join adds a membership change: later resumes.)
     relaunched = [e for e in read_events(ev) if e["event"] == Event.RESUME][resumed_before:]
-    assert relaunched[0]["step"] == last and not relaunched[0]["fresh"], relaunched
+    # The newest copy on either tier: the last durable checkpoint, or a newer local copy of the
+    # node that survived (the local tier's interval depends on load).
+    first = relaunched[0]
+    assert not first["fresh"] and first["step"] >= last, relaunched
+    assert (first["step"] if first.get("tier") != "local" else first["durable_step"]) == last
     assert_exactly_once(
         read_sample_log(str(tmp_path / "elastic-samples")),
         dataset_size=DATASET,
