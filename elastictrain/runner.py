@@ -173,6 +173,8 @@ class _Attempt:
         for name, obj in self.task.state.items():
             # Now, not at the first checkpoint: what the payload cannot carry fails before training.
             check_plain(obj.state_dict(), f"Task.state[{name!r}].state_dict()")
+        if self.task.hf_config is not None:
+            check_plain(dict(self.task.hf_config), "Task.hf_config")
         return TrainState(
             model,
             optimizer,
@@ -186,6 +188,7 @@ class _Attempt:
             stateful=self.task.state,
             scaler=precision.scaler,
             per_rank={"data_stream": self.stream} if self.stream else {},
+            export_config=self.task.hf_config,
         )
 
     def _waiting(self) -> Any:

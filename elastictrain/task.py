@@ -63,6 +63,10 @@ class Task:
     mesh over all ranks, before the optimizer is built. Re-create here any ``state`` that mirrors
     the parameters (an EMA), so it is sharded like them. Default: each child module that has
     parameters, then the root."""
+    hf_config: Mapping[str, Any] | None = None
+    """The model's Hugging Face config as a dict (``model.config.to_dict()``): saved with every
+    checkpoint, and written as ``config.json`` by ``export -o FOLDER`` unless ``--config`` is
+    given, so ``from_pretrained`` loads the folder as it is."""
     model_devices: Sequence[torch.device] | None = None
     """Model parallel: the devices the task already spread the model over (two GPUs per process,
     say). The runner then leaves placement alone, wraps DDP with ``device_ids=None`` and sends each

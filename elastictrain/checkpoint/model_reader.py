@@ -49,6 +49,8 @@ class ModelReader:
     """Each tensor's dtype and shape, by state_dict key, in state_dict order."""
     tied: list[list[str]] = field(default_factory=list)
     """Keys that name one tensor (tied weights), as the training run recorded them."""
+    config: dict[str, Any] | None = None
+    """``Task.hf_config`` as the run saved it, if it gave one."""
     _read: Any = None
 
     def read(self, name: str) -> torch.Tensor:
@@ -101,6 +103,7 @@ def _flat(store: storage.CheckpointStore, manifest: storage.Manifest) -> ModelRe
                 step=manifest.step,
                 tensors={k: TensorInfo(v.dtype, tuple(v.shape)) for k, v in model.items()},
                 tied=whole.get("tied", []),
+                config=whole.get("export_config"),
                 _read=lambda key: model[key],
             )
         skeleton, table = flat.read_layout(f)
@@ -133,6 +136,7 @@ def _flat(store: storage.CheckpointStore, manifest: storage.Manifest) -> ModelRe
             k: TensorInfo(getattr(torch, table[r][0]), tuple(table[r][1])) for k, r in rows.items()
         },
         tied=skeleton.get("tied", []),
+        config=skeleton.get("export_config"),
         _read=read,
     )
 
@@ -182,5 +186,6 @@ def _sharded(store: storage.CheckpointStore, manifest: storage.Manifest) -> Mode
             for k in order
         },
         tied=common.get("tied", []),
+        config=common.get("export_config"),
         _read=read,
     )

@@ -75,6 +75,8 @@ class TrainState:
     ``state_dict()``, ``check_rank_states(states, step, where)`` and ``load_rank_states(states,
     step)``. Gathered from every rank at each save (:meth:`gather`); on resume every rank gets
     every rank's saved state, checked before anything is loaded."""
+    export_config: Mapping[str, Any] | None = None
+    """``Task.hf_config``: saved with the checkpoint for ``export`` (a JSON-like dict)."""
     gathered: dict[str, list[torch.Tensor]] = field(default_factory=dict)
     """Every rank's encoded ``per_rank`` states, as of the last :meth:`gather`."""
 
@@ -144,6 +146,8 @@ def capture(
     }
     if state.stateful:
         payload["stateful"] = {name: obj.state_dict() for name, obj in state.stateful.items()}
+    if state.export_config is not None:
+        payload["export_config"] = dict(state.export_config)
     if state.per_rank:
         payload["per_rank"] = {name: state.gathered.get(name, []) for name in state.per_rank}
     if state.scaler is not None:

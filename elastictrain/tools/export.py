@@ -3,7 +3,8 @@ checkpoints too), for inference or fine-tuning elsewhere.
 
 - ``OUT`` a folder: a Hugging Face model folder that ``from_pretrained`` loads. ``model.safetensors``,
   or above ``--max-shard-size`` shards ``model-0000k-of-0000N.safetensors`` with
-  ``model.safetensors.index.json``, and ``config.json`` copied from ``--config``.
+  ``model.safetensors.index.json``, and ``config.json`` copied from ``--config`` (or written from
+  ``Task.hf_config``, which every checkpoint of the run saved).
 - ``OUT.safetensors``: one file (``safetensors.torch.load_file``, or ``load_model`` for a model with
   tied weights).
 - ``OUT.pt``: a ``torch.save`` state dict, loadable with ``weights_only=True``.
@@ -151,7 +152,7 @@ def export_folder(
     model: Any, out: str, *, cast: str | None, max_shard_bytes: int, config: str | None
 ) -> tuple[int, int]:
     """A Hugging Face model folder. Returns (files written, tensor bytes)."""
-    hf_config: dict[str, Any] = {}
+    hf_config: dict[str, Any] = dict(model.config or {})  # the task's, saved with the checkpoint
     if config is not None:
         with open(config) as f:
             hf_config = json.load(f)
@@ -182,6 +183,8 @@ def export_folder(
             os.unlink(os.path.join(out, stale))
     if config is not None:
         shutil.copyfile(config, os.path.join(out, "config.json"))
+    elif hf_config:
+        _write_text(os.path.join(out, "config.json"), json.dumps(hf_config, indent=2) + "\n")
     return len(files), total
 
 
@@ -276,7 +279,11 @@ def _args(argv: list[str]) -> argparse.Namespace:
         metavar="SIZE",
         help=f"folder only: the most bytes per safetensors file (default {DEFAULT_MAX_SHARD})",
     )
-    p.add_argument("--config", help="folder only: a config.json to copy beside the weights")
+    p.add_argument(
+        "--config",
+        help="folder only: a config.json to copy beside the weights (default: the task's "
+        "Task.hf_config, saved with the checkpoint)",
+    )
     p.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE")
     return p.parse_args(argv)
 

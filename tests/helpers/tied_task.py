@@ -98,6 +98,7 @@ def make_task(options: Mapping[str, str]) -> Task:
         make_optimizer=lambda p: torch.optim.AdamW(p, lr=3e-3),
         loss_fn=loss_fn,
         shard=split_shard if option(options, "split", 0) else None,
+        hf_config=model.config.to_dict() if kind == "gpt2" else None,
     )
 
 

@@ -103,22 +103,8 @@ def test_tied_gpt2_under_fsdp_resumes_bitwise_after_a_kill_then_at_one_rank_and_
     rebuilt = gpt2(0.0)
     rebuilt.load_state_dict(weights)
     assert rebuilt.lm_head.weight is rebuilt.transformer.wte.weight
-    config = str(tmp_path / "config")
-    gpt2_config(0.0).save_pretrained(config)
-    out = str(tmp_path / "hf")
-    export = run_single(
-        [
-            "export",
-            run_dir,
-            "-o",
-            out,
-            "--max-shard-size",
-            "40KB",
-            "--config",
-            f"{config}/config.json",
-        ],
-        str(tmp_path),
-    )
+    out = str(tmp_path / "hf")  # config.json from the task's Task.hf_config, saved with it
+    export = run_single(["export", run_dir, "-o", out, "--max-shard-size", "40KB"], str(tmp_path))
     assert export.returncode == 0, export.stderr[-3000:]
     assert "(1 tied, stored once)" in export.stdout, export.stdout
     with open(os.path.join(out, "model.safetensors.index.json")) as f:
@@ -144,6 +130,15 @@ def test_tied_gpt2_under_fsdp_resumes_bitwise_after_a_kill_then_at_one_rank_and_
     assert loaded.lm_head.weight is loaded.transformer.wte.weight
     ids = torch.randint(0, 96, (3, 16))
     assert torch.equal(loaded(ids).logits, rebuilt.eval()(ids).logits)
+    # --config replaces it: copied as given.
+    given = tmp_path / "config.json"
+    given.write_text(json.dumps({**gpt2_config(0.0).to_dict(), "note": "mine"}))
+    again = run_single(
+        ["export", run_dir, "-o", str(tmp_path / "hf2"), "--config", str(given)], str(tmp_path)
+    )
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert (tmp_path / "hf2" / "config.json").read_bytes() == given.read_bytes()
+    assert os.listdir(tmp_path / "hf2") and "model.safetensors" in os.listdir(tmp_path / "hf2")
 
 
 @pytest.mark.slow
