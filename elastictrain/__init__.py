@@ -1,45 +1,28 @@
 """elastictrain: a fault-tolerant, elastic PyTorch training runner with persistent checkpoints.
 
-The public API. The errors are imported eagerly (they are plain Python); everything that needs
-torch is imported on first use, so ``python -m elastictrain ls`` and ``import storage`` stay light.
+The public API: what a user calls. Every exception a user may catch is in
+:mod:`elastictrain.errors`. Everything that needs torch is imported on first use, so
+``python -m elastictrain ls`` and ``import storage`` stay light.
 """
 
 from __future__ import annotations
 
 import importlib
+import warnings
 from typing import TYPE_CHECKING, Any
 
-from elastictrain.errors import (
-    CheckpointFailedError,
-    CheckpointMismatchError,
-    CollectiveTimeoutError,
-    ConfigError,
-    ElasticTrainError,
-    InitTimeoutError,
-    OrphanedError,
-    TaskLoadError,
-    UnsafeCheckpointError,
-)
 from elastictrain.version import __version__
-from storage.errors import (
-    CheckpointCorruptError,
-    CheckpointNotFoundError,
-    StaleWriterError,
-    StorageError,
-    StorageNotUsableError,
-    StorageUnavailableError,
-)
 
 if TYPE_CHECKING:
     from elastictrain.checkpoint.inspection import load_checkpoint
     from elastictrain.checkpoint.manager import CheckpointManager
-    from elastictrain.checkpoint.session import Preempted
     from elastictrain.dist import init_distributed
+    from elastictrain.errors import Preempted
     from elastictrain.task import Task, eval_shard
 
 _LAZY = {
     "CheckpointManager": "elastictrain.checkpoint.manager",
-    "Preempted": "elastictrain.checkpoint.session",
+    "Preempted": "elastictrain.errors",
     "Task": "elastictrain.task",
     "eval_shard": "elastictrain.task",
     "init_distributed": "elastictrain.dist",
@@ -52,28 +35,22 @@ def __getattr__(name: str) -> Any:
         value = getattr(importlib.import_module(_LAZY[name]), name)
         globals()[name] = value  # once: later lookups skip this function
         return value
+    from elastictrain import errors
+
+    if name in errors.__all__:  # the top level exported every error until 0.x; one release more
+        warnings.warn(
+            f"elastictrain.{name} is deprecated: import it from elastictrain.errors",
+            FutureWarning,
+            stacklevel=2,
+        )
+        return getattr(errors, name)
     raise AttributeError(f"module 'elastictrain' has no attribute {name!r}")
 
 
 __all__ = [
-    "CheckpointCorruptError",
-    "CheckpointFailedError",
     "CheckpointManager",
-    "CheckpointMismatchError",
-    "CheckpointNotFoundError",
-    "CollectiveTimeoutError",
-    "ConfigError",
-    "ElasticTrainError",
-    "InitTimeoutError",
-    "OrphanedError",
     "Preempted",
-    "StaleWriterError",
-    "StorageError",
-    "StorageNotUsableError",
-    "StorageUnavailableError",
     "Task",
-    "TaskLoadError",
-    "UnsafeCheckpointError",
     "__version__",
     "eval_shard",
     "init_distributed",

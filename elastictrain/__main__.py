@@ -11,7 +11,7 @@ import signal
 import sys
 
 import storage
-from elastictrain.errors import EXIT_CRASH, EXIT_STORAGE, EXIT_USER_ERROR, ElasticTrainError
+from elastictrain.errors import EXIT_CRASH, EXIT_USER_ERROR, ElasticTrainError, exit_code
 from elastictrain.signals import StopSignals, exit_without_teardown
 from elastictrain.tools import TOOLS
 
@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None, early_signals: StopSignals | None = None
         except (ElasticTrainError, storage.StorageError) as e:
             print(f"error: {e}", file=sys.stderr)
             return EXIT_USER_ERROR
-    from elastictrain.config import parse_args
+    from elastictrain.flags import parse_args
     from elastictrain.runner import run
 
     try:
@@ -35,20 +35,11 @@ def main(argv: list[str] | None = None, early_signals: StopSignals | None = None
         return run(cfg, early_signals)
     except (ElasticTrainError, storage.StorageError) as e:
         # Expected failures: one clear line, no traceback to dig through, and a code that says which.
-        code = getattr(e, "exit_code", _storage_exit_code(e))
+        code = exit_code(e)
         # A crash keeps its cause's traceback (a dataset bug is found there); the rest need none.
         trace = e if code == EXIT_CRASH else None
         logger.error("FAILED (exit %d): %s: %s", code, type(e).__name__, e, exc_info=trace)
         return code
-
-
-def _storage_exit_code(e: Exception) -> int:
-    """A location that fails its probe needs the user (2); storage that went away mid-run (7)."""
-    if isinstance(e, storage.StorageUnavailableError) and not isinstance(
-        e, storage.StorageNotUsableError
-    ):
-        return EXIT_STORAGE
-    return EXIT_USER_ERROR
 
 
 if __name__ == "__main__":

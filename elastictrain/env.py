@@ -26,6 +26,8 @@ class DistEnv:
     use_agent_store: bool
     """True when torchrun shares its rendezvous TCPStore (kept alive across restarts) with workers."""
     launched_by_torchrun: bool
+    under_agent: bool = False
+    """A torchrun agent is this process's parent (it set TORCHELASTIC_RUN_ID)."""
 
     @property
     def is_rank0(self) -> bool:
@@ -64,4 +66,5 @@ def read_env(environ: Mapping[str, str] | None = None) -> DistEnv:
         run_id=environ.get("TORCHELASTIC_RUN_ID", "local"),
         use_agent_store=environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
         launched_by_torchrun=launched,
+        under_agent="TORCHELASTIC_RUN_ID" in environ,
     )

@@ -1,9 +1,24 @@
-"""Exception hierarchy of the runner. Each message names the bad value and the fix."""
+"""Every exception a user may catch, each with its exit code. Each message names the bad value and
+the fix.
+
+The storage layer's errors (``storage.errors``, torch-free) are re-exported here, so one import
+serves: ``from elastictrain.errors import StorageUnavailableError``.
+"""
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+
+from storage.errors import (
+    CheckpointCorruptError,
+    CheckpointNotFoundError,
+    StaleWriterError,
+    StorageError,
+    StorageFullError,
+    StorageNotUsableError,
+    StorageUnavailableError,
+)
 
 EXIT_CRASH = 1  # an unexpected failure: torchrun restarts the group
 EXIT_USER_ERROR = 2
@@ -74,6 +89,35 @@ class CheckpointFailedError(ElasticTrainError):
     exit_code = EXIT_STORAGE
 
 
+class Preempted(SystemExit):
+    """Raised on every rank once a stop signal (SIGTERM, Ctrl-C, ...) has been agreed and the
+    checkpoint of that step committed. Exit code 75: relaunch to continue. Catch it to clean up
+    first; it is a ``SystemExit``, so ``except Exception`` will not."""
+
+    exit_code = EXIT_PREEMPTED
+
+    def __init__(self, step: int, signal_name: str) -> None:
+        super().__init__(EXIT_PREEMPTED)
+        self.step, self.signal_name = step, signal_name
+
+    def __str__(self) -> str:
+        return f"preempted ({self.signal_name}) at step {self.step}: checkpoint committed"
+
+
+def exit_code(error: BaseException | type[BaseException]) -> int:
+    """The process exit code for an error the runner stops on (its ``exit_code``). The storage
+    layer's errors carry none, since it knows nothing of processes: a location that fails its
+    probe needs the user (2); storage that went away mid-run (7)."""
+    kind = error if isinstance(error, type) else type(error)
+    if hasattr(kind, "exit_code"):
+        return kind.exit_code
+    if issubclass(kind, StorageUnavailableError) and not issubclass(kind, StorageNotUsableError):
+        return EXIT_STORAGE
+    if issubclass(kind, (StorageError, ElasticTrainError)):
+        return EXIT_USER_ERROR
+    return EXIT_CRASH
+
+
 @contextlib.contextmanager
 def named_timeout(setting: str, value: float, what: str) -> Iterator[None]:
     """Turn a backend timeout (gloo/nccl raise RuntimeError) into an error that names the setting
@@ -88,3 +132,26 @@ def named_timeout(setting: str, value: float, what: str) -> Iterator[None]:
             f"budget, stuck, or gone. Raise {setting} above the worst expected skew, or see the "
             f"straggler report. ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
         ) from e
+
+
+__all__ = [
+    "CheckpointCorruptError",
+    "CheckpointFailedError",
+    "CheckpointMismatchError",
+    "CheckpointNotFoundError",
+    "CollectiveTimeoutError",
+    "ConfigError",
+    "DataLoadError",
+    "ElasticTrainError",
+    "InitTimeoutError",
+    "OrphanedError",
+    "Preempted",
+    "StaleWriterError",
+    "StorageError",
+    "StorageFullError",
+    "StorageNotSharedError",
+    "StorageNotUsableError",
+    "StorageUnavailableError",
+    "TaskLoadError",
+    "UnsafeCheckpointError",
+]

@@ -21,16 +21,12 @@ from elastictrain import dist as edist
 from elastictrain import parallel, streams
 from elastictrain.checkpoint.checkpointer import Resumed
 from elastictrain.checkpoint.persist import Reason
-from elastictrain.checkpoint.session import (
-    CheckpointSession,
-    Preempted,
-    install_stop_signals,
-)
+from elastictrain.checkpoint.session import CheckpointSession, install_stop_signals
 from elastictrain.checkpoint.state import DataFingerprint, TrainState, check_plain, unwrap
 from elastictrain.config import RunConfig
 from elastictrain.data import GlobalBatchSampler
 from elastictrain.env import DistEnv, read_env
-from elastictrain.errors import EXIT_PREEMPTED, named_timeout
+from elastictrain.errors import EXIT_PREEMPTED, Preempted, named_timeout
 from elastictrain.loader import StepLoader, check_micro_steps, worker_init
 from elastictrain.loop import Trainer
 from elastictrain.observe import stragglers
@@ -54,10 +50,9 @@ def run(cfg: RunConfig, early_signals: StopSignals | None = None) -> int:
     env = read_env()
     agent_pid = os.getppid()  # under torchrun: the agent; recorded before anything can reparent us
     setup_logging(env.rank)
-    session_config = cfg.session_config()
     # Installed first: a stop signal during init or resume is remembered and honoured at step 1,
     # and a Ctrl-C there never becomes a KeyboardInterrupt traceback.
-    signals = install_stop_signals(session_config, early_signals)
+    signals = install_stop_signals(cfg.checkpoint, early_signals)
     # Built before any process-group work, so a bad --task fails fast and identically everywhere.
     torch.manual_seed(cfg.seed)
     task = build_task(cfg.task, cfg.task_options)
@@ -73,7 +68,7 @@ def run(cfg: RunConfig, early_signals: StopSignals | None = None) -> int:
     # The startup budget covers init + resume + the first step; init keeps its own hard bound.
     watchdog = HangWatchdog(
         cfg.hang_timeout,
-        startup_s=cfg.init_timeout + cfg.checkpoint_timeout,
+        startup_s=cfg.init_timeout + cfg.checkpoint.checkpoint_timeout,
         agent_pid=agent_pid if env.launched_by_torchrun else None,
     ).start()
     attempt: _Attempt | None = None
@@ -84,18 +79,16 @@ def run(cfg: RunConfig, early_signals: StopSignals | None = None) -> int:
             device,
             init_timeout=cfg.init_timeout,
             collective_timeout=cfg.collective_timeout,
-            checkpoint_timeout=cfg.checkpoint_timeout,
+            checkpoint_timeout=cfg.checkpoint.checkpoint_timeout,
         )
         attached = (
             (lambda: os.getppid() == agent_pid) if env.launched_by_torchrun else (lambda: True)
         )
         session = CheckpointSession(
-            session_config,
-            rank=env.rank,
-            world_size=env.world_size,
+            cfg.checkpoint,
+            env=env,
             generation=groups.attempt.generation,
             gate=groups.control,
-            device=device,
             # The default group (nccl on GPUs), on the training device: the per-step agreement must
             # be as cheap as the step's own collectives, and time out like them.
             agree_group=dist.group.WORLD,
@@ -114,7 +107,7 @@ def run(cfg: RunConfig, early_signals: StopSignals | None = None) -> int:
             init_s,
         )
         session.emit_start(max_steps=cfg.max_steps, init_s=round(init_s, 4))
-        attempt = _Attempt(cfg, env, task, sampler, device, groups, session)
+        attempt = _Attempt(cfg, env, task, sampler, device, groups, session, watchdog)
         try:
             return attempt.train()
         except Preempted:
@@ -141,9 +134,11 @@ class _Attempt:
         device: torch.device,
         groups: edist.ProcessGroups,
         session: CheckpointSession,
+        watchdog: HangWatchdog,
     ) -> None:
         self.cfg, self.env, self.task, self.sampler, self.device = cfg, env, task, sampler, device
         self.groups, self.session, self.events = groups, session, session.events
+        self.watchdog = watchdog
         self.stream = (
             streams.StreamLoader(
                 dataset=task.dataset,
@@ -193,7 +188,7 @@ class _Attempt:
 
     def _waiting(self) -> Any:
         # A hung or dead-slow worker is a hang like any other: stacks, exit 4, restart.
-        return self.session.watchdog.phase(
+        return self.watchdog.phase(
             "waiting for the data loader", self.cfg.hang_timeout, "--hang-timeout"
         )
 
@@ -219,12 +214,14 @@ class _Attempt:
 
     def _evaluate(self, step: int, model: torch.nn.Module, precision: Precision) -> None:
         """``Task.evaluate`` on every rank, averaged; rank 0 logs and records it."""
-        cfg, watchdog = self.cfg, self.session.watchdog
+        cfg, watchdog = self.cfg, self.watchdog
         t0 = time.monotonic()
         with (
             watchdog.phase("evaluation", cfg.hang_timeout, "--hang-timeout"),
             named_timeout(
-                "--checkpoint-timeout", cfg.checkpoint_timeout, f"evaluation at step {step}"
+                "--checkpoint-timeout",
+                cfg.checkpoint.checkpoint_timeout,
+                f"evaluation at step {step}",
             ),
         ):
             metrics = evaluate(
@@ -249,7 +246,7 @@ class _Attempt:
         t1 = time.monotonic()
         session.preflight()
         t2 = time.monotonic()
-        resumed = session.resume(state)
+        resumed = session.resume(state, self.device)
         t3 = time.monotonic()
         # Where a (re)start's time goes, for the first_step event. ddp_s (DDP wrap, loader,
         # bucket priming) runs from here to the loop's start, which adds its own clock to it.
@@ -379,7 +376,7 @@ class _Attempt:
             seconds=round(elapsed, 3),
             # Steady-state training time: from the first step's end to the last step's end.
             after_first_step_s=round(t_done - t_first, 6) if trained > 1 else None,
-            skipped_checkpoints=session.ckpt.skipped,
+            skipped_checkpoints=session.skipped_checkpoints,
             **({"overflow_skips": trainer.overflow_skips} if trainer.precision.scaler else {}),
         )
         return 0

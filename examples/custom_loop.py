@@ -66,7 +66,7 @@ def train(args: argparse.Namespace, distributed: bool) -> None:
 
     with CheckpointManager(
         args.checkpoint_dir,
-        every_steps=args.every_steps,
+        checkpoint_every_steps=args.every_steps,
         keep_last=2,
         event_log=args.event_log,
         hang_timeout=args.hang_timeout,  # a stopped peer: stacks, exit 4, torchrun restarts

@@ -19,7 +19,7 @@ from storage.errors import (
     StorageUnavailableError,
 )
 from storage.hashing import DEFAULT_ALGORITHM
-from storage.layout import FileEntry, Manifest
+from storage.manifest import FileEntry, Manifest
 from storage.retry import RetryPolicy, is_transient
 from storage.store import Checkpoint, CheckpointExistsError, CheckpointStore, ListedCheckpoint
 from storage.urls import parse_option, redact_options, redact_url

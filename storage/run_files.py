@@ -13,7 +13,7 @@ Mixed into :class:`storage.store.CheckpointStore`.
 
 from __future__ import annotations
 
-from storage.layout import HISTORY_DIR, check_file_name
+from storage.manifest import HISTORY_DIR, check_file_name
 
 
 class RunFiles:

@@ -30,7 +30,7 @@ from storage.hashing import (
     digest,
     hash_in_background,
 )
-from storage.layout import (
+from storage.manifest import (
     FENCE_NAME,
     MANIFEST_NAME,
     FileEntry,

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from storage.errors import CheckpointCorruptError, CheckpointNotFoundError
 from storage.hashing import block_root, hash_stream, read_hashed
-from storage.layout import FileEntry, Manifest, check_file_name, step_dir_name
+from storage.manifest import FileEntry, Manifest, check_file_name, step_dir_name
 from storage.ranges import Range, read_verified
 
 logger = logging.getLogger(__name__)

@@ -14,7 +14,7 @@ import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -25,6 +25,42 @@ from elastictrain.checkpoint.staging import Snapshot, Staging
 from storage.hashing import hex_digest
 
 _POLL_S = (0.005, 0.5)  # the wait for other ranks' reports: first and longest poll interval
+
+
+class Snap(Protocol):
+    """A layout's snapshot of one checkpoint, in host memory."""
+
+    def wait(self) -> None:
+        """Until the device-to-host copies have landed (CUDA); at once on the CPU."""
+
+
+class Layout(Protocol):
+    """What one rank puts on storage for a checkpoint, and how rank 0 commits it."""
+
+    writes_alone: bool
+    """True: rank 0 writes every file of a step (a stale step may be deleted whole)."""
+
+    def snapshot(self, payload: Any) -> Snap:
+        """Copy the captured state into reused host memory: the only part that blocks training."""
+
+    def write_own(
+        self, store: storage.CheckpointStore, step: int, snap: Snap, generation: int
+    ) -> None:
+        """This rank's files of ``step``, before the commit."""
+
+    def commit(
+        self,
+        store: storage.CheckpointStore,
+        step: int,
+        snap: Snap,
+        generation: int,
+        metadata: dict[str, Any],
+        *,
+        before_commit: Callable[[], None],
+        abandoned: Callable[[int], bool],
+        deadline_s: float,
+    ) -> storage.Manifest:
+        """Rank 0: the rest of the files, then the manifest, last."""
 
 
 class FlatLayout:
@@ -38,11 +74,22 @@ class FlatLayout:
     def snapshot(self, payload: Any) -> Snapshot:
         return self.staging.snapshot(payload)
 
-    def write_own(self, store, step: int, snap: Snapshot, generation: int) -> None:
+    def write_own(
+        self, store: storage.CheckpointStore, step: int, snap: Snapshot, generation: int
+    ) -> None:
         """Nothing before the commit: rank 0 writes the one file in it."""
 
     def commit(
-        self, store, step, snap, generation, metadata, *, before_commit, abandoned, deadline_s
+        self,
+        store: storage.CheckpointStore,
+        step: int,
+        snap: Snapshot,
+        generation: int,
+        metadata: dict[str, Any],
+        *,
+        before_commit: Callable[[], None],
+        abandoned: Callable[[int], bool],
+        deadline_s: float,
     ) -> storage.Manifest:
         name = tstate.state_file_name(generation)
         return store.commit(
@@ -93,7 +140,9 @@ class ShardedLayout:
         common_snap = self.common_staging.snapshot(common) if self.common_staging else None
         return ShardSnap(local, shards, common_snap)
 
-    def write_own(self, store, step: int, snap: ShardSnap, generation: int) -> None:
+    def write_own(
+        self, store: storage.CheckpointStore, step: int, snap: ShardSnap, generation: int
+    ) -> None:
         """This rank's shard file, then its report: the report's presence means "durable"."""
         name = sharded.shard_file(self.rank, generation)
         entry, digest = store.write_file(step, name, snap.shards.data, sharded.BLOCK_BYTES)
@@ -133,7 +182,12 @@ class ShardedLayout:
         )
 
     def _wait_for_reports(
-        self, store, step, generation, abandoned, deadline_s
+        self,
+        store: storage.CheckpointStore,
+        step: int,
+        generation: int,
+        abandoned: Callable[[int], bool],
+        deadline_s: float,
     ) -> list[tuple[dict[str, Any], bytes]]:
         """Every rank's report for this step and generation, read from storage: the agreed message
         that gates the commit, without a collective on the training thread."""

@@ -16,6 +16,7 @@ copy could never serve a restart alone. Its resume reads the durable tier, as be
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import hashlib
 import logging
@@ -24,7 +25,6 @@ import os
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -33,7 +33,8 @@ import storage
 from elastictrain import knobs
 from elastictrain.checkpoint import state as tstate
 from elastictrain.checkpoint.layouts import FlatLayout
-from elastictrain.checkpoint.persist import Persister, Reason
+from elastictrain.checkpoint.persist import Persister, Reason, SaveRecord, TurnTierOff
+from elastictrain.config import CheckpointConfig
 from elastictrain.observe.events import Event, EventLog
 from storage.urls import is_local, redact_url
 
@@ -43,16 +44,6 @@ KEEP = 2
 LOCK_NAME = ".writer.lock"
 SLACK_BYTES = 64 << 10  # per copy, beyond its tensors: the skeleton, the manifest, directories
 COPIES_OF_ROOM = KEEP + 1  # the kept copies plus the one being written
-
-
-@dataclass(frozen=True)
-class LocalTierConfig:
-    enabled: bool = True
-    dir: str | None = None
-    """None: ``<root>/elastictrain-<uid>/<hash of the durable location>``; root is /dev/shm."""
-    every_steps: int | str = "auto"
-    """N, or "auto": as often as ``overhead`` of step time allows, measured."""
-    overhead: float = 0.02
 
 
 def default_dir(durable_url: str, root: str) -> str:
@@ -132,25 +123,27 @@ class LocalTier:
 
     def __init__(
         self,
-        config: LocalTierConfig,
+        config: CheckpointConfig,
         *,
-        durable_url: str,
         rank: int,
         local_rank: int,
         world_size: int,
         generation: Callable[[], int],
         events: EventLog,
         attached: Callable[[], bool],
-        checksum: str,
     ) -> None:
+        """``config``: the ``local_*`` settings, and the durable location the folder is for."""
         self.config = config
-        self.dir = config.dir or default_dir(durable_url, knobs.local_tier_root())
+        self.dir = config.local_checkpoint_dir or default_dir(
+            config.checkpoint_dir, knobs.local_tier_root()
+        )
         self.events = events
-        self.schedule = LocalSchedule(config.every_steps, config.overhead)
+        self.schedule = LocalSchedule(config.local_every_steps, config.local_overhead)
         self.rank, self.local_rank = rank, local_rank
-        self.writes = config.enabled and local_rank == 0
+        self.writes = config.local_checkpoint and local_rank == 0
         self.store: storage.CheckpointStore | None = None
         self.writer: Persister | None = None
+        self.record = SaveRecord()
         self._sized = False
         self._writing_since = False
         self._lock: int | None = None
@@ -159,7 +152,7 @@ class LocalTier:
         why = self._unusable()
         if os.path.isdir(self.dir):  # a node whose tier is off may still hold copies to offer
             self.store = storage.open_store(
-                self.dir, checksum=checksum, retry=storage.RetryPolicy(deadline_s=5.0)
+                self.dir, checksum=config.checksum, retry=storage.RetryPolicy(deadline_s=5.0)
             )
         if why:
             self._off(why)
@@ -167,23 +160,23 @@ class LocalTier:
         self.writer = Persister(
             store=self.store,
             layout=FlatLayout(),
+            # The newest KEEP copies; milestones are the durable tier's business.
+            config=dataclasses.replace(config, keep_last=KEEP, keep_every_steps=None),
+            record=self.record,
+            policy=TurnTierOff(),  # the local tier never stops a run
             world_size=world_size,
             generation=generation,
             events=events,
-            keep_last=KEEP,
-            keep_every=None,
-            on_failure="warn",  # the local tier never stops a run
             attached=attached,
-            tier="local",
         )
 
     def _unusable(self) -> str | None:
         parent = os.path.dirname(self.dir.rstrip("/")) or "/"
-        if self.config.dir is None and not os.path.isdir(os.path.dirname(parent)):
+        if self.config.local_checkpoint_dir is None and not os.path.isdir(os.path.dirname(parent)):
             return f"{os.path.dirname(parent)} does not exist on this host"
         try:
             os.makedirs(self.dir, mode=0o700, exist_ok=True)
-            if self.config.dir is None:
+            if self.config.local_checkpoint_dir is None:
                 os.chmod(parent, 0o700)  # files readable only by the user
             os.chmod(self.dir, 0o700)
             # One writer per folder: two "nodes" on one host (or a stopped writer of an earlier
@@ -217,14 +210,14 @@ class LocalTier:
     @property
     def newest(self) -> int | None:
         """The step of this node's newest committed local copy (None on other ranks)."""
-        return self.writer.last_committed if self.writer is not None else None
+        return self.record.last_committed if self.writer is not None else None
 
     # -- save ----------------------------------------------------------------------------------
     def after_step(self, step: int, state: tstate.TrainState, *, durable_saved: bool) -> None:
         """On every rank after every step; local rank 0 takes a copy when one is due."""
         if not self.active:
             return
-        due = self.schedule.due(step) and self.writer.last_committed != step
+        due = self.schedule.due(step) and self.record.last_committed != step
         # A step overlapped a copy's write if one was in flight when it began or when it ended:
         # a write shorter than a step is over by the end of the step it slows.
         writing = self._writing_since or self.writer.writing
@@ -234,8 +227,8 @@ class LocalTier:
         self._writing_since = self.active and self.writer.writing
 
     def save(self, step: int, state: tstate.TrainState) -> None:
-        if self.writer.last_error is not None:  # the previous copy's background write failed
-            error = self.writer.last_error
+        if self.record.failure is not None:  # the previous copy's background write failed
+            error = self.record.failure.error
             self._off(f"a local write failed: {type(error).__name__}: {error}")
             return
         if not self._sized and not self._has_room(tstate.capture(state, step=step)):
@@ -286,7 +279,7 @@ class LocalTier:
         the local copies are of no further use, and /dev/shm is memory."""
         if self.writer is not None:
             self.writer.wait()
-        if self.config.enabled and self.local_rank == 0:
+        if self.config.local_checkpoint and self.local_rank == 0:
             with contextlib.suppress(OSError):
                 shutil.rmtree(self.dir)
         self.writes, self.writer, self.store = False, None, None

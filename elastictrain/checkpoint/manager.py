@@ -1,7 +1,7 @@
 """Library mode: elastictrain's checkpointing inside your own training loop.
 
     device = elastictrain.init_distributed()             # restart-safe; instead of init_process_group
-    ckpt = CheckpointManager("s3://bucket/run1", every_steps=500, keep_last=3)
+    ckpt = CheckpointManager("s3://bucket/run1", checkpoint_every_steps=500, keep_last=3)
     start = ckpt.resume(model, optimizer, scheduler)      # 0 when there is no checkpoint yet
     for step in range(start, total_steps):
         ...                                                # your forward/backward/optimizer step
@@ -12,17 +12,21 @@
 A thin facade over :class:`~elastictrain.checkpoint.session.CheckpointSession`, the very sequence the
 runner drives: the same commit protocol, background persists, retention, fencing of older writers,
 storage retries, agreed preemption (SIGTERM or Ctrl-C: every rank commits the current step and
-raises :class:`Preempted`, exit 75) and, with ``hang_timeout``, the hang watchdog. What the runner
+raises :class:`Preempted`, exit 75) and, with ``hang_timeout``, the hang watchdog. Its settings
+are the runner's checkpoint flags, by the same names. What the runner
 does beyond this (data sharding, per-step seeding) stays your loop's business.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
+import inspect
 import logging
 import os
 import threading
 import time
-from collections.abc import Sequence
+import warnings
 from datetime import timedelta
 from typing import Any
 
@@ -31,134 +35,114 @@ import torch.distributed as dist
 from torch import nn
 
 from elastictrain.checkpoint.persist import Reason
-from elastictrain.checkpoint.session import (
-    CheckpointSession,
-    Preempted,
-    SessionConfig,
-    install_stop_signals,
-)
+from elastictrain.checkpoint.session import CheckpointSession, install_stop_signals
 from elastictrain.checkpoint.state import TrainState, unwrap
-from elastictrain.errors import ConfigError
+from elastictrain.config import CheckpointConfig, settings
+from elastictrain.env import read_env
+from elastictrain.errors import ConfigError, Preempted
 from elastictrain.watchdog import HangWatchdog
 
 __all__ = ["CheckpointManager", "Preempted"]
 
 logger = logging.getLogger(__name__)
 
+SETTINGS = settings(CheckpointConfig)
+
+
+# The keywords of earlier releases, accepted for one more with a warning naming the new one.
+RENAMED = {
+    "url": "checkpoint_dir",
+    "every_steps": "checkpoint_every_steps",
+    "every_seconds": "checkpoint_every_seconds",
+    "async_save": "async_checkpoint",
+    "timeout_s": "checkpoint_timeout",
+}
+
 
 class CheckpointManager:
     """Checkpoints for a custom loop. Under torch.distributed, construct it on every rank after
     :func:`elastictrain.init_distributed` (it creates one gloo group for its barriers); alone, it
-    needs nothing."""
+    needs nothing.
+
+    Its keyword arguments are exactly the fields of :class:`~elastictrain.config.CheckpointConfig`
+    (each one is the runner's flag of the same name: ``keep_last`` is ``--keep-last``; see
+    docs/cli.md), plus two of library mode's own:
+
+    - ``map_location``: where resumed tensors go; default the device of the model's first
+      parameter.
+    - ``hang_timeout``: seconds between two :meth:`step` calls after which this rank is hung: it
+      dumps every thread's Python stack and exits 4, so torchrun restarts the group instead of
+      every rank waiting out the process group's timeout. Before the first step, and during
+      resume and saves, ``checkpoint_timeout`` applies instead. Off (None) by default, since it
+      ends the process. Under torchrun it also exits (6) when the agent is gone.
+
+    Library mode's defaults differ from the runner's in one place: there is no schedule unless
+    you give one (``checkpoint_every_steps``, ``checkpoint_every_seconds``).
+
+    Raises:
+        ConfigError: a value that can never work, or an unknown keyword; the message names it.
+    """
 
     def __init__(
         self,
-        url: str,
+        checkpoint_dir: str | None = None,
         *,
-        every_steps: int | None = None,
-        every_seconds: float | None = None,
-        keep_last: int = 3,
-        keep_every_steps: int | None = None,
-        async_save: bool = True,
-        storage_options: dict[str, Any] | None = None,
-        storage_retry_deadline: float = 120.0,
-        on_storage_failure: str = "warn",
-        timeout_s: float = 1800.0,
         map_location: str | torch.device | None = None,
-        event_log: str | None = None,
-        preempt_signals: Sequence[str] = ("SIGTERM",),
         hang_timeout: float | None = None,
-        checksum: str = "xxh3",
-        local_checkpoint: bool = True,
-        local_checkpoint_dir: str | None = None,
-        local_every_steps: int | str = "auto",
-        local_overhead: float = 0.02,
+        **settings: Any,
     ) -> None:
-        """
-        Args:
-            url: a local path or any fsspec URL (``s3://bucket/prefix``).
-            every_steps, every_seconds: the schedule :meth:`step` follows (either, both or
-                neither; 0 or None is off).
-            keep_last, keep_every_steps: retention, as ``--keep-last`` / ``--keep-every-steps``.
-            async_save: scheduled checkpoints persist on a background thread of rank 0.
-            on_storage_failure: ``warn`` skips a scheduled checkpoint storage refused past the
-                retry deadline; ``fail`` raises on every rank.
-            timeout_s: budget for the barriers around resume and saves.
-            map_location: where resumed tensors go; default the device of the model's first
-                parameter.
-            event_log: rank 0 appends start, resume, checkpoint, preempted and end events (JSON
-                lines) to this local file, and any rank its last words; ``python -m elastictrain
-                report`` draws it as it draws the runner's.
-            preempt_signals: signals that mean "checkpoint this step and stop" (see
-                :class:`Preempted`). Ctrl-C (SIGINT) does too while any are set; a second Ctrl-C
-                exits 130 at once. ``()`` leaves every signal handler alone. :meth:`close` puts
-                them back.
-            hang_timeout: seconds between two :meth:`step` calls after which this rank is hung:
-                it dumps every thread's Python stack and exits 4, so torchrun restarts the group
-                instead of every rank waiting out the process group's timeout. Before the first
-                step, and during resume and saves, ``timeout_s`` applies instead. Off (None) by
-                default, since it ends the process. Under torchrun it also exits (6) when the
-                agent is gone.
-            checksum: ``xxh3`` (fast, the default) or ``sha256``, as ``--checksum``.
-            local_checkpoint, local_checkpoint_dir, local_every_steps, local_overhead: the
-                local tier, as ``--local-checkpoint`` and friends: each node's copy of the state
-                on node-local storage (/dev/shm), preferred on resume when it is newer.
-
-        Raises:
-            ConfigError: a value that can never work; the message names the argument.
-        """
-        config = SessionConfig(
-            url=url,
-            storage_options=dict(storage_options or {}),
-            every_steps=every_steps,
-            every_seconds=every_seconds,
-            keep_last=keep_last,
-            keep_every_steps=keep_every_steps,
-            async_save=async_save,
-            storage_retry_deadline=storage_retry_deadline,
-            on_storage_failure=on_storage_failure,
-            timeout_s=timeout_s,
-            hang_timeout=hang_timeout,
-            preempt_signals=tuple(preempt_signals),
-            event_log=event_log,
-            checksum=checksum,
-            local_checkpoint=local_checkpoint,
-            local_checkpoint_dir=local_checkpoint_dir,
-            local_every_steps=local_every_steps,
-            local_overhead=local_overhead,
-        )
+        settings = _renamed(settings)
+        if checkpoint_dir is not None:
+            settings["checkpoint_dir"] = checkpoint_dir
+        unknown = sorted(set(settings) - set(SETTINGS))
+        if unknown:
+            close = difflib.get_close_matches(unknown[0], SETTINGS, n=1)
+            hint = f"; did you mean {close[0]}?" if close else f"; it takes {', '.join(SETTINGS)}"
+            raise ConfigError(f"CheckpointManager got an unknown argument {unknown[0]!r}{hint}")
+        if "checkpoint_dir" not in settings:
+            raise ConfigError(
+                "CheckpointManager needs checkpoint_dir: a local path or any fsspec URL, e.g. "
+                "CheckpointManager('s3://bucket/run1')."
+            )
+        if hang_timeout is not None and not hang_timeout > 0:
+            raise ConfigError(f"hang_timeout must be > 0, got {hang_timeout!r}.")
+        config = CheckpointConfig(**settings)
+        env = read_env()
         alone = not (dist.is_available() and dist.is_initialized())
-        rank = 0 if alone else dist.get_rank()
+        if not alone:  # torch.distributed knows best where this process sits
+            env = dataclasses.replace(env, rank=dist.get_rank(), world_size=dist.get_world_size())
         self._group = (
-            None if alone else dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+            None
+            if alone
+            else dist.new_group(
+                backend="gloo", timeout=timedelta(seconds=config.checkpoint_timeout)
+            )
         )
-        watchdog = None
+        self._watchdog = None
         if hang_timeout is not None:
-            under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ  # our parent is the agent
-            watchdog = HangWatchdog(
+            self._watchdog = HangWatchdog(
                 hang_timeout,
-                startup_s=timeout_s,
-                agent_pid=os.getppid() if under_torchrun else None,
-                budget_names=("hang_timeout", "timeout_s"),
+                startup_s=config.checkpoint_timeout,
+                agent_pid=os.getppid() if env.under_agent else None,  # our parent is the agent
+                budget_names=("hang_timeout", "checkpoint_timeout"),
             ).start()
         # Python only lets the main thread install signal handlers.
         main_thread = threading.current_thread() is threading.main_thread()
-        if preempt_signals and not main_thread:
+        if config.preempt_signals and not main_thread:
             logger.warning(
                 "CheckpointManager built outside the main thread: %s will not checkpoint before "
                 "stopping; build it in the main thread, or pass preempt_signals=()",
-                "/".join(preempt_signals),
+                "/".join(config.preempt_signals),
             )
         self._session = CheckpointSession(
             config,
-            rank=rank,
-            world_size=1 if alone else dist.get_world_size(),
+            env=env,
             generation=time.time_ns(),  # claim() lifts it above every earlier writer's
             gate=self._group,
-            device=torch.device("cpu"),  # replaced in resume()
-            watchdog=watchdog,
+            watchdog=self._watchdog,
             signals=install_stop_signals(config) if main_thread else None,
         )
+        self.config = config
         self.map_location = map_location
         self._resumed = False
         self.extra: dict[str, Any] | None = None
@@ -183,10 +167,9 @@ class CheckpointManager:
             StorageNotUsableError: the location is missing, read-only, unreachable, or the
                 credentials are rejected (the message says which).
         """
-        device = self.map_location or _first_device(unwrap(model))
-        self._session.ckpt.device = torch.device(device)
+        device = torch.device(self.map_location or _first_device(unwrap(model)))
         self._session.emit_start()
-        resumed = self._session.resume(TrainState(model, optimizer, scheduler))
+        resumed = self._session.resume(TrainState(model, optimizer, scheduler), device)
         self._resumed, self.extra = True, resumed.extra
         return resumed.step
 
@@ -200,7 +183,8 @@ class CheckpointManager:
     ) -> bool:
         """Call on every rank after every optimizer step, with the number of completed steps.
 
-        Saves when ``every_steps`` divides ``step`` or ``every_seconds`` passed on rank 0's clock.
+        Saves when ``checkpoint_every_steps`` divides ``step`` or ``checkpoint_every_seconds``
+        passed on rank 0's clock.
         Rank 0's clock, a stop signal and a failed background persist become everyone's decision
         through one tiny all-reduce every ~0.2 s worth of steps, so every rank must call this at
         every step. Returns True when a checkpoint of ``step`` was taken.
@@ -223,7 +207,7 @@ class CheckpointManager:
         final: bool = False,
     ) -> bool:
         """Checkpoint ``step`` now, on every rank. ``final=True`` commits before returning;
-        otherwise ``async_save`` decides. ``extra``: your own state (tensors and plain Python
+        otherwise ``async_checkpoint`` decides. ``extra``: your own state (tensors and plain Python
         values; loading never unpickles code), back as :attr:`extra` on resume. A step that is
         already committed is not written again. Returns False only when a non-final checkpoint
         was skipped under ``on_storage_failure='warn'``.
@@ -248,9 +232,9 @@ class CheckpointManager:
         try:
             self._session.close()
         finally:
-            if self._session.watchdog is not None:
-                self._session.watchdog.stop()
-                self._session.watchdog = None
+            if self._watchdog is not None:
+                self._watchdog.stop()
+                self._watchdog = None
             if self._group is not None and dist.is_initialized():
                 # Our gloo group's threads must not outlive the loop: one torn down only at
                 # interpreter exit can abort the process ("terminate called without an active
@@ -270,6 +254,43 @@ class CheckpointManager:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _signature() -> inspect.Signature:
+    """What ``help(CheckpointManager)`` and IDEs show: every setting by name, with its default."""
+    keyword = inspect.Parameter.KEYWORD_ONLY
+    defaults = CheckpointConfig(checkpoint_every_steps=None)
+    params = [
+        inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+        inspect.Parameter("checkpoint_dir", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+    ]
+    params += [
+        inspect.Parameter(name, keyword, default=getattr(defaults, name))
+        for name in SETTINGS
+        if name != "checkpoint_dir"
+    ]
+    params += [
+        inspect.Parameter("map_location", keyword, default=None),
+        inspect.Parameter("hang_timeout", keyword, default=None),
+    ]
+    return inspect.Signature(params, return_annotation=None)
+
+
+CheckpointManager.__init__.__signature__ = _signature()
+
+
+def _renamed(settings: dict[str, Any]) -> dict[str, Any]:
+    out = {}
+    for name, value in settings.items():
+        if name in RENAMED:
+            warnings.warn(
+                f"CheckpointManager({name}=...) is deprecated: use {RENAMED[name]}=...",
+                FutureWarning,
+                stacklevel=3,
+            )
+            name = RENAMED[name]
+        out[name] = value
+    return out
 
 
 def _first_device(model: nn.Module) -> torch.device:

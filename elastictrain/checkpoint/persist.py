@@ -18,26 +18,34 @@ Every outcome is reported: committed (log + ``checkpoint`` event), skipped under
 from __future__ import annotations
 
 import dataclasses
+import enum
 import logging
 import platform
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 import storage
-from elastictrain.checkpoint.layouts import FlatLayout
+from elastictrain.checkpoint.layouts import Layout, Snap
+from elastictrain.config import CheckpointConfig
 from elastictrain.errors import OrphanedError
 from elastictrain.observe.events import Event, EventLog, Name
 from elastictrain.version import __version__
 
 logger = logging.getLogger(__name__)
 
-# Outcomes of a save, broadcast from rank 0 so every rank acts on the same one.
-COMMITTED, SKIPPED, FAILED = 0, 1, 2
+
+class SaveOutcome(enum.IntEnum):
+    """What became of one save, broadcast from rank 0 so every rank acts on the same one. Ordered
+    from best to worst: the max over ranks is the outcome of a step every rank wrote."""
+
+    COMMITTED = 0
+    SKIPPED = 1
+    FAILED = 2
 
 
 class Reason(Name):
@@ -60,7 +68,7 @@ class _Job:
     step: int
     epoch: int
     reason: str
-    snap: Any
+    snap: Snap
     """The layout's snapshot: one flat file (DDP), or this rank's shards (FSDP)."""
     blocked: float
     """What the loop has waited so far: the wait for the previous persist, plus the snapshot."""
@@ -77,6 +85,102 @@ class Failure:
     error: BaseException
 
 
+@dataclass
+class SaveRecord:
+    """The one owner of one tier's save state on one rank: what is committed, what was skipped,
+    what failed. The writer records into it; everyone else asks it."""
+
+    last_committed: int | None = None
+    """The newest step resumed from or committed (rank 0: including background commits)."""
+    skipped: int = 0
+    """Checkpoints skipped so far (storage refused them under ``warn``)."""
+    skipped_step: int | None = None
+    """The newest step this rank gave up writing in the background (the loop tells the others)."""
+    failure: Failure | None = None
+    """A background persist that failed for good: the loop stops every rank on it (durable), or
+    the tier turns itself off (local)."""
+
+
+class FailurePolicy(Protocol):
+    """What a failed save does, and how a tier reports its commits."""
+
+    label: str
+    """How logs name the tier's checkpoints ("checkpoint", "local checkpoint")."""
+    commit_event: Event
+    commit_level: int
+
+    def failed(self, job: _Job, error: BaseException, record: SaveRecord) -> SaveOutcome: ...
+
+
+@dataclass(frozen=True)
+class StopTheRun:
+    """The durable tier: a checkpoint that cannot be committed stops every rank, except a
+    scheduled one storage refused under ``on_storage_failure="warn"``, which is skipped. Never
+    silent."""
+
+    config: CheckpointConfig
+    events: EventLog
+    label = "checkpoint"
+    commit_event = Event.CHECKPOINT
+    commit_level = logging.INFO
+
+    def failed(self, job: _Job, error: BaseException, record: SaveRecord) -> SaveOutcome:
+        step, reason, described = job.step, job.reason, f"{type(error).__name__}: {error}"
+        skippable = (
+            isinstance(error, storage.StorageUnavailableError)
+            and self.config.on_storage_failure == "warn"
+            and reason not in MUST_COMMIT
+        )
+        if skippable:
+            record.skipped += 1
+            logger.error(
+                "CHECKPOINT SKIPPED at step %d (%s): %s. Training continues "
+                "(--on-storage-failure warn); %d skipped so far, last committed step %s.",
+                step,
+                reason,
+                error,
+                record.skipped,
+                record.last_committed,
+            )
+            self.events.emit(
+                Event.CHECKPOINT_SKIPPED,
+                step=step,
+                reason=reason,
+                error=described,
+                skipped_total=record.skipped,
+                last_committed=record.last_committed,
+            )
+            return SaveOutcome.SKIPPED
+        # A bug in the background (not storage) gets its traceback: nothing else would show it.
+        trace = not isinstance(error, storage.StorageError)
+        logger.error(
+            "CHECKPOINT FAILED at step %d (%s): %s",
+            step,
+            reason,
+            error,
+            exc_info=error if trace else None,
+        )
+        self.events.emit(Event.CHECKPOINT_FAILED, step=step, reason=reason, error=described)
+        return SaveOutcome.FAILED
+
+
+@dataclass(frozen=True)
+class TurnTierOff:
+    """The local tier: a failure never stops the run. It is recorded, and the tier turns itself
+    off at its next copy, saying why; the durable tier carries on."""
+
+    label = "local checkpoint"
+    commit_event = Event.LOCAL_CHECKPOINT
+    commit_level = logging.DEBUG  # copies come every few steps: events only, no INFO lines
+
+    def failed(self, job: _Job, error: BaseException, record: SaveRecord) -> SaveOutcome:
+        record.failure = Failure(job.step, job.reason, error)
+        if isinstance(error, storage.StorageError):
+            record.skipped += 1
+            return SaveOutcome.SKIPPED
+        return SaveOutcome.FAILED
+
+
 class Persister:
     """One per writing rank (rank 0 with DDP; every rank with sharded state). ``save`` blocks
     for the snapshot; ``background=False`` also waits for the write (and commit) and returns the
@@ -86,42 +190,27 @@ class Persister:
         self,
         *,
         store: storage.CheckpointStore,
-        layout: Any = None,
-        is_committer: bool = True,
-        reports_timeout_s: float = 1800.0,
+        layout: Layout,
+        config: CheckpointConfig,
+        record: SaveRecord,
+        policy: FailurePolicy,
         world_size: int,
         generation: Callable[[], int],
         events: EventLog,
-        keep_last: int,
-        keep_every: int | None,
-        on_failure: str,
         attached: Callable[[], bool],
-        tier: str = "durable",
+        is_committer: bool = True,
     ) -> None:
-        """``tier``: "local" for a node's local-tier writer (``local_tier``): its commits are
-        ``local_checkpoint`` events and DEBUG lines, since they come every few steps."""
-        self.store = store
-        self.tier = tier
-        self.last_error: BaseException | None = None
-        """The local tier's last failure (it turns the tier off rather than stop the run)."""
+        """``config``: retention (``keep_last``, ``keep_every_steps``) and how long rank 0 waits
+        for every rank's shards (``checkpoint_timeout``)."""
+        self.store, self.layout, self.record, self.policy = store, layout, record, policy
+        self.config = config
         self.world_size = world_size
         self.generation = generation
         self.events = events
-        self.keep_last = keep_last
-        self.keep_every = keep_every
-        self.on_failure = on_failure
         self.attached = attached
-        self.layout = layout or FlatLayout()
         self.is_committer = is_committer
-        self.reports_timeout_s = reports_timeout_s
         self.abandoned: set[int] = set()
         """Steps some rank gave up writing (agreed by the loop): rank 0 stops waiting for them."""
-        self.skipped_step: int | None = None
-        """The newest step this rank skipped in the background (the loop tells the others)."""
-        self.skipped = 0
-        self.last_committed: int | None = None
-        self.failure: Failure | None = None
-        """Set by a background persist that failed for good; the loop stops every rank on it."""
         self._thread: threading.Thread | None = None
         self._in_flight: int | None = None
         self._pending: _Job | None = None
@@ -149,10 +238,11 @@ class Persister:
         *,
         background: bool,
         commit: bool = True,
-    ) -> tuple[int, BaseException | None]:
+    ) -> tuple[SaveOutcome, BaseException | None]:
         """Snapshot ``state()`` now; persist it in the background or before returning.
         ``commit=False`` (sharded, in the foreground): write this rank's files only; the caller
-        calls :meth:`commit_pending` on rank 0 once every rank has."""
+        calls :meth:`commit_pending` on rank 0 once every rank has. In the background the outcome
+        is COMMITTED for now: a failure lands in the record."""
         previous = self._in_flight
         waited = self.wait()
         if waited > 0.05:
@@ -164,10 +254,10 @@ class Persister:
                 waited,
                 previous,
             )
-        if self.failure is not None:
+        if self.record.failure is not None:
             # The previous one failed for good: the run is stopping (the next agreement raises
             # it on every rank). Another write to the same storage would only add a failure.
-            return FAILED, self.failure.error
+            return SaveOutcome.FAILED, self.record.failure.error
         t0 = time.monotonic()
         snap = self.layout.snapshot(state())
         job = _Job(
@@ -179,49 +269,38 @@ class Persister:
 
         def run() -> None:
             outcome, error = self._persist(job)
-            if outcome == FAILED:
-                self.failure = Failure(step, reason, error)
-            elif outcome == SKIPPED:
-                self.skipped_step = step
+            if outcome is SaveOutcome.FAILED:
+                self.record.failure = Failure(step, reason, error)
+            elif outcome is SaveOutcome.SKIPPED:
+                self.record.skipped_step = step
 
         self._in_flight = step
         self._thread = threading.Thread(target=run, name=f"persist-step-{step}", daemon=True)
         self._thread.start()
-        return COMMITTED, None  # not yet: a failure surfaces through ``self.failure``
+        return SaveOutcome.COMMITTED, None
 
-    def commit_pending(self) -> tuple[int, BaseException | None]:
+    def commit_pending(self) -> tuple[SaveOutcome, BaseException | None]:
         """Rank 0, sharded, foreground: commit the step whose files every rank has written."""
         job = dataclasses.replace(self._pending, commit=True)
         return self._persist(job, write=False)
 
-    def _persist(self, job: _Job, write: bool = True) -> tuple[int, BaseException | None]:
+    def _persist(self, job: _Job, write: bool = True) -> tuple[SaveOutcome, BaseException | None]:
         try:
             self._commit(job, write)
-            return COMMITTED, None
+            return SaveOutcome.COMMITTED, None
         except storage.StorageError as e:
-            return self._on_failure(job.step, job.reason, e), e
+            return self.policy.failed(job, e, self.record), e
         except Exception as e:
             if not job.background:
-                raise
-            if self.tier == "local":
-                self.last_error = e  # the local tier turns itself off and says why
-                return FAILED, e
-            # In the background nothing else would see it: report it and stop the run.
-            logger.exception("CHECKPOINT FAILED at step %d (%s): %s", job.step, job.reason, e)
-            self.events.emit(
-                Event.CHECKPOINT_FAILED,
-                step=job.step,
-                reason=job.reason,
-                error=f"{type(e).__name__}: {e}",
-            )
-            return FAILED, e
+                raise  # the caller's frame shows it
+            return self.policy.failed(job, e, self.record), e
 
     def _commit(self, job: _Job, write: bool = True) -> None:
         step, reason, blocked = job.step, job.reason, job.blocked
         t0 = time.monotonic()
         job.snap.wait()  # CUDA: the device-to-host copies have landed
         if write and self.is_committer and self._already_committed(step):
-            self.last_committed = step
+            self.record.last_committed = step
             return
         self._check_attached(step)  # before writing anything, and again right before the commit
         generation = self.generation()
@@ -237,21 +316,19 @@ class Persister:
             self._metadata(step, job.epoch, generation),
             before_commit=lambda: self._check_attached(step),
             abandoned=lambda s: s in self.abandoned,
-            deadline_s=self.reports_timeout_s,
+            deadline_s=self.config.checkpoint_timeout,
         )
-        self.last_committed = step
+        self.record.last_committed = step
         persist = time.monotonic() - t0
         deleted = self.store.apply_retention(
-            self.keep_last, newest_good=step, keep_every=self.keep_every
+            self.config.keep_last, newest_good=step, keep_every=self.config.keep_every_steps
         )
         if not job.background:  # the loop waited for all of it
             blocked += time.monotonic() - t0
-        # Durable commits at INFO, one line each with what retention deleted; local copies come
-        # every few steps, so they (and their retention) are DEBUG and events only.
         logger.log(
-            logging.INFO if self.tier == "durable" else logging.DEBUG,
+            self.policy.commit_level,
             "%s step %d committed (%s): %d bytes, loop blocked %.3fs, persist %.3fs (%.2f GB/s)%s",
-            "checkpoint" if self.tier == "durable" else "local checkpoint",
+            self.policy.label,
             step,
             reason,
             manifest.total_bytes,
@@ -263,7 +340,7 @@ class Persister:
             else "",
         )
         self.events.emit(
-            Event.CHECKPOINT if self.tier == "durable" else Event.LOCAL_CHECKPOINT,
+            self.policy.commit_event,
             step=step,
             reason=reason,
             bytes=manifest.total_bytes,
@@ -278,43 +355,6 @@ class Persister:
         if not self.attached():
             raise OrphanedError(f"the torchrun agent is gone; not committing step {step}.")
 
-    def _on_failure(self, step: int, reason: str, e: storage.StorageError) -> int:
-        """Apply ``--on-storage-failure`` to a storage error; never silent."""
-        if self.tier == "local":  # never stops a run: the local tier turns itself off, saying why
-            self.skipped += 1
-            self.last_error = e
-            return SKIPPED
-        skippable = (
-            isinstance(e, storage.StorageUnavailableError)
-            and self.on_failure == "warn"
-            and reason not in MUST_COMMIT
-        )
-        if skippable:
-            self.skipped += 1
-            logger.error(
-                "CHECKPOINT SKIPPED at step %d (%s): %s. Training continues "
-                "(--on-storage-failure warn); %d skipped so far, last committed step %s.",
-                step,
-                reason,
-                e,
-                self.skipped,
-                self.last_committed,
-            )
-            self.events.emit(
-                Event.CHECKPOINT_SKIPPED,
-                step=step,
-                reason=reason,
-                error=f"{type(e).__name__}: {e}",
-                skipped_total=self.skipped,
-                last_committed=self.last_committed,
-            )
-            return SKIPPED
-        logger.error("CHECKPOINT FAILED at step %d (%s): %s", step, reason, e)
-        self.events.emit(
-            Event.CHECKPOINT_FAILED, step=step, reason=reason, error=f"{type(e).__name__}: {e}"
-        )
-        return FAILED
-
     def _already_committed(self, step: int) -> bool:
         """A good checkpoint of this generation's history at ``step`` is kept (never overwritten).
         A corrupt one, or one a stale older-generation writer left, is un-committed so this step
@@ -327,7 +367,7 @@ class Persister:
             logger.error("replacing corrupt committed checkpoint at step %d: %s", step, e)
             self._uncommit(step)
             return False
-        if existing.generation < self.generation() and self.last_committed != step:
+        if existing.generation < self.generation() and self.record.last_committed != step:
             logger.warning(
                 "replacing step %d written by older generation %d (not in this run's history)",
                 step,

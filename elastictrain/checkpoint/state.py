@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from elastictrain.checkpoint import staging as snapshot
+from elastictrain.checkpoint import staging
 from elastictrain.errors import CheckpointMismatchError, ConfigError, UnsafeCheckpointError
 
 logger = logging.getLogger(__name__)
@@ -164,27 +164,27 @@ def rank_states(encoded: list[torch.Tensor]) -> list[Any]:
 
 def to_bytes(state: dict[str, Any]) -> bytes:
     """``state`` as one flat file (a throwaway staging buffer; the runner reuses its own)."""
-    return bytes(snapshot.Staging().snapshot(state).data)
+    return bytes(staging.Staging().snapshot(state).data)
 
 
 def from_bytes(data: bytes | bytearray, map_location: Any = "cpu") -> dict[str, Any]:
     """Load a flat file (tensors are views into ``data`` on CPU) or a ``torch.save`` file."""
     with _refuse_unsafe():
-        if snapshot.is_flat(data):
-            return snapshot.load(data, map_location)
+        if staging.is_flat(data):
+            return staging.load(data, map_location)
         return torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
 
 
 def from_bytes_file(f: Any, map_location: Any = "cpu") -> dict[str, Any]:
     """Load from a seekable file object; ``map_location="meta"`` reads no tensor data."""
     with _refuse_unsafe():
-        f.seek(-len(snapshot.MAGIC), io.SEEK_END)
-        flat = f.read() == snapshot.MAGIC
+        f.seek(-len(staging.MAGIC), io.SEEK_END)
+        flat = f.read() == staging.MAGIC
         f.seek(0)
         if flat and map_location == "meta":
-            return snapshot.load_meta(f)
+            return staging.load_meta(f)
         if flat:
-            return snapshot.load(bytearray(f.read()), map_location)
+            return staging.load(bytearray(f.read()), map_location)
         return torch.load(f, map_location=map_location, weights_only=True)
 
 

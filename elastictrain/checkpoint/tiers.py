@@ -13,10 +13,15 @@ checkpoint (``CORRUPT CHECKPOINT``, ``checkpoint_corrupt``) and the next one is 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
 
 import storage
 from elastictrain import dist as edist
+from elastictrain.checkpoint import shard_reader
 from elastictrain.checkpoint import state as tstate
 from elastictrain.checkpoint.local_tier import LocalTier
 
@@ -58,36 +63,52 @@ def candidates(offers: list[dict]) -> list[Candidate]:
     return sorted(found, key=Candidate.rank_key, reverse=True)
 
 
-def fetch_best(ckpt, local: LocalTier | None) -> Found | None:
+Corrupt = Callable[[int, "Exception | str", str], None]
+"""Rank 0 reports a copy that did not verify: (step, error, tier)."""
+
+
+def _logged(on_corrupt: Corrupt) -> Callable[[int, Exception | str], None]:
+    def report(step: int, error: Exception | str) -> None:
+        logger.error("CORRUPT CHECKPOINT skipped, falling back to an older one: %s", error)
+        on_corrupt(step, error, DURABLE)
+
+    return report
+
+
+def fetch_best(
+    durable: storage.CheckpointStore | None,
+    local: LocalTier | None,
+    *,
+    group: dist.ProcessGroup | None,
+    rank: int,
+    read_all: bool,
+    on_corrupt: Corrupt,
+) -> Found | None:
     """The chosen checkpoint's state bytes on every rank, or None when no tier holds one.
-    ``ckpt``: the :class:`Checkpointer` (its store, group, rank, read mode, corrupt reporting)."""
-    group, rank = ckpt.control, ckpt.rank
-    durable: list[storage.Manifest] = []
-    fence = 0
-    if ckpt.is_writer:
-        durable = ckpt.store.ranked_manifests(on_corrupt=ckpt._corrupt)
-        fence = ckpt.store.read_fence()
+    ``durable``: the store on rank 0 (and on every rank with ``read_all``), else None."""
+    fence, listed = 0, []
+    if rank == 0:
+        listed = durable.ranked_manifests(on_corrupt=_logged(on_corrupt))
+        fence = durable.read_fence()
     mine = {
         "fence": fence,
-        "durable": [(m.generation, m.step, m.metadata.get("world_size")) for m in durable],
+        "durable": [(m.generation, m.step, m.metadata.get("world_size")) for m in listed],
         "local": local.offers() if local is not None else [],
     }
-    offers = edist.all_gather_object(mine, group)
-    ranked = candidates(offers)
+    ranked = candidates(edist.all_gather_object(mine, group))
     newest_durable = max((c.step for c in ranked if c.tier == DURABLE), default=None)
     for c in ranked:
-        data, why = _read_on_holder(ckpt, local, c)
-        ok = edist.broadcast_int(int(data is not None), group, src=c.rank)
-        if not ok:
+        data, why = _read_on_holder(durable, local, c) if rank == c.rank else (None, "")
+        if not edist.broadcast_int(int(data is not None), group, src=c.rank):
             if rank == c.rank:
                 logger.error("CORRUPT CHECKPOINT (%s tier) skipped: %s", c.tier, why)
-            if ckpt.is_writer:
-                ckpt.report_corrupt(c.step, why or f"rank {c.rank}'s copy did not verify", c.tier)
+            if rank == 0:
+                on_corrupt(c.step, why or f"rank {c.rank}'s copy did not verify", c.tier)
             continue
         where = f"step {c.step} ({c.tier} tier, read by rank {c.rank})"
-        if c.tier == DURABLE and ckpt.read_mode == "all":
-            if not ckpt.is_writer:
-                read = ckpt.store.read(c.step)
+        if c.tier == DURABLE and read_all:
+            if rank != 0:
+                read = durable.read(c.step)
                 data = read.files[tstate.state_file_of(read.manifest.metadata)]
         else:
             data = edist.broadcast_bytes(data if rank == c.rank else None, group, src=c.rank)
@@ -95,13 +116,63 @@ def fetch_best(ckpt, local: LocalTier | None) -> Found | None:
     return None
 
 
-def _read_on_holder(ckpt, local, c: Candidate) -> tuple[bytes | memoryview | None, str]:
+def _read_on_holder(
+    durable: storage.CheckpointStore | None, local: LocalTier | None, c: Candidate
+) -> tuple[bytes | memoryview | None, str]:
     """On the rank that holds candidate ``c``: its verified bytes, else (None, why)."""
-    if ckpt.rank != c.rank:
-        return None, ""
-    store = local.store if c.tier == LOCAL else ckpt.store
+    store = local.store if c.tier == LOCAL else durable
     try:
         read = store.read(c.step)
     except storage.StorageError as e:
         return None, str(e)
     return read.files[tstate.state_file_of(read.manifest.metadata)], ""
+
+
+def fetch_sharded(
+    state: tstate.TrainState,
+    store: storage.CheckpointStore,
+    *,
+    group: dist.ProcessGroup | None,
+    rank: int,
+    device: torch.device,
+    on_corrupt: Corrupt,
+) -> tuple[dict, storage.Manifest, int] | None:
+    """Sharded state, every rank together: the newest durable step whose files all exist at their
+    recorded sizes and whose every byte range some rank reads verifies, loaded into ``state``.
+    Rank 0 proposes, all read, all agree; a bad step (any rank) makes everyone fall back to the
+    next older one. (payload, manifest, bytes read), or None when there is none."""
+    corrupt = _logged(on_corrupt)
+    candidates = iter(store.ranked_manifests(on_corrupt=corrupt) if rank == 0 else [])
+    touched = False
+    while True:
+        step = -1
+        for manifest in candidates:
+            try:
+                store.check_sizes(manifest)
+                step = manifest.step
+                break
+            except storage.CheckpointCorruptError as e:
+                corrupt(manifest.step, e)
+        step = edist.broadcast_int(step, group)
+        if step < 0:
+            if touched:
+                raise storage.CheckpointCorruptError(
+                    f"No sharded checkpoint under {store.safe_url!r} verified, and the failed "
+                    "attempts overwrote part of this process's state; refusing to train from it. "
+                    "Move the checkpoints aside to start fresh."
+                )
+            return None
+        manifest = store.read_manifest(step)
+        error = None
+        try:
+            payload, nbytes = shard_reader.load_into(state, store, manifest, device)
+        except storage.CheckpointCorruptError as e:
+            error = e
+        touched = True
+        if edist.max_int(int(error is not None), group) == 0:
+            tstate.restore(state, payload, model_and_optimizer=False)
+            return payload, manifest, nbytes
+        if error is not None:
+            logger.error("CORRUPT CHECKPOINT: rank %d read a bad shard: %s", rank, error)
+        if rank == 0:
+            corrupt(step, error or f"another rank read a bad shard of step {step}")

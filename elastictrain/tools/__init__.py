@@ -12,6 +12,6 @@ TOOLS = {
         "write the consolidated model: a Hugging Face folder, .safetensors or .pt",
     ),
     "report": ("elastictrain.observe.report", "draw a run's life from its event log"),
-    "bench": ("elastictrain.tools.bench", "measure checkpoint speed against the hardware"),
+    "bench": ("elastictrain.bench.commands", "measure checkpoints, recovery and overhead"),
     "chaos": ("elastictrain.tools.chaos", "inject cluster faults into a torchrun command"),
 }

@@ -255,7 +255,7 @@ def _kind(output: str) -> str:
 
 
 def _args(argv: list[str]) -> argparse.Namespace:
-    from elastictrain.tools._state import parse_size
+    from elastictrain.tools.sizes import parse_size
 
     p = argparse.ArgumentParser(
         prog="python -m elastictrain export",

@@ -133,7 +133,7 @@ def test_map_location_moves_checkpoints_between_cuda_and_cpu(tmp_path):
 
 def test_bench_on_gpu_memory_beside_dcp_async_save(tmp_path):
     out = run_single(
-        ["bench", "--device", "cuda", "--size", "1GB", "--repeats", "3", "--json",
+        ["bench", "persist", "--device", "cuda", "--size", "1GB", "--repeats", "3", "--json",
          "--checkpoint-dir", str(tmp_path)],
         REPO_ROOT,
         600,

@@ -40,7 +40,10 @@ def loop(url: str) -> None:
     )
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     ckpt = CheckpointManager(
-        url, every_steps=5, event_log=os.path.join(url, "..", "events.jsonl"), hang_timeout=120
+        url,
+        checkpoint_every_steps=5,
+        event_log=os.path.join(url, "..", "events.jsonl"),
+        hang_timeout=120,
     )
     start = ckpt.resume(model, optimizer)
     net = DDP(model)

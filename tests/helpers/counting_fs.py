@@ -13,7 +13,7 @@ import os
 
 import fsspec
 
-from elastictrain.tools.throttled_fs import ThrottledFileSystem
+from elastictrain.bench.throttled_fs import ThrottledFileSystem
 from elastictrain.toy import make_task as make_toy_task
 
 

@@ -63,7 +63,7 @@ def main() -> int:
     mode, url, ref, steps = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
     init_distributed()
     model, optimizer = build()
-    manager = CheckpointManager(url, every_steps=5, keep_last=10)
+    manager = CheckpointManager(url, checkpoint_every_steps=5, keep_last=10)
     start = manager.resume(model, optimizer)
     seen = {"world_size": dist.get_world_size(), "resumed": start}
     if mode == "resume":

@@ -34,7 +34,7 @@ from typing import Any
 
 import storage
 from elastictrain.observe.events import Event
-from storage.layout import MANIFEST_NAME, parse_step_dir, step_dir_name
+from storage.manifest import MANIFEST_NAME, parse_step_dir, step_dir_name
 from tests.helpers.launcher import Job
 from tests.helpers.restart_loop import count_events, wait_for_count
 

@@ -117,12 +117,19 @@ def test_verify_fails_on_a_corrupt_checkpoint(tmp_path):
     assert 10 in storage.open_store(url).committed_steps()
 
 
-TOOLS = [["ls"], ["verify"], ["inspect"], ["prune", "--keep-last", "1"], ["bench", "--size", "1MB"]]
+TOOLS = [
+    ["ls"],
+    ["verify"],
+    ["inspect"],
+    ["prune", "--keep-last", "1"],
+    ["bench", "persist", "--size", "1MB"],
+]
 
 
 def _tool_on(command: list[str], url: str, options: list[str], cwd: str):
-    where = ["--checkpoint-dir", url] if command[0] == "bench" else [url]
-    return cli(command[0], *where, *command[1:], *options, cwd=cwd)
+    if command[0] == "bench":  # bench SUBCOMMAND --checkpoint-dir URL ...
+        return cli(*command[:2], "--checkpoint-dir", url, *command[2:], *options, cwd=cwd)
+    return cli(command[0], url, *command[1:], *options, cwd=cwd)
 
 
 @pytest.mark.parametrize("command", TOOLS, ids=[c[0] for c in TOOLS])

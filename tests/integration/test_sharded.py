@@ -16,7 +16,7 @@ import torch
 from elastictrain.__main__ import main as cli_main
 from elastictrain.checkpoint import sharded
 from elastictrain.observe.events import Event, read_events
-from storage.layout import MANIFEST_NAME, parse_step_dir, step_dir_name
+from storage.manifest import MANIFEST_NAME, parse_step_dir, step_dir_name
 from tests.helpers.launcher import (
     assert_bitwise_equal,
     final_state,

@@ -17,7 +17,7 @@ from tests.helpers.launcher import REPO_ROOT, final_state, run_single
 @pytest.mark.slow
 def test_bench_overhead_gives_sane_figures(tmp_path):
     out = run_single(
-        ["bench", "--overhead", "--steps", "60", "--repeats", "1", "--json"], REPO_ROOT, 240
+        ["bench", "overhead", "--steps", "60", "--repeats", "1", "--json"], REPO_ROOT, 240
     )
     assert out.returncode == 0, out.stderr[-3000:]
     overhead = json.loads(out.stdout)
@@ -32,7 +32,7 @@ def test_bench_overhead_gives_sane_figures(tmp_path):
 
 def test_bench_loader_gives_sane_figures(tmp_path):
     out = run_single(
-        ["bench", "--loader", "--steps", "12", "--repeats", "1", "--json", "--load-ms", "30"],
+        ["bench", "loader", "--steps", "12", "--repeats", "1", "--json", "--load-ms", "30"],
         REPO_ROOT,
         240,
     )
@@ -47,7 +47,7 @@ def test_bench_loader_gives_sane_figures(tmp_path):
 
 @pytest.mark.slow
 def test_bench_recovery_gives_sane_figures(tmp_path):
-    out = run_single(["bench", "--recovery", "--size", "1MB", "--json"], REPO_ROOT, 240)
+    out = run_single(["bench", "recovery", "--size", "1MB", "--json"], REPO_ROOT, 240)
     assert out.returncode == 0, out.stderr[-3000:]
     recovery = json.loads(out.stdout)
     ours, bare = recovery["elastictrain"], recovery["bare_torchrun"]
@@ -66,7 +66,7 @@ def test_bench_recovery_against_a_slow_remote_gives_sane_figures():
     """Three jobs side by side, durable tier at 50 MB/s: with the local tier the restart reads no
     state from the durable tier and redoes fewer steps than with the durable tier alone."""
     out = run_single(
-        ["bench", "--recovery", "--remote-mbps", "50", "--size", "8MB", "--repeats", "1", "--json"],
+        ["bench", "tiers", "--remote-mbps", "50", "--size", "8MB", "--repeats", "1", "--json"],
         REPO_ROOT,
         300,
     )
@@ -85,7 +85,7 @@ def test_bench_recovery_against_a_slow_remote_gives_sane_figures():
 @pytest.mark.slow
 def test_bench_sharded_gives_sane_figures(tmp_path):
     out = run_single(
-        ["bench", "--sharded", "--size", "24MB", "--repeats", "1", "--json",
+        ["bench", "sharded", "--size", "24MB", "--repeats", "1", "--json",
          "--checkpoint-dir", str(tmp_path)],
         REPO_ROOT,
         240,

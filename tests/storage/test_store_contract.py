@@ -12,7 +12,7 @@ from storage import (
     CheckpointNotFoundError,
     open_store,
 )
-from storage.layout import MANIFEST_NAME, step_dir_name
+from storage.manifest import MANIFEST_NAME, step_dir_name
 
 
 @pytest.fixture
@@ -283,7 +283,7 @@ def test_a_late_stale_commit_never_outranks_the_current_generation(store):
     can still land a manifest; ordering by (generation, step) keeps it from becoming "latest"."""
     import hashlib
 
-    from storage.layout import FileEntry, Manifest, step_dir_name
+    from storage.manifest import FileEntry, Manifest, step_dir_name
 
     store.commit(100, {"state-g1.pt": b"a"}, {}, generation=1)
     store.advance_fence(2)

@@ -49,7 +49,7 @@ def test_manifest_file_names_cannot_escape(tmp_path, name):
     import json
 
     from storage import CheckpointCorruptError
-    from storage.layout import FORMAT_VERSION, Manifest
+    from storage.manifest import FORMAT_VERSION, Manifest
 
     doc = {
         "format_version": FORMAT_VERSION,

@@ -8,7 +8,9 @@ import sys
 
 import pytest
 
-from elastictrain.tools._state import parse_size, synthetic_state
+from elastictrain.bench.commands import _upgrade, build_parser
+from elastictrain.bench.state import synthetic_state
+from elastictrain.tools.sizes import parse_size
 from tests.helpers.launcher import REPO_ROOT, job_env
 
 KEYS = {
@@ -48,6 +50,7 @@ def test_bench_reports_every_figure_as_json(tmp_path):
             "-m",
             "elastictrain",
             "bench",
+            "persist",
             "--checkpoint-dir",
             str(tmp_path),
             "--size",
@@ -79,3 +82,30 @@ def test_bench_reports_every_figure_as_json(tmp_path):
     else:
         assert all(result[k] > 0 for k in dcp)
     assert list(tmp_path.iterdir()) == []  # its scratch folder is gone
+
+
+def test_each_bench_is_a_subcommand_with_its_own_defaults_and_old_flags_still_work(capsys):
+    parse = build_parser().parse_args
+    assert parse(["recovery"]).size == parse_size("64MB")
+    assert parse(["tiers"]).size == parse_size("256MB") and parse(["tiers"]).remote_mbps == 50
+    assert parse(["persist", "--size=2GB"]).size == parse_size("2GB")  # = form: no argv sniffing
+    assert parse(["overhead"]).steps == 2000 and parse(["loader"]).steps == 60
+    with pytest.raises(SystemExit):
+        parse(["overhead", "--size", "1GB"])  # a bench's options are its own
+    assert _upgrade(["--recovery", "--remote-mbps", "50"]) == ["tiers", "--remote-mbps", "50"]
+    assert _upgrade(["--sharded", "--size", "1GB"]) == ["sharded", "--size", "1GB"]
+    assert _upgrade(["--size", "1GB"]) == ["persist", "--size", "1GB"]
+    assert "deprecated: use 'bench persist --size 1GB'" in capsys.readouterr().err
+    assert _upgrade(["loader", "--steps", "5"]) == ["loader", "--steps", "5"]
+
+
+def test_every_bench_child_gets_this_checkout_on_its_path_and_one_thread():
+    import os
+
+    from elastictrain.bench.child import REPO_ROOT as BENCH_ROOT
+    from elastictrain.bench.child import child_env, torchrun
+
+    env = child_env()
+    assert env["PYTHONPATH"].split(os.pathsep)[0] == str(REPO_ROOT) == BENCH_ROOT
+    assert env["OMP_NUM_THREADS"] == "1"
+    assert torchrun("-m", "x", nproc=3)[-3:] == ["--nproc_per_node=3", "-m", "x"]

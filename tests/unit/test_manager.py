@@ -40,7 +40,7 @@ def train(model, opt, sched, step: int) -> float:
 
 def run(url: str, steps: int, **kw) -> tuple[nn.Module, CheckpointManager]:
     model, opt, sched = build()
-    with CheckpointManager(url, every_steps=4, keep_last=2, **kw) as ckpt:
+    with CheckpointManager(url, checkpoint_every_steps=4, keep_last=2, **kw) as ckpt:
         start = ckpt.resume(model, opt, sched)
         for step in range(start, steps):
             loss = train(model, opt, sched, step)
@@ -51,10 +51,12 @@ def run(url: str, steps: int, **kw) -> tuple[nn.Module, CheckpointManager]:
 
 @pytest.mark.parametrize("async_save", [True, False])
 def test_custom_loop_stopped_and_resumed_equals_one_straight_run(tmp_path, async_save):
-    straight, _ = run(str(tmp_path / "straight"), 20, async_save=async_save)
+    straight, _ = run(str(tmp_path / "straight"), 20, async_checkpoint=async_save)
     url = str(tmp_path / "split")
     model, opt, sched = build()
-    with CheckpointManager(url, every_steps=4, keep_last=2, async_save=async_save) as ckpt:
+    with CheckpointManager(
+        url, checkpoint_every_steps=4, keep_last=2, async_checkpoint=async_save
+    ) as ckpt:
         assert ckpt.resume(model, opt, sched) == 0 and ckpt.extra is None
         for step in range(10):  # then "crash": steps 9 and 10 are lost, 8 is the newest checkpoint
             train(model, opt, sched, step)
@@ -78,7 +80,7 @@ def test_crashes_resume_from_the_newest_local_copy_past_a_corrupt_one_and_end_eq
     falls back, reported, to the next good one (the same step locally beats the durable copy);
     the run ends equal to a straight one and a finished run removes its local copies."""
     import storage
-    from storage.layout import step_dir_name
+    from storage.manifest import step_dir_name
 
     straight, _ = run(str(tmp_path / "straight"), 20)
     url, local, ev = str(tmp_path / "durable"), tmp_path / "local", str(tmp_path / "ev.jsonl")
@@ -86,7 +88,7 @@ def test_crashes_resume_from_the_newest_local_copy_past_a_corrupt_one_and_end_eq
     model, opt, sched = build()
 
     def attempt(steps: int, final: bool = False) -> int:
-        with CheckpointManager(url, every_steps=4, keep_last=2, **kw) as ckpt:
+        with CheckpointManager(url, checkpoint_every_steps=4, keep_last=2, **kw) as ckpt:
             start = ckpt.resume(model, opt, sched)
             for step in range(start, steps):
                 train(model, opt, sched, step)
@@ -142,7 +144,7 @@ def test_misuse_gets_errors_that_name_the_fix(tmp_path):
     with pytest.raises(ConfigError, match=r"call resume\(model, optimizer\) once"):
         ckpt.save(1, model, opt)
     with pytest.raises(ConfigError, match=r"every_steps must be a positive whole number .*got -1"):
-        CheckpointManager(str(tmp_path / "c"), every_steps=-1)
+        CheckpointManager(str(tmp_path / "c"), checkpoint_every_steps=-1)
     with pytest.raises(ConfigError, match="keep_last must be > 0, got 0"):
         CheckpointManager(str(tmp_path / "c"), keep_last=0)
     with pytest.raises(ConfigError, match="on_storage_failure must be 'warn' or 'fail'"):
@@ -156,7 +158,9 @@ def test_sigterm_commits_the_current_step_then_stops_with_75(tmp_path):
     url = str(tmp_path / "p")
     before = signal.getsignal(signal.SIGTERM)
     model, opt, sched = build()
-    ckpt = CheckpointManager(url, every_steps=100, async_save=True, event_log=str(tmp_path / "e"))
+    ckpt = CheckpointManager(
+        url, checkpoint_every_steps=100, async_checkpoint=True, event_log=str(tmp_path / "e")
+    )
     assert signal.getsignal(signal.SIGTERM) != before  # ours: a flag, not the default death
     ckpt.resume(model, opt, sched)
     with pytest.raises(Preempted) as stopped, ckpt:
@@ -180,7 +184,9 @@ def test_sigterm_commits_the_current_step_then_stops_with_75(tmp_path):
 
 def test_time_schedule_saves_on_rank0s_clock(tmp_path):
     model, opt, sched = build()
-    ckpt = CheckpointManager(str(tmp_path / "c"), every_seconds=3600, async_save=False)
+    ckpt = CheckpointManager(
+        str(tmp_path / "c"), checkpoint_every_seconds=3600, async_checkpoint=False
+    )
     ckpt.resume(model, opt, sched)
     assert not ckpt.step(1, model, opt, sched)  # an hour has not passed
     ckpt._session.schedule._last -= 7200  # now it has
@@ -194,7 +200,7 @@ import sys, time, torch
 from elastictrain import CheckpointManager
 model = torch.nn.Linear(2, 1)
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
-ckpt = CheckpointManager(sys.argv[1], every_steps=2, hang_timeout=1.0, preempt_signals=())
+ckpt = CheckpointManager(sys.argv[1], checkpoint_every_steps=2, hang_timeout=1.0, preempt_signals=())
 ckpt.resume(model, opt)
 for step in range(3):
     ckpt.step(step + 1, model, opt)
@@ -239,7 +245,7 @@ def test_close_ends_every_thread_the_manager_started(tmp_path):
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5)
     with CheckpointManager(
         str(tmp_path / "c"),
-        every_steps=2,
+        checkpoint_every_steps=2,
         event_log=str(tmp_path / "ev.jsonl"),
         hang_timeout=60,
         local_checkpoint_dir=str(tmp_path / "local"),

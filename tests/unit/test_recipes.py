@@ -10,7 +10,7 @@ import subprocess
 import pytest
 import yaml
 
-from elastictrain.config import parse_args
+from elastictrain.flags import parse_args
 from tests.helpers.launcher import REPO_ROOT
 
 SHELL_RECIPES = ["examples/slurm/train.sbatch", "examples/multinode.sh", "examples/two_nodes.sh"]
@@ -72,11 +72,11 @@ def test_kubernetes_manifest_is_valid():
         " ".join(["torchrun", *args]).replace("-m elastictrain", "-m elastictrain")
     )
     cfg = parse_args(args[args.index("elastictrain") + 1 :])
-    assert cfg.checkpoint_dir.startswith("s3://")  # pods come and go: never a pod's disk
+    assert cfg.checkpoint.checkpoint_dir.startswith("s3://")  # pods come and go: never a pod's disk
 
 
 _FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9_-]*")
-README_SNIPPETS = {  # the README's multi-node section: the first line of each code block names it
+MULTINODE_SNIPPETS = {  # docs/multinode.md's code blocks: the first line of each names it
     "examples/multinode.sh": "# Plain hosts (examples/multinode.sh)",
     "examples/slurm/train.sbatch": "# SLURM (examples/slurm/train.sbatch)",
     "examples/kubernetes/pytorchjob.yaml": "# Kubernetes (examples/kubernetes/pytorchjob.yaml)",
@@ -89,16 +89,16 @@ def _code_flags(text: str) -> set[str]:
     return set(_FLAG.findall("\n".join(code)))
 
 
-def _readme_block(first_line: str) -> str:
-    with open(os.path.join(REPO_ROOT, "README.md")) as f:
-        readme = f.read()
-    start = readme.index(first_line)
-    return readme[start : readme.index("```", start)]
+def _doc_block(first_line: str) -> str:
+    with open(os.path.join(REPO_ROOT, "docs", "multinode.md")) as f:
+        doc = f.read()
+    start = doc.index(first_line)
+    return doc[start : doc.index("```", start)]
 
 
-@pytest.mark.parametrize("recipe", list(README_SNIPPETS))
-def test_readme_multinode_snippets_use_the_recipes_flags(recipe):
-    """The README's multi-node snippets are the recipes, line for line in their flags: a flag
+@pytest.mark.parametrize("recipe", list(MULTINODE_SNIPPETS))
+def test_multinode_doc_snippets_use_the_recipes_flags(recipe):
+    """docs/multinode.md's snippets are the recipes, line for line in their flags: a flag
     added to or dropped from either side fails here."""
     with open(os.path.join(REPO_ROOT, recipe)) as f:
         text = f.read()
@@ -107,8 +107,8 @@ def test_readme_multinode_snippets_use_the_recipes_flags(recipe):
             "spec"
         ]["containers"]
         text = " ".join(["torchrun", *container["args"]])
-    snippet = _code_flags(_readme_block(README_SNIPPETS[recipe]))
+    snippet = _code_flags(_doc_block(MULTINODE_SNIPPETS[recipe]))
     assert snippet == _code_flags(text), (
-        f"README only: {sorted(snippet - _code_flags(text))}; "
+        f"docs/multinode.md only: {sorted(snippet - _code_flags(text))}; "
         f"{recipe} only: {sorted(_code_flags(text) - snippet)}"
     )

@@ -49,7 +49,14 @@ def test_no_new_checkpoint_is_written_after_one_failed_for_good(tmp_path):
     the run on the failure) instead of writing into storage that just refused a checkpoint."""
     import torch
 
-    from elastictrain.checkpoint.persist import FAILED, Persister
+    from elastictrain.checkpoint.layouts import FlatLayout
+    from elastictrain.checkpoint.persist import (
+        Persister,
+        SaveOutcome,
+        SaveRecord,
+        StopTheRun,
+    )
+    from elastictrain.config import CheckpointConfig
     from elastictrain.observe.events import EventLog
 
     class DownStore:
@@ -62,21 +69,25 @@ def test_no_new_checkpoint_is_written_after_one_failed_for_good(tmp_path):
 
             return down
 
+    events = EventLog(None, enabled=False)
+    config = CheckpointConfig(on_storage_failure="fail")
+    record = SaveRecord()
     writer = Persister(
         store=DownStore(),
+        layout=FlatLayout(),
+        record=record,
+        policy=StopTheRun(config, events),
+        config=config,
         world_size=1,
         generation=lambda: 1,
-        events=EventLog(None, enabled=False),
-        keep_last=3,
-        keep_every=None,
-        on_failure="fail",
+        events=events,
         attached=lambda: True,
     )
     state = {"w": torch.ones(4)}
     writer.save(40, 0, "steps", lambda: state, background=True)
     writer.wait()
-    assert writer.failure is not None and writer.failure.step == 40
+    assert record.failure is not None and record.failure.step == 40
     calls = DownStore.writes
-    assert writer.save(60, 0, "steps", lambda: state, background=True)[0] == FAILED
+    assert writer.save(60, 0, "steps", lambda: state, background=True)[0] is SaveOutcome.FAILED
     writer.wait()
-    assert DownStore.writes == calls and writer.failure.step == 40
+    assert DownStore.writes == calls and record.failure.step == 40

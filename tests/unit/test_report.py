@@ -1,18 +1,11 @@
-"""The run report's timeline and causes, its CLI errors, and rank 0's live progress line."""
+"""elastictrain.observe.report and timeline: a run's life drawn from its events."""
 
 from __future__ import annotations
 
-import io
 import json
-import logging
-
-import torch
 
 from elastictrain.observe import report, timeline
-from elastictrain.observe.events import Cause, Event, EventLog
-from elastictrain.observe.logs import setup_logging
-from elastictrain.observe.progress import Progress
-from elastictrain.observe.terminal import STATUS, live_terminal
+from elastictrain.observe.events import Cause, Event
 from elastictrain.observe.timeline import Outcome
 
 
@@ -33,6 +26,12 @@ def attempt(t: float, world: int, restart: int, resumed: int) -> list[dict]:
         ev(Event.RESUME, t + 1, step=resumed, fresh=resumed == 0, world_size=world),
         ev(Event.FIRST_STEP, t + 2, step=resumed + 1),
     ]
+
+
+def write_log(tmp_path, events, name: str = "events.jsonl") -> str:
+    path = tmp_path / name
+    path.write_text("".join(json.dumps(e) + "\n" for e in events))
+    return str(path)
 
 
 def test_timeline_names_each_restart_cause():
@@ -120,12 +119,6 @@ def test_timeline_counts_fp16_overflow_skips_and_keeps_the_eval_curve(tmp_path):
     assert "Task.evaluate" in (tmp_path / "r.svg").read_text()  # the eval panel is drawn
 
 
-def write_log(tmp_path, events, name: str = "events.jsonl") -> str:
-    path = tmp_path / name
-    path.write_text("".join(json.dumps(e) + "\n" for e in events))
-    return str(path)
-
-
 def test_report_cli_errors_name_the_fix(tmp_path, capsys, monkeypatch):
     path = write_log(tmp_path, [*attempt(0, 2, 0, 0), ev(Event.END, 5, step=100)])
     assert report.main([path, "-o", str(tmp_path / "r.jpg")]) == 2
@@ -149,77 +142,3 @@ def test_report_renders_svg_from_a_synthetic_log(tmp_path):
     )
     assert report.main([path, "-o", str(tmp_path / "r.svg")]) == 0
     assert (tmp_path / "r.svg").read_text().lstrip().startswith("<?xml")
-
-
-class FakeTTY(io.StringIO):
-    def isatty(self) -> bool:
-        return True
-
-
-def test_live_terminal_only_on_a_tty(monkeypatch):
-    monkeypatch.setenv("TERM", "xterm")
-    assert live_terminal("auto", FakeTTY()) and not live_terminal("auto", io.StringIO())
-    assert live_terminal("live", io.StringIO()) and not live_terminal("plain", FakeTTY())
-    monkeypatch.setenv("TERM", "dumb")
-    assert not live_terminal("auto", FakeTTY())
-
-
-def test_live_status_line_redraws_in_place_and_logs_print_above_it(tmp_path, monkeypatch):
-    monkeypatch.setenv("COLUMNS", "200")  # the line is cut to the terminal's width
-    now = [0.0]
-    tty = FakeTTY()
-    progress = Progress(
-        world_size=2,
-        start_step=0,
-        max_steps=100,
-        every_s=10,
-        events=EventLog(str(tmp_path / "e.jsonl"), enabled=True),
-        enabled=True,
-        restarts=1,
-        live=True,
-        stream=tty,
-        clock=lambda: now[0],
-    )
-    setup_logging(0)
-    try:
-        progress.last_checkpoint = 40
-        now[0] = 0.1
-        progress.tick(5, torch.tensor(0.5))  # too soon after the last draw: nothing
-        assert tty.getvalue() == ""
-        now[0] = 1.0
-        progress.tick(50, torch.tensor(0.25))
-        line = tty.getvalue()
-        assert line.startswith("\r\x1b[K") and "step 50/100" in line and "50.0%" in line
-        assert "loss 0.25000" in line and "50.0 steps/s" in line and "ETA 0:00:01" in line
-        assert "ckpt 40" in line and "world 2" in line and "restarts 1" in line
-        # A log record is printed on its own line, then the status is drawn again below it.
-        handler = logging.getLogger().handlers[-1]
-        handler.stream = tty
-        logging.getLogger("elastictrain.test").warning("storage is slow")
-        tail = tty.getvalue()[len(line) :]
-        assert tail.startswith("\r\x1b[K") and "storage is slow\n" in tail
-        assert tail.endswith(line[len("\r\x1b[K") :])
-        # On a terminal the periodic plain progress line is not printed (the status says it all).
-        before = tty.getvalue()
-        progress.report(60, torch.tensor(0.2))
-        assert "progress 60/100" not in tty.getvalue()[len(before) :]
-        progress.last_checkpoint = 100  # the final checkpoint landed after the last draw
-    finally:
-        progress.close()
-        setup_logging(0)
-    assert tty.getvalue().endswith("ckpt 100 | world 2 | restarts 1\n") and STATUS.stream is None
-
-
-def test_other_ranks_log_only_warnings(monkeypatch):
-    monkeypatch.delenv("ELASTICTRAIN_LOG_LEVEL", raising=False)
-    try:
-        setup_logging(1)
-        assert logging.getLogger().level == logging.WARNING
-        setup_logging(0)
-        assert logging.getLogger().level == logging.INFO
-        monkeypatch.setenv("ELASTICTRAIN_LOG_LEVEL", "DEBUG")
-        setup_logging(3)
-        assert logging.getLogger().level == logging.DEBUG
-    finally:
-        monkeypatch.delenv("ELASTICTRAIN_LOG_LEVEL")
-        setup_logging(0)

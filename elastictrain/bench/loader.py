@@ -1,4 +1,4 @@
-"""``python -m elastictrain bench --loader``: does loading overlap compute with ``--num-workers``?
+"""``python -m elastictrain bench loader``: does loading overlap compute with ``--num-workers``?
 
 A task whose ``dataset[i]`` sleeps (simulated I/O or decoding: ``--load-ms`` per micro-batch) and
 whose ``loss_fn`` sleeps (simulated compute: ``--compute-ms`` per step) is trained by the real
@@ -22,9 +22,9 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
+from elastictrain.bench.child import child_env
 from elastictrain.observe.events import Event, read_events
 from elastictrain.task import Task, option
-from elastictrain.tools._io import child_env
 
 BATCH = 16
 
@@ -66,7 +66,7 @@ def step_s(workers: int, load_s: float, compute_s: float, steps: int, workdir: s
     ev = os.path.join(workdir, f"ev-{workers}-{time.monotonic_ns()}.jsonl")
     env = child_env()
     subprocess.run(
-        [sys.executable, "-m", "elastictrain", "--task", "elastictrain.tools.loader_bench:make_task",
+        [sys.executable, "-m", "elastictrain", "--task", "elastictrain.bench.loader:make_task",
          "--task-option", f"load_s={load_s}", "--task-option", f"compute_s={compute_s}",
          "--num-workers", str(workers), "--max-steps", str(steps), "--event-log", ev,
          "--checkpoint-dir", os.path.join(workdir, f"c-{workers}-{time.monotonic_ns()}"),

@@ -1,4 +1,4 @@
-"""``python -m elastictrain bench --recovery``: where the time goes from a kill to training again.
+"""``python -m elastictrain bench recovery``: where the time goes from a kill to training again.
 
 Launches a real 2-worker ``torchrun --standalone`` job of the toy task (its state sized by
 ``--size``), waits for a checkpoint, SIGKILLs worker 1, and splits kill -> first step after resume:
@@ -23,14 +23,12 @@ import json
 import os
 import re
 import signal
-import subprocess
-import sys
 import tempfile
 import time
 from typing import Any
 
+from elastictrain.bench.child import Torchrun, child_env, drop_cache, events_in, wait_for
 from elastictrain.observe.events import Event
-from elastictrain.tools._io import drop_cache
 
 _FAILED_LINE = re.compile(r"^[EW]\d{4} (\d\d:\d\d:\d\d\.\d+) .*failed \(exitcode", re.M)
 _NOOP = """import os, time
@@ -43,58 +41,6 @@ while True:
 """
 
 
-def _env() -> dict[str, str]:
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    return {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
-    }
-
-
-class _Torchrun:
-    """One torchrun agent; only it and its descendants are ever signalled."""
-
-    def __init__(self, args: list[str], log: str, env: dict[str, str]) -> None:
-        self.log_path = log
-        with open(log, "wb") as out:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                 "--nproc_per_node=2", "--max-restarts=3", *args],
-                stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-            )  # fmt: skip
-
-    def workers(self) -> dict[int, int]:
-        out, todo = {}, [self.proc.pid]
-        children: dict[int, list[int]] = {}
-        for entry in filter(str.isdigit, os.listdir("/proc")):
-            with contextlib.suppress(OSError):
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-                children.setdefault(ppid, []).append(int(entry))
-        while todo:
-            for child in children.get(todo.pop(), []):
-                todo.append(child)
-                with contextlib.suppress(OSError):
-                    with open(f"/proc/{child}/environ", "rb") as f:
-                        env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
-                    if b"RANK" in env and b"TORCHELASTIC_RUN_ID" in env:
-                        out[int(env[b"RANK"])] = child
-        return out
-
-    def log(self) -> str:
-        with open(self.log_path, errors="replace") as f:
-            return f.read()
-
-    def stop(self) -> None:
-        for pid in [*self.workers().values(), self.proc.pid]:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait()
-
-
 def _failure_logged(log: str, after: float) -> float | None:
     today = datetime.date.today()
     for m in _FAILED_LINE.finditer(log):
@@ -104,25 +50,7 @@ def _failure_logged(log: str, after: float) -> float | None:
     return None
 
 
-def _wait(predicate, timeout: float, what: str, job: _Torchrun):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        if job.proc.poll() is not None:
-            raise RuntimeError(f"torchrun exited waiting for {what}:\n{job.log()[-3000:]}")
-        time.sleep(0.01)
-    raise RuntimeError(f"{what} not seen within {timeout}s:\n{job.log()[-3000:]}")
-
-
-def _events(path: str) -> list[dict[str, Any]]:
-    from elastictrain.observe.events import read_events
-
-    return read_events(path) if os.path.exists(path) else []
-
-
-def _new_worker(job: _Torchrun, old: set[int]) -> int | None:
+def _new_worker(job: Torchrun, old: set[int]) -> int | None:
     pid = job.workers().get(1)
     return pid if pid is not None and pid not in old else None
 
@@ -134,10 +62,10 @@ def measure_elastictrain(workdir: str, size: int) -> dict[str, Any]:
             "--max-steps", "1000000", "--checkpoint-every-steps", "20",
             "--task-option", "hidden=1024", "--task-option", f"layers={layers}",
             "--task-option", "batch_size=32"]  # fmt: skip
-    job = _Torchrun(args, os.path.join(workdir, "job.log"), _env())
+    job = Torchrun(args, os.path.join(workdir, "job.log"), child_env())
     try:
-        _wait(
-            lambda: any(e["event"] == Event.CHECKPOINT for e in _events(ev)),
+        wait_for(
+            lambda: any(e["event"] == Event.CHECKPOINT for e in events_in(ev)),
             180,
             "a checkpoint",
             job,
@@ -145,13 +73,13 @@ def measure_elastictrain(workdir: str, size: int) -> dict[str, Any]:
         old = set(job.workers().values())
         t_kill = time.time()
         os.kill(job.workers()[1], signal.SIGKILL)
-        _wait(lambda: _new_worker(job, old), 120, "a new worker", job)
+        wait_for(lambda: _new_worker(job, old), 120, "a new worker", job)
         spawned = time.time()  # /proc's start time is only as exact as the boot time (1 s)
-        first = _wait(
-            lambda: [e for e in _events(ev) if e["event"] == Event.FIRST_STEP and e["time"] > t_kill],
+        first = wait_for(
+            lambda: [e for e in events_in(ev) if e["event"] == Event.FIRST_STEP and e["time"] > t_kill],
             180, "the first step after resume", job,
         )[0]  # fmt: skip
-        after = [e for e in _events(ev) if e["time"] > t_kill]
+        after = [e for e in events_in(ev) if e["time"] > t_kill]
         start = next(e for e in after if e["event"] == Event.START)
         resume = next(e for e in after if e["event"] == Event.RESUME)
         detected = _failure_logged(job.log(), t_kill) or spawned
@@ -191,7 +119,7 @@ def measure_bare(workdir: str) -> dict[str, float]:
     script, ready = os.path.join(workdir, "noop.py"), os.path.join(workdir, "ready.txt")
     with open(script, "w") as f:
         f.write(_NOOP)
-    job = _Torchrun([script], os.path.join(workdir, "noop.log"), {**_env(), "ET_READY": ready})
+    job = Torchrun([script], os.path.join(workdir, "noop.log"), {**child_env(), "ET_READY": ready})
 
     def ready_lines() -> list[list[str]]:
         with contextlib.suppress(FileNotFoundError), open(ready) as f:
@@ -199,13 +127,13 @@ def measure_bare(workdir: str) -> dict[str, float]:
         return []
 
     try:
-        _wait(lambda: len(ready_lines()) >= 2, 120, "the no-op workers", job)
+        wait_for(lambda: len(ready_lines()) >= 2, 120, "the no-op workers", job)
         old = set(job.workers().values())
         t_kill = time.time()
         os.kill(job.workers()[1], signal.SIGKILL)
-        _wait(lambda: _new_worker(job, old), 120, "a new no-op worker", job)
+        wait_for(lambda: _new_worker(job, old), 120, "a new no-op worker", job)
         spawned = time.time()
-        lines = _wait(
+        lines = wait_for(
             lambda: [ln for ln in ready_lines() if ln[0] != "0" and float(ln[1]) > t_kill],
             120, "the restarted no-op workers", job,
         )  # fmt: skip

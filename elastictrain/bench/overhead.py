@@ -1,4 +1,4 @@
-"""``python -m elastictrain bench --overhead``: the runner's per-step cost, with no checkpoint due.
+"""``python -m elastictrain bench overhead``: the runner's per-step cost, with no checkpoint due.
 
 Runs the same 2-worker toy task under ``torchrun --standalone`` three ways, in turn, ``--repeats``
 times each: a plain DDP loop that calls the very same ``Trainer.step`` and nothing else (no
@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from elastictrain.bench.child import child_env, torchrun
 from elastictrain.observe.events import Event
-from elastictrain.tools._io import child_env
 
 TASK_OPTIONS = {"hidden": "512", "layers": "4", "batch_size": "64", "step_time": "0"}
 
@@ -68,12 +68,11 @@ def plain_loop(steps: int, out: str) -> None:
 
 def _torchrun(args: list[str], workdir: str) -> None:
     env = child_env()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     path = os.path.join(workdir, "torchrun.log")
     with open(path, "ab") as log:
         start = log.tell()
         done = subprocess.run(
-            [*cmd, *args], env=env, stdout=log, stderr=subprocess.STDOUT, timeout=600
+            torchrun(*args), env=env, stdout=log, stderr=subprocess.STDOUT, timeout=600
         )
     if done.returncode != 0:  # the log dies with the temp dir: show why before raising
         with open(path, "rb") as f:
@@ -102,9 +101,7 @@ def run(steps: int, repeats: int) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as workdir:
         for i in range(repeats):
             out = os.path.join(workdir, f"plain{i}.json")
-            _torchrun(
-                ["-m", "elastictrain.tools.overhead_bench", "--plain", str(steps), out], workdir
-            )
+            _torchrun(["-m", "elastictrain.bench.overhead", "--plain", str(steps), out], workdir)
             with open(out) as f:
                 plain.append(json.load(f)["step_s"])
             ours.append(_elastictrain_step_s(steps, workdir, f"{i}", "--no-local-checkpoint"))

@@ -1,4 +1,4 @@
-"""The local tier's pure parts: its folder, its ``auto`` interval, and how resume ranks copies."""
+"""elastictrain.checkpoint.local_tier: the node-local tier's folder, schedule and sizing."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import os
 import torch
 
 from elastictrain.checkpoint.local_tier import LocalSchedule, default_dir, payload_bytes
-from elastictrain.checkpoint.tiers import DURABLE, LOCAL, candidates
 
 
 def test_one_folder_per_durable_location_without_its_credentials(tmp_path, monkeypatch):
@@ -57,18 +56,3 @@ def test_a_copy_costs_its_blocking_plus_the_slowdown_of_the_steps_it_overlaps(mo
 def test_payload_bytes_counts_tensors_only():
     tree = {"a": torch.zeros(10), "b": [torch.zeros(2, dtype=torch.int64), "x", 3]}
     assert payload_bytes(tree) == 40 + 16
-
-
-def test_resume_ranks_by_generation_then_step_and_prefers_a_local_copy():
-    offers = [
-        {"fence": 30, "durable": [(30, 40, 2), (20, 90, 2)], "local": [(30, 40, 2), (30, 35, 2)]},
-        {"fence": 0, "durable": [], "local": [(30, 45, 2), (31, 99, 2), (0, 50, 2)]},
-    ]
-    ranked = [(c.generation, c.step, c.tier, c.rank) for c in candidates(offers)]
-    assert ranked == [
-        (30, 45, LOCAL, 1),  # a peer's newer copy; (31, 99) was never fenced: not offered
-        (30, 40, LOCAL, 0),  # the same step locally before durably
-        (30, 40, DURABLE, 0),
-        (30, 35, LOCAL, 0),
-        (20, 90, DURABLE, 0),  # an older generation, whatever its step
-    ]

@@ -1,4 +1,4 @@
-"""``python -m elastictrain bench --sharded``: sharded (FSDP2) checkpoints against their floors and
+"""``python -m elastictrain bench sharded``: sharded (FSDP2) checkpoints against their floors and
 against DCP, side by side on the same sharded state.
 
 Two torchrun jobs on this machine (gloo, CPU): 2 ranks save, then 3 ranks resume the same
@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from elastictrain.tools._io import child_env
+from elastictrain.bench.child import child_env, torchrun
 
 WIDTH = 2048  # 16 MB weights: tensors the size of a small transformer's
 
@@ -61,19 +61,23 @@ def _local_bytes(state: Any) -> int:
 
 def _checkpointer(url: str) -> Any:
     from elastictrain.checkpoint.checkpointer import Checkpointer
+    from elastictrain.config import CheckpointConfig
     from elastictrain.observe.events import EventLog
 
+    config = CheckpointConfig(
+        checkpoint_dir=url,
+        storage_retry_deadline=60.0,
+        keep_last=1000,
+        local_checkpoint=False,
+    )
     return Checkpointer(
-        url=url,
-        storage_options={},
-        retry_deadline=60.0,
+        config,
         rank=dist.get_rank(),
         world_size=dist.get_world_size(),
+        local_rank=dist.get_rank(),
         generation=1,
-        control=dist.group.WORLD,
-        device=torch.device("cpu"),
+        group=dist.group.WORLD,
         events=EventLog(None, enabled=False),
-        keep_last=1000,
     )
 
 
@@ -195,8 +199,7 @@ def _gather(mine: dict[str, Any], out: str) -> None:
 
 
 def _torchrun(nproc: int, args: list[str]) -> None:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc_per_node={nproc}", "-m", "elastictrain.tools.sharded_bench", *args]  # fmt: skip
+    cmd = torchrun("-m", "elastictrain.bench.sharded", *args, nproc=nproc)
     done = subprocess.run(cmd, env=child_env(), capture_output=True, text=True, timeout=1800)
     if done.returncode != 0:
         raise RuntimeError(f"sharded bench worker failed:\n{done.stderr[-3000:]}")

@@ -11,7 +11,7 @@ from collections import OrderedDict
 import pytest
 import torch
 
-from elastictrain.checkpoint import staging as snapshot
+from elastictrain.checkpoint import staging
 from elastictrain.checkpoint.state import from_bytes, from_bytes_file
 from elastictrain.errors import UnsafeCheckpointError
 
@@ -55,33 +55,33 @@ def _assert_same(a, b):
 
 def test_roundtrip_is_exact_for_every_dtype_and_keeps_container_types():
     state = _state()
-    data = bytes(snapshot.Staging().snapshot(state).data)
-    assert snapshot.is_flat(data)
+    data = bytes(staging.Staging().snapshot(state).data)
+    assert staging.is_flat(data)
     _assert_same(from_bytes(data), state)
 
 
 def test_staging_buffer_is_reused_and_snapshots_are_consistent_copies():
-    staging = snapshot.Staging()
+    buffers = staging.Staging()
     state = _state()
-    first = staging.snapshot(state)
-    ptr, size = staging.buffer.data_ptr(), staging.nbytes
+    first = buffers.snapshot(state)
+    ptr, size = buffers.buffer.data_ptr(), buffers.nbytes
     saved, before = bytes(first.data), state["model"]["w"].clone()
     state["model"]["w"].add_(1)  # training goes on after the snapshot...
     assert from_bytes(saved)["model"]["w"].equal(before)  # ...the copy did not
-    second = staging.snapshot(state)
-    assert staging.buffer.data_ptr() == ptr and staging.nbytes == size  # no new allocation
+    second = buffers.snapshot(state)
+    assert buffers.buffer.data_ptr() == ptr and buffers.nbytes == size  # no new allocation
     assert from_bytes(bytes(second.data))["model"]["w"].equal(state["model"]["w"])
 
 
 def test_loaded_tensors_are_writable_views_that_training_may_update():
-    data = bytearray(snapshot.Staging().snapshot(_state()).data)
+    data = bytearray(staging.Staging().snapshot(_state()).data)
     loaded = from_bytes(data)
     loaded["model"]["w"].add_(1)  # e.g. an optimizer updating restored momentum in place
     assert from_bytes(bytes(data))["model"]["w"].equal(loaded["model"]["w"])
 
 
 def test_meta_load_reads_only_the_tail():
-    data = bytes(snapshot.Staging().snapshot(_state()).data)
+    data = bytes(staging.Staging().snapshot(_state()).data)
     meta = from_bytes_file(io.BytesIO(data), map_location="meta")
     assert meta["model"]["w"].device.type == "meta" and meta["model"]["w"].shape == (7, 3)
     assert meta["progress"] == {"step": 12}
@@ -95,13 +95,13 @@ class _Boom:
 # The forged pickle is protocol 4 on purpose; torch warns about the protocol before refusing it.
 @pytest.mark.filterwarnings("ignore:Detected pickle protocol 4:UserWarning")
 def test_a_malicious_skeleton_is_refused_and_never_executed(tmp_path):
-    data = bytearray(snapshot.Staging().snapshot({"progress": {"step": 1}}).data)
+    data = bytearray(staging.Staging().snapshot({"progress": {"step": 1}}).data)
     header_len, _ = struct.unpack_from("<Q8s", data, len(data) - 16)
     evil = pickle.dumps(_Boom())
     # Swap the skeleton for a raw pickle that would run code if unpickled without weights_only.
     header = bytes(data[len(data) - 16 - header_len : len(data) - 16])
     header = header.replace(b'"skeleton_bytes":', b'"skeleton_bytes":%d,"x":' % len(evil), 1)
-    forged = evil + header + struct.pack("<Q8s", len(header), snapshot.MAGIC)
+    forged = evil + header + struct.pack("<Q8s", len(header), staging.MAGIC)
     marker = "/tmp/elastictrain-pwned"
     if os.path.exists(marker):
         os.unlink(marker)
@@ -112,4 +112,4 @@ def test_a_malicious_skeleton_is_refused_and_never_executed(tmp_path):
 
 def test_sparse_tensors_are_refused_with_a_clear_error():
     with pytest.raises(TypeError, match="only dense tensors"):
-        snapshot.Staging().snapshot({"s": torch.eye(3).to_sparse()})
+        staging.Staging().snapshot({"s": torch.eye(3).to_sparse()})

@@ -1,4 +1,4 @@
-"""``python -m elastictrain bench``: what a checkpoint costs on your storage, side by side.
+"""``python -m elastictrain bench persist``: what a checkpoint costs on your storage, side by side.
 
 One synthetic state of ``--size`` bytes (a model plus Adam-like moments, float32), measured in one
 run against the same storage, each figure the median of ``--repeats``:
@@ -20,14 +20,12 @@ to trust):
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import mmap
 import os
 import statistics
 import sys
-import tempfile
 import threading
 import time
 import uuid
@@ -37,31 +35,11 @@ from typing import Any
 import torch
 
 import storage
-from elastictrain.checkpoint import staging as snapshot
+from elastictrain.bench.child import drop_cache
+from elastictrain.bench.state import _tensors, _to, synthetic_state
+from elastictrain.bench.timing import median_of, paired, timed
+from elastictrain.checkpoint import staging
 from elastictrain.checkpoint.state import from_bytes
-from elastictrain.tools._io import drop_cache
-from elastictrain.tools._state import _tensors, _to, parse_size, synthetic_state
-
-
-def _median(fn: Callable[[], float], repeats: int) -> float:
-    return statistics.median(fn() for _ in range(repeats))
-
-
-def _pair(
-    ours: Callable[[], float], floor: Callable[[], float], ours_first: bool
-) -> tuple[float, float]:
-    """(ours, floor), run back to back in the given order."""
-    if ours_first:
-        a = ours()
-        return a, floor()
-    b = floor()
-    return ours(), b
-
-
-def _timed(fn: Callable[[], Any]) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
 
 
 class Bench:
@@ -125,7 +103,7 @@ class Bench:
                     os.fsync(f.fileno())
             return time.perf_counter() - t0
 
-        t = _median(once, self.repeats)
+        t = median_of(once, self.repeats)
         self.fs.rm(path)
         return t
 
@@ -148,7 +126,7 @@ class Bench:
         state = {"model": self.state["model"], "optim": self.state["optimizer"]["state"]}
         saves, blocked = [], []
         for i in range(self.repeats):
-            saves.append(_timed(lambda i=i: dcp.save(state, checkpoint_id=self._path(f"dcp{i}"))))
+            saves.append(timed(lambda i=i: dcp.save(state, checkpoint_id=self._path(f"dcp{i}"))))
             t0 = time.perf_counter()
             future = dcp.async_save(state, checkpoint_id=self._path(f"dcp-async{i}"))
             blocked.append(time.perf_counter() - t0)
@@ -165,8 +143,8 @@ class Bench:
         write; load + verify / a raw read (both from a cold cache), and the same two reads from
         the page cache, which shows what the disk itself limits. The per-pair ratio's median and
         spread are steadier than a ratio of medians on a machine whose speed drifts."""
-        staging = snapshot.Staging()
-        staging.snapshot(self.state)  # first use allocates and touches the buffer, once per run
+        buffers = staging.Staging()
+        buffers.snapshot(self.state)  # first use allocates and touches the buffer, once per run
         copy = self._warm_copy()
         pairs: dict[str, list[tuple[float, float]]] = {
             "blocked": [], "persist": [], "load": [], "load_warm": [],
@@ -176,13 +154,13 @@ class Bench:
             t0 = time.perf_counter()
             # On a GPU the copies run on a side stream and only the GPU waits for them; counted
             # here until they land, the most a training step could be held up.
-            staging.snapshot(self.state).wait()
+            buffers.snapshot(self.state).wait()
             return time.perf_counter() - t0
 
         for step in range(1, self.repeats + 1):
             ours_first = step % 2 == 0
-            pairs["blocked"].append(_pair(blocked, copy, ours_first))
-            snap = staging.snapshot(self.state)
+            pairs["blocked"].append(paired(blocked, copy, ours_first))
+            snap = buffers.snapshot(self.state)
             raw = self._path(f"raw-{step}.bin")
 
             def raw_write(r=raw, d=snap.data) -> float:
@@ -195,9 +173,9 @@ class Bench:
             def persist(s=step, d=snap.data) -> float:
                 if self.local:
                     os.sync()
-                return _timed(lambda: self.store.commit(s, {"state.bin": d}, {}))
+                return timed(lambda: self.store.commit(s, {"state.bin": d}, {}))
 
-            pairs["persist"].append(_pair(persist, raw_write, ours_first))
+            pairs["persist"].append(paired(persist, raw_write, ours_first))
             payload = self._path(f"step-{step:012d}/state.bin")
 
             def load(s=step, cold=True, payload=payload) -> float:
@@ -211,10 +189,10 @@ class Bench:
                 del state
                 return seconds
 
-            pairs["load"].append(_pair(load, lambda p=payload: self._raw_read(p), ours_first))
+            pairs["load"].append(paired(load, lambda p=payload: self._raw_read(p), ours_first))
             if self.local:
                 pairs["load_warm"].append(
-                    _pair(
+                    paired(
                         lambda: load(cold=False),
                         lambda p=payload: self._raw_read(p, cold=False),
                         ours_first,
@@ -277,7 +255,7 @@ class Bench:
             return time.perf_counter() - t0
 
         quiet = statistics.median(one_step() for _ in range(steps))
-        snap = snapshot.Staging().snapshot(self.state)
+        snap = staging.Staging().snapshot(self.state)
         busy, done = [], threading.Event()
 
         def persist_loop() -> None:
@@ -390,92 +368,17 @@ def table(r: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m elastictrain bench", description=__doc__.split("\n\n")[0]
-    )
-    p.add_argument(
-        "--checkpoint-dir",
-        default=tempfile.gettempdir(),
-        metavar="URL",
-        help="where to measure (a scratch folder is made under it and removed)",
-    )
-    p.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE")
-    p.add_argument(
-        "--size", type=parse_size, default=parse_size("1GB"), help="state size (default 1GB)"
-    )
-    p.add_argument("--repeats", type=int, default=3, help="each figure is the median of this many")
-    p.add_argument(
-        "--device", default="cpu", help="where the state lives: cpu, or cuda for GPU memory"
-    )
-    p.add_argument("--json", action="store_true")
-    p.add_argument(
-        "--recovery",
-        action="store_true",
-        help="instead: kill a worker of a real torchrun job and break down kill -> first step "
-        "(--size sizes the toy model's state; default 64MB here)",
-    )
-    p.add_argument(
-        "--remote-mbps",
-        type=float,
-        default=None,
-        metavar="MB/S",
-        help="with --recovery: instead, the durable tier behind a link of this speed, with and "
-        "without the local tier, side by side (--size default 256MB here)",
-    )
-    p.add_argument(
-        "--overhead",
-        action="store_true",
-        help="instead: the runner's per-step cost against a plain DDP loop on the same task",
-    )
-    p.add_argument(
-        "--loader",
-        action="store_true",
-        help="instead: step time with --workers DataLoader workers against in-process loading, "
-        "on a task that sleeps --load-ms per batch and --compute-ms per step",
-    )
-    p.add_argument(
-        "--sharded",
-        action="store_true",
-        help="instead: FSDP2 sharded checkpoints (2 ranks save, 3 resume) against their floors "
-        "and DCP (--size is the whole sharded state)",
-    )
-    p.add_argument("--workers", type=int, default=2, help="loader workers for --loader")
-    p.add_argument("--load-ms", type=float, default=50.0, help="load time per batch for --loader")
-    p.add_argument("--compute-ms", type=float, default=50.0, help="compute per step for --loader")
-    p.add_argument(
-        "--steps", type=int, default=None, help="steps per run (--overhead 2000, --loader 60)"
-    )
-    args = p.parse_args(argv)
-    if args.loader:
-        from elastictrain.tools import loader_bench
-
-        return loader_bench.main(
-            args.workers, args.load_ms / 1e3, args.compute_ms / 1e3, args.steps or 60,
-            args.repeats, args.json,
-        )  # fmt: skip
-    if args.overhead:
-        from elastictrain.tools import overhead_bench
-
-        return overhead_bench.main(args.steps or 2000, args.repeats, args.json)
-    if args.sharded:
-        from elastictrain.tools import sharded_bench
-
-        return sharded_bench.main(args.size, args.repeats, args.json, args.checkpoint_dir)
-    if args.recovery and args.remote_mbps:
-        from elastictrain.tools import tiers_bench
-
-        size = args.size if "--size" in argv else parse_size("256MB")
-        return tiers_bench.main(size, args.remote_mbps, args.repeats, args.json)
-    if args.recovery:
-        from elastictrain.tools import recovery_bench
-
-        size = args.size if "--size" in argv else parse_size("64MB")
-        return recovery_bench.main(size, args.json)
-    options = dict(storage.parse_option(kv) for kv in args.storage_option)
+def main(
+    checkpoint_dir: str,
+    options: dict[str, Any],
+    size: int,
+    repeats: int,
+    device: str,
+    as_json: bool,
+) -> int:
     # The runner's preflight, so a missing bucket or a dead endpoint is named in seconds.
-    storage.open_store(args.checkpoint_dir, storage_options=options).probe()
+    storage.open_store(checkpoint_dir, storage_options=options).probe()
     torch.set_num_threads(1)  # like a worker under torchrun (OMP_NUM_THREADS=1): fair to everyone
-    result = Bench(args.checkpoint_dir, options, args.size, args.repeats, args.device).run()
-    print(json.dumps(result, indent=1) if args.json else table(result))
+    result = Bench(checkpoint_dir, options, size, repeats, device).run()
+    print(json.dumps(result, indent=1) if as_json else table(result))
     return 0

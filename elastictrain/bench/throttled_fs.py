@@ -1,7 +1,7 @@
 """A slow remote for ``bench --recovery --remote-mbps``: ``throttled://PATH``, a local folder
 reached at a fixed bandwidth, through the same fsspec code path as S3 (not the local backend).
 
-Workers import this module through ``--task elastictrain.tools.throttled_fs:make_task``, which
+Workers import this module through ``--task elastictrain.bench.throttled_fs:make_task``, which
 registers the protocol and returns the toy task. ``ET_THROTTLE_BPS`` sets the bytes per second
 of each process's link (reads and writes share it); every state-file byte read is appended as
 ``pid<TAB>bytes<TAB>path`` to ``ET_THROTTLE_LOG``, so the bench counts what a resume read.

@@ -1,4 +1,4 @@
-"""``python -m elastictrain bench --recovery --remote-mbps 50``: what the local tier buys when the
+"""``python -m elastictrain bench tiers --remote-mbps 50``: what the local tier buys when the
 durable tier is slow, side by side in one run.
 
 The durable tier is ``throttled://`` (``throttled_fs``: a folder reached at ``--remote-mbps``
@@ -26,9 +26,9 @@ import tempfile
 import time
 from typing import Any
 
+from elastictrain.bench.child import Torchrun, child_env, events_in, wait_for
+from elastictrain.bench.throttled_fs import bytes_read
 from elastictrain.observe.events import Event, read_sample_log
-from elastictrain.tools.recovery_bench import _env, _events, _Torchrun, _wait
-from elastictrain.tools.throttled_fs import bytes_read
 
 EVERY = 100  # durable checkpoint interval, in steps
 STEP_S = 0.05  # each step also sleeps this long: the GPU compute a CPU-only run does not do
@@ -51,30 +51,30 @@ def measure(workdir: str, mode: str, size: int, remote_bps: float) -> dict[str, 
     ev, samples, log = base + "-events.jsonl", base + "-samples", base + "-reads.tsv"
     every = 10**9 if mode == "empty" else EVERY
     args = ["-m", "elastictrain", "--checkpoint-dir", f"throttled://{base}-ckpt",
-            "--task", "elastictrain.tools.throttled_fs:make_task", "--event-log", ev,
+            "--task", "elastictrain.bench.throttled_fs:make_task", "--event-log", ev,
             "--sample-log", samples, "--max-steps", "1000000", "--log-every-seconds", "0.5",
             "--checkpoint-every-steps", str(every), "--keep-last", "2",
             "--task-option", "hidden=1024", "--task-option", f"layers={layers}",
             "--task-option", "batch_size=32", "--task-option", f"step_time={STEP_S}",
             *MODES[mode]]  # fmt: skip
-    env = {**_env(), "ET_THROTTLE_BPS": str(remote_bps), "ET_THROTTLE_LOG": log}
-    job = _Torchrun(args, base + "-job.log", env)
+    env = {**child_env(), "ET_THROTTLE_BPS": str(remote_bps), "ET_THROTTLE_LOG": log}
+    job = Torchrun(args, base + "-job.log", env)
     # Halfway between the first two durable checkpoints; with none, early (only the restart counts).
     kill_at = 20 if mode == "empty" else EVERY + EVERY // 2
     try:
         if mode != "empty":
-            _wait(lambda: any(e["event"] == Event.CHECKPOINT for e in _events(ev)), 600,
+            wait_for(lambda: any(e["event"] == Event.CHECKPOINT for e in events_in(ev)), 600,
                   "the first durable checkpoint", job)  # fmt: skip
-        _wait(lambda: _trained(samples) >= kill_at, 600, f"step {kill_at}", job)
-        rates = [e["steps_per_s"] for e in _events(ev) if e["event"] == Event.PROGRESS]
+        wait_for(lambda: _trained(samples) >= kill_at, 600, f"step {kill_at}", job)
+        rates = [e["steps_per_s"] for e in events_in(ev) if e["event"] == Event.PROGRESS]
         reads_before = bytes_read(log)
         t_kill = time.time()
         os.kill(job.workers()[1], signal.SIGKILL)
-        first = _wait(
-            lambda: [e for e in _events(ev) if e["event"] == Event.FIRST_STEP and e["time"] > t_kill],
+        first = wait_for(
+            lambda: [e for e in events_in(ev) if e["event"] == Event.FIRST_STEP and e["time"] > t_kill],
             600, "the first step after the kill", job,
         )[0]  # fmt: skip
-        resume = next(e for e in _events(ev) if e["event"] == Event.RESUME and e["time"] > t_kill)
+        resume = next(e for e in events_in(ev) if e["event"] == Event.RESUME and e["time"] > t_kill)
         killed_at = _trained_by_the_killed_attempt(samples)
     finally:
         job.stop()

@@ -1,13 +1,7 @@
+"""elastictrain.watchdog: hang detection and the orphan exit."""
+
 from __future__ import annotations
 
-import os
-import signal
-
-import pytest
-
-from elastictrain.errors import ConfigError
-from elastictrain.observe.stragglers import StepTimer, StragglerReport
-from elastictrain.signals import StopSignals, parse_signal
 from elastictrain.watchdog import HangWatchdog
 
 
@@ -43,36 +37,6 @@ def test_watchdog_names_checkpoint_timeout_in_save_phase():
         clock.now = 11.0
         assert dog.check()
     assert "phase 'checkpoint'" in fired[0] and "--checkpoint-timeout" in fired[0]
-
-
-def test_stop_signal_only_sets_a_flag():
-    previous = signal.getsignal(signal.SIGUSR2)
-    try:
-        stop = StopSignals([signal.SIGUSR2])
-        assert not stop.requested
-        os.kill(os.getpid(), signal.SIGUSR2)
-        assert stop.requested and stop.received == signal.SIGUSR2 and stop.received_at is not None
-    finally:
-        signal.signal(signal.SIGUSR2, previous)
-
-
-def test_parse_signal():
-    assert parse_signal("usr1") == signal.SIGUSR1 and parse_signal("SIGTERM") == signal.SIGTERM
-    with pytest.raises(ConfigError, match="'SIGNOPE' is not a signal name"):
-        parse_signal("SIGNOPE")
-
-
-def test_step_timer_and_report():
-    timer = StepTimer(window=100)
-    assert timer.stats() == (0.0, 0.0)
-    for i in range(100):
-        timer.add(0.01 * (i + 1))
-    median, p95 = timer.stats()
-    assert median == pytest.approx(0.505) and p95 == pytest.approx(0.95)
-    report = StragglerReport(medians=[0.010, 0.031, 0.011], p95s=[0.012, 0.040, 0.013])
-    assert report.slowest_rank == 1 and report.wait_s == pytest.approx(0.0205)
-    assert report.as_event()["slowest_rank"] == 1
-    assert "slowest rank 1" in report.describe()
 
 
 def test_watchdog_exits_when_the_agent_is_gone(monkeypatch):

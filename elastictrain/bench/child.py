@@ -1,0 +1,105 @@
+"""Starting the benches' child jobs, and the I/O helpers they share."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def drop_cache(path: str) -> None:
+    """Evict a local file's pages so the next read comes from the device, not memory."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """The environment for a bench's child job: one thread per process, as under torchrun, and
+    this checkout importable (``-m elastictrain`` runs the code being measured)."""
+    return {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join(filter(None, [REPO_ROOT, os.environ.get("PYTHONPATH")])),
+        **extra,
+    }
+
+
+def torchrun(*args: str, nproc: int = 2, max_restarts: int | None = None) -> list[str]:
+    """The command line of a one-node ``torchrun --standalone`` job of ``nproc`` workers."""
+    restarts = [f"--max-restarts={max_restarts}"] if max_restarts is not None else []
+    return [
+        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        f"--nproc_per_node={nproc}", *restarts, *args,
+    ]  # fmt: skip
+
+
+class Torchrun:
+    """One torchrun agent in its own session, its output in ``log``; only it and its descendants
+    are ever signalled."""
+
+    def __init__(self, args: list[str], log: str, env: dict[str, str]) -> None:
+        self.log_path = log
+        with open(log, "wb") as out:
+            self.proc = subprocess.Popen(
+                torchrun(*args, max_restarts=3),
+                stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+            )  # fmt: skip
+
+    def workers(self) -> dict[int, int]:
+        out, todo = {}, [self.proc.pid]
+        children: dict[int, list[int]] = {}
+        for entry in filter(str.isdigit, os.listdir("/proc")):
+            with contextlib.suppress(OSError):
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+                children.setdefault(ppid, []).append(int(entry))
+        while todo:
+            for child in children.get(todo.pop(), []):
+                todo.append(child)
+                with contextlib.suppress(OSError):
+                    with open(f"/proc/{child}/environ", "rb") as f:
+                        env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+                    if b"RANK" in env and b"TORCHELASTIC_RUN_ID" in env:
+                        out[int(env[b"RANK"])] = child
+        return out
+
+    def log(self) -> str:
+        with open(self.log_path, errors="replace") as f:
+            return f.read()
+
+    def stop(self) -> None:
+        for pid in [*self.workers().values(), self.proc.pid]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float, what: str, job: Torchrun) -> Any:
+    """The first true value of ``predicate()``, polled; raises when the job exits or time runs out."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        if job.proc.poll() is not None:
+            raise RuntimeError(f"torchrun exited waiting for {what}:\n{job.log()[-3000:]}")
+        time.sleep(0.01)
+    raise RuntimeError(f"{what} not seen within {timeout}s:\n{job.log()[-3000:]}")
+
+
+def events_in(path: str) -> list[dict[str, Any]]:
+    from elastictrain.observe.events import read_events
+
+    return read_events(path) if os.path.exists(path) else []

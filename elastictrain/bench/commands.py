@@ -1,0 +1,109 @@
+"""The bench command line: one subcommand per bench, each with its own options and defaults."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+import tempfile
+
+import storage
+from elastictrain.tools.sizes import parse_size
+
+# subcommand -> (module, what it measures, default --size or None)
+BENCHES = {
+    "persist": ("persist", "a checkpoint's cost on your storage against its floors", "1GB"),
+    "sharded": ("sharded", "FSDP2 sharded checkpoints (2 ranks save, 3 resume) against DCP", "1GB"),
+    "recovery": ("recovery", "kill a worker of a real torchrun job: kill -> first step", "64MB"),
+    "tiers": ("tiers", "the local tier against a slow durable tier, side by side", "256MB"),
+    "overhead": ("overhead", "the runner's per-step cost against a plain DDP loop", None),
+    "loader": ("loader", "loader workers against in-process loading", None),
+}
+
+# The boolean flags of earlier releases, accepted for one more with a warning.
+OLD_FLAGS = {"--recovery": "recovery", "--overhead": "overhead", "--loader": "loader",
+             "--sharded": "sharded"}  # fmt: skip
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m elastictrain bench",
+        description="Manual measurements, each beside its floor in one run. "
+        "'bench SUBCOMMAND --help' lists a bench's options.",
+    )
+    sub = p.add_subparsers(dest="bench", required=True, metavar="SUBCOMMAND")
+    benches = {}
+    for name, (_, what, size) in BENCHES.items():
+        b = sub.add_parser(name, help=what, description=what)
+        b.add_argument("--json", action="store_true", help="print the figures as JSON")
+        if size is not None:
+            b.add_argument(
+                "--size", type=parse_size, default=parse_size(size), help=f"state size ({size})"
+            )
+        if name != "recovery":
+            b.add_argument(
+                "--repeats", type=int, default=3, help="runs per figure; the median is shown (3)"
+            )
+        benches[name] = b
+    for name in ("persist", "sharded"):
+        benches[name].add_argument(
+            "--checkpoint-dir",
+            default=tempfile.gettempdir(),
+            metavar="URL",
+            help="where to measure (a scratch folder is made under it and removed)",
+        )
+    benches["persist"].add_argument(
+        "--storage-option", action="append", default=[], metavar="KEY=VALUE"
+    )
+    benches["persist"].add_argument(
+        "--device", default="cpu", help="where the state lives: cpu, or cuda for GPU memory"
+    )
+    benches["tiers"].add_argument(
+        "--remote-mbps", type=float, default=50.0, metavar="MB/S",
+        help="the durable tier's link speed (50)",
+    )  # fmt: skip
+    benches["overhead"].add_argument("--steps", type=int, default=2000, help="steps per run")
+    loader = benches["loader"]
+    loader.add_argument("--workers", type=int, default=2, help="loader workers (2)")
+    loader.add_argument("--load-ms", type=float, default=50.0, help="load time per batch (50)")
+    loader.add_argument("--compute-ms", type=float, default=50.0, help="compute per step (50)")
+    loader.add_argument("--steps", type=int, default=60, help="steps per run (60)")
+    return p
+
+
+def _upgrade(argv: list[str]) -> list[str]:
+    """``bench --recovery ...`` (earlier releases) as ``bench recovery ...``, with a warning."""
+    if argv and not argv[0].startswith("-") or argv[:1] in (["-h"], ["--help"]):
+        return argv
+    old = next((a for a in argv if a in OLD_FLAGS), None)
+    name = OLD_FLAGS.get(old, "persist")
+    if name == "recovery" and any(a.startswith("--remote-mbps") for a in argv):
+        name = "tiers"
+    rest = [a for a in argv if a != old]
+    print(
+        f"warning: 'bench {' '.join(argv)}' is deprecated: use 'bench {name} {' '.join(rest)}'",
+        file=sys.stderr,
+    )
+    return [name, *rest]
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(_upgrade(argv))
+    bench = importlib.import_module(f"elastictrain.bench.{BENCHES[args.bench][0]}")
+    if args.bench == "persist":
+        options = dict(storage.parse_option(kv) for kv in args.storage_option)
+        return bench.main(
+            args.checkpoint_dir, options, args.size, args.repeats, args.device, args.json
+        )
+    if args.bench == "sharded":
+        return bench.main(args.size, args.repeats, args.json, args.checkpoint_dir)
+    if args.bench == "recovery":
+        return bench.main(args.size, args.json)
+    if args.bench == "tiers":
+        return bench.main(args.size, args.remote_mbps, args.repeats, args.json)
+    if args.bench == "overhead":
+        return bench.main(args.steps, args.repeats, args.json)
+    return bench.main(
+        args.workers, args.load_ms / 1e3, args.compute_ms / 1e3, args.steps, args.repeats,
+        args.json,
+    )  # fmt: skip

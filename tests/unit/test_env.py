@@ -1,0 +1,32 @@
+"""elastictrain.env: where this process sits, read from torchrun's environment (and only there)."""
+
+from __future__ import annotations
+
+import pytest
+
+from elastictrain.env import read_env
+from elastictrain.errors import ConfigError
+
+
+def test_env_outside_torchrun_is_single_process():
+    env = read_env({})
+    assert (env.rank, env.world_size, env.launched_by_torchrun) == (0, 1, False)
+
+
+def test_env_under_torchrun():
+    env = read_env(
+        {
+            "RANK": "3",
+            "WORLD_SIZE": "4",
+            "LOCAL_RANK": "1",
+            "MASTER_ADDR": "h",
+            "MASTER_PORT": "29500",
+            "TORCHELASTIC_RESTART_COUNT": "2",
+            "TORCHELASTIC_USE_AGENT_STORE": "True",
+        }
+    )
+    assert (env.rank, env.local_rank, env.restart_count, env.use_agent_store) == (3, 1, 2, True)
+    with pytest.raises(ConfigError, match="RANK=4 is outside WORLD_SIZE=4"):
+        read_env({"RANK": "4", "WORLD_SIZE": "4"})
+    with pytest.raises(ConfigError, match="MASTER_PORT='x'"):
+        read_env({"RANK": "0", "WORLD_SIZE": "1", "MASTER_PORT": "x"})

@@ -1,0 +1,88 @@
+"""elastictrain.loader: the step loader, with and without worker processes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from elastictrain.data import GlobalBatchSampler
+from elastictrain.loader import StepLoader
+from elastictrain.task import Task
+
+
+class _Augmented(torch.utils.data.Dataset):
+    """Random augmentation in __getitem__: torch and NumPy draws."""
+
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, i):
+        import numpy as np
+
+        return torch.tensor([float(i)]) + torch.rand(1) + float(np.random.rand())
+
+
+def _linear_task(dataset, batch_size: int) -> Task:
+    return Task(
+        model=nn.Linear(1, 1),
+        dataset=dataset,
+        batch_size=batch_size,
+        make_optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+        loss_fn=lambda m, b: m(b).sum(),
+    )
+
+
+def _batches(num_workers: int, start: int = 0, accum: int = 2):
+    task = _linear_task(_Augmented(), batch_size=8)
+    loader = StepLoader(
+        task=task,
+        sampler=GlobalBatchSampler(64, 8, seed=1),
+        rank=1,
+        world_size=2,
+        micro_steps=accum,
+        seed=1,
+        start=start,
+        stop=12,
+        num_workers=num_workers,
+        prefetch_factor=3 if num_workers else None,
+    )
+    try:
+        return [[b for _, b in loader.next_step(step)] for step in range(start, 12)]
+    finally:
+        loader.close()
+
+
+class _Broken(torch.utils.data.Dataset):
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, i):
+        if i == 13:
+            raise KeyError(f"sample {i} is missing from the shard index")
+        return torch.zeros(1)
+
+
+def test_loader_workers_give_the_same_batches_as_in_process_loading_and_after_a_restart():
+    in_process, workers = _batches(0), _batches(2)
+    assert len(in_process) == 12 and all(len(step) == 2 for step in in_process)
+    for a, b in zip(in_process, workers, strict=True):
+        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+    restarted = _batches(2, start=7)  # a loader built at the resume step
+    for a, b in zip(in_process[7:], restarted, strict=True):
+        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def test_a_dataset_error_names_the_step_and_keeps_its_cause():
+    from elastictrain.errors import DataLoadError
+
+    task = _linear_task(_Broken(), batch_size=64)
+    loader = StepLoader(
+        task=task, sampler=GlobalBatchSampler(64, 64, seed=1), rank=0, world_size=1,
+        micro_steps=1, seed=1, start=0, stop=2,
+    )  # fmt: skip
+    with pytest.raises(
+        DataLoadError, match=r"loading step 0 micro-batch 0 failed \(in-process"
+    ) as e:
+        loader.next_step(0)
+    assert isinstance(e.value.__cause__, KeyError) and e.value.exit_code == 1
