@@ -242,7 +242,8 @@ class CheckpointStore(VerifiedReads, RunFiles):
         )
 
     # -- read --------------------------------------------------------------------------------
-    def _step_dirs(self) -> list[int]:
+    def step_dirs(self) -> list[int]:
+        """Every step directory, committed or not (a partial write's too), oldest first."""
         names = self._call("list checkpoints", lambda: self._backend.list_names(self._backend.root))
         return sorted(s for s in (parse_step_dir(n) for n in names) if s is not None)
 
@@ -267,7 +268,7 @@ class CheckpointStore(VerifiedReads, RunFiles):
 
     def committed_steps(self) -> list[int]:
         """Steps that have a manifest (not verified), oldest first."""
-        return [step for step in self._step_dirs() if self.is_committed(step)]
+        return [step for step in self.step_dirs() if self.is_committed(step)]
 
     def ranked_manifests(
         self, on_corrupt: Callable[[int, Exception], None] | None = None
@@ -356,7 +357,7 @@ class CheckpointStore(VerifiedReads, RunFiles):
         older than the newest commit."""
         committed = self.committed_steps()
         doomed = steps_to_delete(committed, keep_last, newest_good, keep_every)
-        return sorted(set(doomed + partial_steps_to_delete(self._step_dirs(), committed)))
+        return sorted(set(doomed + partial_steps_to_delete(self.step_dirs(), committed)))
 
     def apply_retention(
         self, keep_last: int, newest_good: int, keep_every: int | None = None

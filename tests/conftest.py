@@ -1,4 +1,5 @@
-"""Shared fixtures: a real S3 endpoint on loopback (moto_server), free ports, storage URLs."""
+"""Shared fixtures: a real S3 endpoint on loopback (moto_server), free ports, storage URLs, a
+one-process gloo world."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import uuid
 
 import pytest
 
+from tests.helpers.one_process import gloo_world  # noqa: F401  (a fixture, used by name)
 from tests.helpers.s3 import moto_server
 
 

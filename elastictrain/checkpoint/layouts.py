@@ -163,7 +163,7 @@ class ShardedLayout:
     ) -> storage.Manifest:
         common_name = sharded.common_file(generation)
         entries = {common_name: store.write_file(step, common_name, snap.common.data)[0]}
-        parts = self._wait_for_reports(store, step, generation, abandoned, deadline_s)
+        parts = self.wait_for_reports(store, step, generation, abandoned, deadline_s)
         index_name = sharded.index_file(generation)
         index = sharded.build_index([part for part, _ in parts], common_name, generation)
         entries[index_name] = store.write_file(step, index_name, index)[0]
@@ -181,7 +181,7 @@ class ShardedLayout:
             before_commit=before_commit,
         )
 
-    def _wait_for_reports(
+    def wait_for_reports(
         self,
         store: storage.CheckpointStore,
         step: int,

@@ -205,7 +205,7 @@ def test_retention_keeps_last_k_and_cleans_partials(store):
     deleted = store.apply_retention(keep_last=2, newest_good=3)
     assert deleted == [0, 1]
     assert store.committed_steps() == [2, 3]
-    assert 9 in store._step_dirs()
+    assert 9 in store.step_dirs()
 
 
 def test_retention_never_deletes_newest_good(store):
@@ -262,7 +262,7 @@ def test_disk_full_leaves_earlier_checkpoints_intact(store, monkeypatch):
     with pytest.raises(StorageFullError, match=r"needs 100 bytes, the whole checkpoint 102 bytes"):
         _commit(store, 2, payload=b"y" * 100)
     assert store.committed_steps() == [1] and store.read(1).files["state.pt"] == b"payload-1" * 10
-    assert 2 not in store._step_dirs()
+    assert 2 not in store.step_dirs()
 
 
 def test_fencing_refuses_a_stale_writer(store):

@@ -1,0 +1,114 @@
+"""elastictrain.checkpoint.checkpointer: the save/resume protocol on one rank of a real gloo
+group, on memory:// (the multi-rank protocol runs in tests/integration)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import storage
+from elastictrain.checkpoint.checkpointer import Checkpointer
+from elastictrain.checkpoint.persist import Reason
+from elastictrain.config import CheckpointConfig
+from elastictrain.errors import CheckpointFailedError
+from elastictrain.observe.events import Event, EventLog, read_events
+from tests.helpers.one_process import memory_url, same_weights, state, train
+
+CPU = torch.device("cpu")
+
+
+def checkpointer(tmp_path, group, generation=1, **settings) -> Checkpointer:
+    settings.setdefault("checkpoint_dir", memory_url())
+    settings.setdefault("local_checkpoint", False)
+    return Checkpointer(
+        CheckpointConfig(**settings),
+        rank=0,
+        world_size=1,
+        local_rank=0,
+        generation=generation,
+        group=group,
+        events=EventLog(str(tmp_path / "events.jsonl"), enabled=True),
+    )
+
+
+def test_save_then_resume_restores_the_state_and_fences_the_location(tmp_path, gloo_world):
+    ckpt = checkpointer(tmp_path, gloo_world)
+    s = state()
+    assert ckpt.resume(s, CPU).step == 0 and ckpt.claim() == 1
+    for step in range(3):
+        train(s, step)
+    assert ckpt.save(3, s, Reason.FINAL) and ckpt.last_committed == 3
+
+    again = checkpointer(
+        tmp_path, gloo_world, generation=0, checkpoint_dir=ckpt.config.checkpoint_dir
+    )
+    fresh = state(seed=1)
+    resumed = again.resume(fresh, CPU)
+    assert (resumed.step, again.last_committed) == (3, 3) and same_weights(fresh, s)
+    assert again.claim() == 2  # above the generation that wrote step 3, whatever this one asked
+    kinds = [e["event"] for e in read_events(str(tmp_path / "events.jsonl"))]
+    assert kinds == [Event.RESUME, Event.CHECKPOINT, Event.RESUME]
+
+
+def test_a_final_save_storage_refuses_raises_and_leaves_the_record(tmp_path, gloo_world):
+    ckpt = checkpointer(tmp_path, gloo_world)
+    s = state()
+    ckpt.resume(s, CPU)
+    ckpt.save(2, s, Reason.STEPS)
+    ckpt.writer.wait()
+    ckpt.store.commit = lambda *a, **k: (_ for _ in ()).throw(
+        storage.StorageUnavailableError("injected outage")
+    )
+    with pytest.raises(CheckpointFailedError, match="final checkpoint at step 4 .*injected outage"):
+        ckpt.save(4, s, Reason.FINAL)
+    assert ckpt.last_committed == 2 and ckpt.failure is None  # raised, not recorded
+
+
+def test_a_corrupt_newest_checkpoint_is_reported_and_the_previous_one_resumed(tmp_path, gloo_world):
+    ckpt = checkpointer(tmp_path, gloo_world, async_checkpoint=False, keep_last=5)
+    s = state()
+    ckpt.resume(s, CPU)
+    ckpt.save(1, s, Reason.STEPS)
+    saved = state()
+    saved.model.load_state_dict(s.model.state_dict())
+    train(s, 1)
+    ckpt.save(2, s, Reason.STEPS)
+    store = storage.open_store(ckpt.config.checkpoint_dir)
+    name = next(iter(store.read_manifest(2).files))
+    store.write_file(2, name, b"not the bytes the manifest hashed")
+
+    again = checkpointer(tmp_path, gloo_world, checkpoint_dir=ckpt.config.checkpoint_dir)
+    fresh = state(seed=1)
+    assert again.resume(fresh, CPU).step == 1 and same_weights(fresh, saved)
+    corrupt = [
+        e for e in read_events(str(tmp_path / "events.jsonl")) if e["event"] == Event.CORRUPT
+    ]
+    assert [(e["step"], e["tier"]) for e in corrupt] == [(2, "durable")]
+
+
+def test_the_local_tier_copies_after_steps_and_a_resume_prefers_the_newer_copy(
+    tmp_path, gloo_world
+):
+    url, local = memory_url(), str(tmp_path / "local")
+    ckpt = checkpointer(
+        tmp_path, gloo_world, checkpoint_dir=url, local_checkpoint=True,
+        local_checkpoint_dir=local, local_every_steps=2,
+    )  # fmt: skip
+    s = state()
+    ckpt.resume(s, CPU)
+    ckpt.claim()
+    for step in range(1, 6):
+        train(s, step)
+        ckpt.after_step(step, s, durable_saved=False)
+    ckpt.finish()
+    assert ckpt.last_local == 4 and ckpt.last_committed is None
+
+    again = checkpointer(
+        tmp_path, gloo_world, checkpoint_dir=url, local_checkpoint=True,
+        local_checkpoint_dir=local,
+    )  # fmt: skip
+    fresh = state(seed=1)
+    assert again.resume(fresh, CPU).step == 4
+    resume = [e for e in read_events(str(tmp_path / "events.jsonl")) if e["event"] == "resume"]
+    assert resume[-1]["tier"] == "local" and resume[-1]["remote_bytes"] == 0
+    again.finish()
