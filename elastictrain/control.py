@@ -5,7 +5,7 @@ rank 0's background persist failed: each starts as one rank's local opinion, and
 alone would desynchronise the collectives. One all-reduce (MAX) of a few integers turns them into
 shared decisions.
 
-That all-reduce is not free: on this machine it cost about 10% of a 12 ms toy step. So it runs
+That all-reduce is not free (a measurable share of a small step: docs/measurements.md). So it runs
 every ``interval_s`` seconds' worth of steps, not every step; the interval in steps is proposed by
 rank 0 from its measured step time and agreed inside the same all-reduce, so every rank calls the
 next one at the same step. Decisions are therefore taken at most ``interval_s`` late, far inside

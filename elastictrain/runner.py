@@ -20,7 +20,7 @@ import torch.distributed as dist
 from elastictrain import dist as edist
 from elastictrain import parallel, streams
 from elastictrain.checkpoint.checkpointer import Resumed
-from elastictrain.checkpoint.persist import Reason
+from elastictrain.checkpoint.outcomes import Reason
 from elastictrain.checkpoint.session import CheckpointSession, install_stop_signals
 from elastictrain.checkpoint.state import DataFingerprint, TrainState, check_plain, unwrap
 from elastictrain.config import RunConfig
@@ -162,7 +162,8 @@ class _Attempt:
         model = self.task.model if self.task.model_devices else self.task.model.to(self.device)
         if self.cfg.parallel == "fsdp":  # before the optimizer: it steps the local shards
             parallel.shard(model, self.task.shard, self.device, self.env.world_size)
-        # The first optimizer construction imports torch._dynamo (about 1.5 s here).
+        # The first optimizer construction imports torch._dynamo: most of a restart's build time
+        # (docs/performance.md, "recovery").
         optimizer = self.task.make_optimizer(model.parameters())
         scheduler = self.task.make_scheduler(optimizer) if self.task.make_scheduler else None
         for name, obj in self.task.state.items():

@@ -32,8 +32,8 @@ def probe_location(
     )
     worker.start()
     # The retry deadline is only checked between attempts, and one attempt inside s3fs and
-    # botocore retries on its own (measured: 22 s against a dead endpoint with a 10 s deadline).
-    # The budget is a promise to the user, so it is enforced here; a late attempt is abandoned.
+    # botocore retries on its own, far past the deadline (docs/measurements.md). The budget is a
+    # promise to the user, so it is enforced here; a late attempt is abandoned.
     worker.join(deadline_s + 2.0)
     error = outcome[0] if outcome else TimeoutError(f"no answer within {deadline_s:.0f}s")
     if error is None:

@@ -184,8 +184,8 @@ class Bench:
                 t0 = time.perf_counter()
                 state = from_bytes(self.store.read(s).files["state.bin"])
                 seconds = time.perf_counter() - t0
-                # Freed after the clock stops, as the raw read's buffer is: unmapping 1 GB of
-                # touched pages costs ~0.17 s here, and a resume keeps what it loaded.
+                # Freed after the clock stops, as the raw read's buffer is: unmapping the touched
+                # pages is not part of a load (docs/performance.md), and a resume keeps them.
                 del state
                 return seconds
 

@@ -117,7 +117,7 @@ def save_worker(url: str, size: int, repeats: int, out: str) -> None:
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     from elastictrain.checkpoint import sharded
-    from elastictrain.checkpoint.persist import Reason
+    from elastictrain.checkpoint.outcomes import Reason
 
     state, ckpt = _build(size), _checkpointer(url)
     shard = _local_bytes(state)

@@ -22,14 +22,14 @@ from elastictrain.checkpoint import node_check, sharded, tiers
 from elastictrain.checkpoint import state as tstate
 from elastictrain.checkpoint.layouts import FlatLayout, ShardedLayout
 from elastictrain.checkpoint.local_tier import LocalTier
-from elastictrain.checkpoint.persist import (
+from elastictrain.checkpoint.outcomes import (
     MUST_COMMIT,
     Failure,
-    Persister,
     SaveOutcome,
     SaveRecord,
     StopTheRun,
 )
+from elastictrain.checkpoint.persist import Persister
 from elastictrain.config import CheckpointConfig
 from elastictrain.errors import CheckpointFailedError
 from elastictrain.observe.events import Event, EventLog

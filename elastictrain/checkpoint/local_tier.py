@@ -33,7 +33,8 @@ import storage
 from elastictrain import knobs
 from elastictrain.checkpoint import state as tstate
 from elastictrain.checkpoint.layouts import FlatLayout
-from elastictrain.checkpoint.persist import Persister, Reason, SaveRecord, TurnTierOff
+from elastictrain.checkpoint.outcomes import Reason, SaveRecord, TurnTierOff
+from elastictrain.checkpoint.persist import Persister
 from elastictrain.config import CheckpointConfig
 from elastictrain.observe.events import Event, EventLog
 from storage.urls import is_local, redact_url

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from elastictrain import dist as edist
 from elastictrain import knobs
 from elastictrain.checkpoint.checkpointer import Checkpointer, Resumed
-from elastictrain.checkpoint.persist import Reason
+from elastictrain.checkpoint.outcomes import Reason
 from elastictrain.checkpoint.schedule import CheckpointSchedule
 from elastictrain.checkpoint.state import TrainState
 from elastictrain.config import CheckpointConfig

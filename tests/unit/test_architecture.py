@@ -126,3 +126,18 @@ def test_storage_cli_commands_import_no_torch(command, tmp_path):
         f"from elastictrain.__main__ import main\nassert main([{command!r}, {url!r}{extra}]) == 0"
     )
     assert not _torch_loaded_after(code)
+
+
+MAX_LINES = 400
+
+
+def test_no_file_grows_past_what_a_reader_can_hold():
+    """Every Python file of the project, tests and examples included, stays under 400 lines: past
+    that a module holds more than one concern, and should be split along it."""
+    long = {
+        str(p.relative_to(REPO_ROOT)): n
+        for top in (*PACKAGES, "tests", "examples")
+        for p in pathlib.Path(REPO_ROOT, top).rglob("*.py")
+        if (n := len(p.read_text().splitlines())) > MAX_LINES
+    }
+    assert not long, f"over {MAX_LINES} lines: {long}"

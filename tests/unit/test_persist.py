@@ -10,14 +10,14 @@ import torch
 
 import storage
 from elastictrain.checkpoint.layouts import FlatLayout
-from elastictrain.checkpoint.persist import (
-    Persister,
+from elastictrain.checkpoint.outcomes import (
     Reason,
     SaveOutcome,
     SaveRecord,
     StopTheRun,
     TurnTierOff,
 )
+from elastictrain.checkpoint.persist import Persister
 from elastictrain.config import CheckpointConfig
 from elastictrain.errors import OrphanedError
 from elastictrain.observe.events import Event, EventLog, read_events
@@ -127,3 +127,41 @@ def test_a_committed_step_that_verifies_is_kept_not_written_again(tmp_path):
     record.last_committed = None  # a new attempt reaching step 10 again
     w.save(10, 0, Reason.STEPS, lambda: payload(99), background=False)
     assert store.read_manifest(10) == before and record.last_committed == 10
+
+
+def test_no_new_checkpoint_is_written_after_one_failed_for_good(tmp_path):
+    """``fail``: once a background persist failed, the next save starts nothing (the loop stops
+    the run on the failure) instead of writing into storage that just refused a checkpoint."""
+
+    class DownStore:
+        writes = 0
+
+        def __getattr__(self, name):
+            def down(*a, **k):
+                DownStore.writes += 1
+                raise storage.StorageUnavailableError(f"injected: {name} while storage is down")
+
+            return down
+
+    events = EventLog(None, enabled=False)
+    config = CheckpointConfig(on_storage_failure="fail")
+    record = SaveRecord()
+    writer = Persister(
+        store=DownStore(),
+        layout=FlatLayout(),
+        record=record,
+        policy=StopTheRun(config, events),
+        config=config,
+        world_size=1,
+        generation=lambda: 1,
+        events=events,
+        attached=lambda: True,
+    )
+    state = {"w": torch.ones(4)}
+    writer.save(40, 0, "steps", lambda: state, background=True)
+    writer.wait()
+    assert record.failure is not None and record.failure.step == 40
+    calls = DownStore.writes
+    assert writer.save(60, 0, "steps", lambda: state, background=True)[0] is SaveOutcome.FAILED
+    writer.wait()
+    assert DownStore.writes == calls and record.failure.step == 40
