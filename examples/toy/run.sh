@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The default task (the DDP tutorial's ToyModel, elastictrain/toy.py) on 2 local processes, with an
-# event log, then the run report. Kill workers while it runs (kill -9 <pid>, or
-# python ../shared/tools/chaos.py) and the report shows each restart and its cause.
+# event log, then the run report. Kill workers while it runs (kill -9 <pid>, or put the torchrun
+# line below under `python -m elastictrain chaos --fault kill-worker -- torchrun ...`) and the
+# report shows each restart and its cause.
 #
 #   bash examples/toy/run.sh [elastictrain flags...]     e.g. --max-steps 3000 --task-option step_time=0.005
 #
