@@ -99,9 +99,10 @@ def test_the_local_tier_copies_after_steps_and_a_resume_prefers_the_newer_copy(
     ckpt.claim()
     for step in range(1, 6):
         train(s, step)
-        ckpt.after_step(step, s, durable_saved=False)
+        durable = step == 2 and ckpt.save(2, s, Reason.STEPS)
+        ckpt.after_step(step, s, durable_saved=durable)
     ckpt.finish()
-    assert ckpt.last_local == 4 and ckpt.last_committed is None
+    assert ckpt.last_local == 4 and ckpt.last_committed == 2
 
     again = checkpointer(
         tmp_path, gloo_world, checkpoint_dir=url, local_checkpoint=True,
@@ -111,4 +112,5 @@ def test_the_local_tier_copies_after_steps_and_a_resume_prefers_the_newer_copy(
     assert again.resume(fresh, CPU).step == 4
     resume = [e for e in read_events(str(tmp_path / "events.jsonl")) if e["event"] == "resume"]
     assert resume[-1]["tier"] == "local" and resume[-1]["remote_bytes"] == 0
+    assert (resume[-1]["durable_step"], resume[-1]["steps_saved"]) == (2, 2)
     again.finish()
