@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from storage.errors import (
     CheckpointCorruptError,
     CheckpointNotFoundError,
+    NewerFormatError,
     StaleWriterError,
     StorageError,
     StorageFullError,
@@ -144,6 +145,7 @@ __all__ = [
     "DataLoadError",
     "ElasticTrainError",
     "InitTimeoutError",
+    "NewerFormatError",
     "OrphanedError",
     "Preempted",
     "StaleWriterError",

@@ -11,6 +11,7 @@ from typing import Any
 from storage.errors import (
     CheckpointCorruptError,
     CheckpointNotFoundError,
+    NewerFormatError,
     StaleWriterError,
     StorageConfigError,
     StorageError,
@@ -47,6 +48,7 @@ __all__ = [
     "FileEntry",
     "ListedCheckpoint",
     "Manifest",
+    "NewerFormatError",
     "RetryPolicy",
     "StorageConfigError",
     "StorageError",

@@ -35,5 +35,10 @@ class StorageFullError(StorageUnavailableError):
     """The location ran out of space or quota while writing; earlier checkpoints are intact."""
 
 
+class NewerFormatError(StorageError):
+    """A committed checkpoint was written in a newer format than this version reads. It is never
+    skipped as corrupt, overwritten or deleted: the run stops, and an upgrade reads it."""
+
+
 class StaleWriterError(StorageError):
     """A writer from an older generation tried to commit after a newer generation took over."""

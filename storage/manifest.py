@@ -14,7 +14,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from storage.errors import CheckpointCorruptError
+from storage.errors import CheckpointCorruptError, NewerFormatError
 from storage.hashing import ALGORITHMS, DEFAULT_ALGORITHM
 
 MANIFEST_NAME = "manifest.json"
@@ -110,8 +110,16 @@ class Manifest:
     def from_json(cls, raw: bytes, where: str) -> Manifest:
         try:
             doc = json.loads(raw)
-            if doc.get("format_version") != FORMAT_VERSION:
-                raise ValueError(f"unsupported format_version {doc.get('format_version')!r}")
+            version = doc.get("format_version")
+            if isinstance(version, int) and version > FORMAT_VERSION:
+                raise NewerFormatError(
+                    f"Checkpoint {where} is in format {version}, newer than this elastictrain "
+                    f"reads (format {FORMAT_VERSION}): it was written by a later release. Nothing "
+                    "was loaded, skipped or deleted. Upgrade elastictrain to resume it, or point "
+                    "--checkpoint-dir elsewhere to start a new run."
+                )
+            if version != FORMAT_VERSION:
+                raise ValueError(f"unsupported format_version {version!r}")
             files = {
                 check_file_name(name): FileEntry.from_doc(e) for name, e in doc["files"].items()
             }

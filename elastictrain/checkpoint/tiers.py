@@ -75,6 +75,28 @@ def _logged(on_corrupt: Corrupt) -> Callable[[int, Exception | str], None]:
     return report
 
 
+def _durable_listing(
+    store: storage.CheckpointStore | None,
+    *,
+    group: dist.ProcessGroup | None,
+    rank: int,
+    on_corrupt: Corrupt,
+) -> list[storage.Manifest]:
+    """Rank 0's ranked durable manifests (empty elsewhere). A checkpoint in a newer format stops
+    every rank with the same error before anything is read or claimed: skipping it as corrupt
+    would let this older version overwrite or delete it."""
+    listed, refusal = [], None
+    if rank == 0:
+        try:
+            listed = store.ranked_manifests(on_corrupt=_logged(on_corrupt))
+        except storage.NewerFormatError as e:
+            refusal = str(e).encode()
+    refusal = edist.broadcast_bytes(refusal, group)
+    if refusal:
+        raise storage.NewerFormatError(bytes(refusal).decode())
+    return listed
+
+
 def fetch_best(
     durable: storage.CheckpointStore | None,
     local: LocalTier | None,
@@ -86,10 +108,8 @@ def fetch_best(
 ) -> Found | None:
     """The chosen checkpoint's state bytes on every rank, or None when no tier holds one.
     ``durable``: the store on rank 0 (and on every rank with ``read_all``), else None."""
-    fence, listed = 0, []
-    if rank == 0:
-        listed = durable.ranked_manifests(on_corrupt=_logged(on_corrupt))
-        fence = durable.read_fence()
+    listed = _durable_listing(durable, group=group, rank=rank, on_corrupt=on_corrupt)
+    fence = durable.read_fence() if rank == 0 else 0
     mine = {
         "fence": fence,
         "durable": [(m.generation, m.step, m.metadata.get("world_size")) for m in listed],
@@ -142,7 +162,7 @@ def fetch_sharded(
     Rank 0 proposes, all read, all agree; a bad step (any rank) makes everyone fall back to the
     next older one. (payload, manifest, bytes read), or None when there is none."""
     corrupt = _logged(on_corrupt)
-    candidates = iter(store.ranked_manifests(on_corrupt=corrupt) if rank == 0 else [])
+    candidates = iter(_durable_listing(store, group=group, rank=rank, on_corrupt=on_corrupt))
     touched = False
     while True:
         step = -1

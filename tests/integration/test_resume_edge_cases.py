@@ -281,3 +281,27 @@ def test_malicious_checkpoint_is_refused_and_never_executed(tmp_path):
     assert "UnsafeCheckpointError" in result.stderr and "Nothing was executed" in result.stderr
     assert not os.path.exists(marker)
     assert storage.open_store(ckpt).committed_steps() == [5]  # refused, not deleted
+
+
+def test_a_newer_format_stops_every_rank_with_exit_2_and_touches_nothing(launch, tmp_path):
+    """Rank 0 finds it; every rank raises the same error (not a peer's broken collective), and
+    the checkpoint is not skipped as corrupt, fenced over or deleted."""
+    import shutil
+
+    from storage.manifest import FORMAT_VERSION
+
+    ckpt = tmp_path / "c"
+    shutil.copytree(os.path.join(REPO_ROOT, "tests", "fixtures", "format1", "ddp"), ckpt)
+    manifest = ckpt / "step-000000000003" / "manifest.json"
+    doc = json.loads(manifest.read_text())
+    doc["format_version"] = FORMAT_VERSION + 1
+    manifest.write_text(json.dumps(doc))
+    before = checkpoint_files(str(ckpt))
+    job = launch(["--checkpoint-dir", str(ckpt), "--max-steps", "10"], nproc=2, max_restarts=0)
+    assert job.wait(120) != 0
+    log = job.log()
+    for rank in (0, 1):
+        line = f"[rank {rank} | step -] FAILED (exit 2): NewerFormatError: Checkpoint"
+        assert line in log, log[-3000:]
+    assert "newer than this elastictrain reads" in log
+    assert checkpoint_files(str(ckpt)) == before

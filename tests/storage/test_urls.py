@@ -64,6 +64,27 @@ def test_manifest_file_names_cannot_escape(tmp_path, name):
         open_store(str(tmp_path)).commit(1, {name: b"x"}, {})
 
 
+def test_a_newer_format_is_refused_not_corrupt_and_a_garbled_version_is_corrupt(tmp_path):
+    import json
+
+    from storage import CheckpointCorruptError, NewerFormatError
+    from storage.manifest import FORMAT_VERSION
+
+    store = open_store(str(tmp_path))
+    store.commit(1, {"s.bin": b"x"}, {})
+    path = tmp_path / "step-000000000001" / "manifest.json"
+    doc = json.loads(path.read_text())
+    for version, error in ((FORMAT_VERSION + 1, NewerFormatError), ("1", CheckpointCorruptError)):
+        path.write_text(json.dumps({**doc, "format_version": version}))
+        with pytest.raises(error):
+            store.read_manifest(1)
+    path.write_text(json.dumps({**doc, "format_version": FORMAT_VERSION + 1}))
+    seen = []
+    with pytest.raises(NewerFormatError):  # listing does not report it as corrupt and go on
+        store.ranked_manifests(on_corrupt=lambda step, e: seen.append(step))
+    assert seen == []
+
+
 def test_storage_option_values():
     from storage import StorageConfigError, parse_option
 
