@@ -66,6 +66,13 @@ class LocalBackend:
         except FileNotFoundError:
             return []
 
+    def list_sizes(self, path: str) -> dict[str, int]:
+        try:
+            with os.scandir(path) as entries:
+                return {e.name: e.stat().st_size for e in entries if e.is_file()}
+        except FileNotFoundError:
+            return {}
+
     def check_readable(self) -> None:
         if os.path.exists(self.root) and not os.access(self.root, os.R_OK | os.X_OK):
             raise PermissionError(f"cannot list {self.root!r}")

@@ -75,6 +75,18 @@ class FsspecBackend:
             return []
         return sorted(e.rstrip("/").rsplit("/", 1)[-1] for e in entries)
 
+    def list_sizes(self, path: str) -> dict[str, int]:
+        self.fs.invalidate_cache(path)
+        try:
+            entries = self.fs.ls(path, detail=True)
+        except FileNotFoundError:
+            return {}
+        return {
+            e["name"].rstrip("/").rsplit("/", 1)[-1]: int(e["size"])
+            for e in entries
+            if e.get("type") == "file"
+        }
+
     def check_readable(self) -> None:
         # A missing prefix lists as empty, but so does a missing bucket through list_names: list the
         # bucket itself (the root's first component) so that one raises FileNotFoundError.

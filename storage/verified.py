@@ -159,15 +159,16 @@ class VerifiedReads:
 
     def check_sizes(self, manifest: Manifest) -> None:
         """Every file of a committed checkpoint is there with its recorded size: the cheap check
-        (one metadata request per file) that catches a deleted or truncated shard before anyone
-        reads. Raises CheckpointCorruptError."""
+        that catches a deleted or truncated shard before anyone reads. One listing of the step
+        (paged by the server: one request per 1,000 objects on S3), not one request per file,
+        so its cost does not grow with the number of ranks that wrote shards. Raises
+        CheckpointCorruptError."""
         step_dir = self._step_dir(manifest.step)
+        sizes = self._call(
+            f"list {step_dir_name(manifest.step)}", lambda: self._backend.list_sizes(step_dir)
+        )
         for name, entry in manifest.files.items():
-            path = self._backend.join(step_dir, name)
-            try:
-                size = self._call(f"size of {name}", lambda p=path: self._backend.size(p))
-            except FileNotFoundError:
-                size = None
+            size = sizes.get(name)
             if size != entry.size:
                 found = "missing" if size is None else f"{size} bytes, manifest says {entry.size}"
                 raise CheckpointCorruptError(

@@ -316,3 +316,35 @@ def test_run_files_live_beside_checkpoints_and_are_never_taken_for_one(store):
     assert store.committed_steps() == [10] and [c.step for c in store.list()] == [10]
     assert store.apply_retention(keep_last=1, newest_good=10) == []
     assert len(store.read_history()) == 2
+
+
+def test_the_size_check_lists_the_step_once_and_names_a_missing_or_truncated_file(store):
+    """Before anyone reads a sharded checkpoint, one listing of the step (not a request per file:
+    that grew with the number of ranks) proves every file is there at its recorded size."""
+    names = {f"shard-r{r:05d}.bin": bytes([r]) * (10 + r) for r in range(12)}
+    manifest = store.commit(3, names, {"step": 3})
+    backend, listings = store._backend, []  # the backend is what a request reaches
+    real_list = backend.list_sizes
+
+    def counted(path):
+        listings.append(path)
+        return real_list(path)
+
+    def no_per_file_request(path):
+        raise AssertionError(f"a metadata request per file: {path}")
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(backend, "list_sizes", counted)
+        mp.setattr(backend, "size", no_per_file_request)
+        mp.setattr(backend, "exists", no_per_file_request)
+        store.check_sizes(manifest)
+        assert len(listings) == 1
+        _overwrite(store, 3, "shard-r00007.bin", b"short")
+        with pytest.raises(CheckpointCorruptError, match="'shard-r00007.bin' is 5 bytes"):
+            store.check_sizes(manifest)
+        backend.delete_file(backend.join(backend.root, step_dir_name(3), "shard-r00011.bin"))
+        with pytest.raises(CheckpointCorruptError, match="'shard-r00007.bin' is 5 bytes"):
+            store.check_sizes(manifest)  # the first bad file in the manifest's order is named
+        _overwrite(store, 3, "shard-r00007.bin", names["shard-r00007.bin"])
+        with pytest.raises(CheckpointCorruptError, match="'shard-r00011.bin' is missing"):
+            store.check_sizes(manifest)
