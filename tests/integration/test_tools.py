@@ -16,11 +16,22 @@ from tests.helpers.launcher import REPO_ROOT, final_state, run_single
 # (the real targets are measured by hand, docs/performance.md).
 @pytest.mark.slow
 def test_bench_overhead_gives_sane_figures(tmp_path):
-    out = run_single(
-        ["bench", "overhead", "--steps", "60", "--repeats", "1", "--json"], REPO_ROOT, 240
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    overhead = json.loads(out.stdout)
+    def measure() -> dict:
+        out = run_single(
+            ["bench", "overhead", "--steps", "60", "--repeats", "1", "--json"], REPO_ROOT, 240
+        )
+        assert out.returncode == 0, out.stderr[-3000:]
+        return json.loads(out.stdout)
+
+    def within(r: dict) -> bool:
+        return all(-0.5 < r[k] < 1.0 for k in ("runner_overhead", "local_tier_overhead"))
+
+    overhead = measure()
+    if not within(overhead):
+        # The three runs are sequential seconds on a shared 2-core machine: a burst of load from a
+        # neighbouring test can halve one run's speed (seen once in CI: the plain loop at 50 ms a
+        # step, ours at 22, then 14). A broken bench or runner is out of bounds twice.
+        overhead = measure()
     assert overhead["plain_step_s"] > 0 and overhead["elastictrain_step_s"] > 0
     ratio = overhead["elastictrain_step_s"] / overhead["plain_step_s"]
     assert overhead["runner_overhead"] == pytest.approx(ratio - 1)
