@@ -80,10 +80,8 @@ def _upgrade(argv: list[str]) -> list[str]:
     if name == "recovery" and any(a.startswith("--remote-mbps") for a in argv):
         name = "tiers"
     rest = [a for a in argv if a != old]
-    print(
-        f"warning: 'bench {' '.join(argv)}' is deprecated: use 'bench {name} {' '.join(rest)}'",
-        file=sys.stderr,
-    )
+    old_line, new_line = " ".join(["bench", *argv]), " ".join(["bench", name, *rest])
+    print(f"warning: '{old_line}' is deprecated: use '{new_line}'", file=sys.stderr)
     return [name, *rest]
 
 
