@@ -1,4 +1,4 @@
-"""A one-process gloo world and a small training state: the checkpoint layers' unit tests run the
+"""A one-process gloo world, a small model and its training state: the checkpoint layers' unit tests run the
 real collectives (broadcasts, barriers, all-gathers) without torchrun."""
 
 from __future__ import annotations
@@ -32,10 +32,29 @@ def memory_url() -> str:
     return f"memory://et-unit/{uuid.uuid4().hex}"
 
 
-def state(seed: int = 0, width: int = 8) -> TrainState:
+def build(seed: int = 0, width: int = 8):
+    """A small model, Adam and a StepLR: library mode's tests and the format-1 fixture."""
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(4, width), nn.ReLU(), nn.Linear(width, 1))
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.5)
+    return model, opt, sched
+
+
+def train_step(model, opt, sched, step: int) -> float:
+    """One optimizer step whose batch depends on ``step`` alone; the loss."""
+    g = torch.Generator().manual_seed(step)
+    x = torch.randn(16, 4, generator=g)
+    opt.zero_grad()
+    loss = (model(x) - x.sum(dim=1, keepdim=True)).pow(2).mean()
+    loss.backward()
+    opt.step()
+    sched.step()
+    return loss.item()
+
+
+def state(seed: int = 0, width: int = 8) -> TrainState:
+    model, optimizer, _ = build(seed, width)
     return TrainState(model, optimizer)
 
 

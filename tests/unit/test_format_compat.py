@@ -15,7 +15,7 @@ from elastictrain import CheckpointManager, load_checkpoint
 from elastictrain.errors import NewerFormatError
 from storage.manifest import FORMAT_VERSION
 from tests.helpers import fsdp_probe
-from tests.unit.test_manager import build
+from tests.helpers.one_process import build
 
 FIXTURES = pathlib.Path(__file__).parents[1] / "fixtures" / "format1"
 

@@ -17,25 +17,7 @@ from elastictrain import CheckpointManager, Preempted, load_checkpoint
 from elastictrain.errors import CheckpointMismatchError, ConfigError
 from elastictrain.observe.events import Event, read_events
 from tests.helpers.launcher import job_env
-
-
-def build(seed: int = 0, width: int = 8):
-    torch.manual_seed(seed)
-    model = nn.Sequential(nn.Linear(4, width), nn.ReLU(), nn.Linear(width, 1))
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.5)
-    return model, opt, sched
-
-
-def train(model, opt, sched, step: int) -> float:
-    g = torch.Generator().manual_seed(step)
-    x = torch.randn(16, 4, generator=g)
-    opt.zero_grad()
-    loss = (model(x) - x.sum(dim=1, keepdim=True)).pow(2).mean()
-    loss.backward()
-    opt.step()
-    sched.step()
-    return loss.item()
+from tests.helpers.one_process import build, train_step
 
 
 def run(url: str, steps: int, **kw) -> tuple[nn.Module, CheckpointManager]:
@@ -43,7 +25,7 @@ def run(url: str, steps: int, **kw) -> tuple[nn.Module, CheckpointManager]:
     with CheckpointManager(url, checkpoint_every_steps=4, keep_last=2, **kw) as ckpt:
         start = ckpt.resume(model, opt, sched)
         for step in range(start, steps):
-            loss = train(model, opt, sched, step)
+            loss = train_step(model, opt, sched, step)
             ckpt.step(step + 1, model, opt, sched, extra={"loss": loss, "seen": step + 1})
         ckpt.save(steps, model, opt, sched, extra={"done": True}, final=True)
     return model, ckpt
@@ -59,7 +41,7 @@ def test_custom_loop_stopped_and_resumed_equals_one_straight_run(tmp_path, async
     ) as ckpt:
         assert ckpt.resume(model, opt, sched) == 0 and ckpt.extra is None
         for step in range(10):  # then "crash": steps 9 and 10 are lost, 8 is the newest checkpoint
-            train(model, opt, sched, step)
+            train_step(model, opt, sched, step)
             ckpt.step(step + 1, model, opt, sched, extra={"seen": step + 1})
     resumed, ckpt = run(url, 20)
     for a, b in zip(straight.state_dict().values(), resumed.state_dict().values(), strict=True):
@@ -91,7 +73,7 @@ def test_crashes_resume_from_the_newest_local_copy_past_a_corrupt_one_and_end_eq
         with CheckpointManager(url, checkpoint_every_steps=4, keep_last=2, **kw) as ckpt:
             start = ckpt.resume(model, opt, sched)
             for step in range(start, steps):
-                train(model, opt, sched, step)
+                train_step(model, opt, sched, step)
                 ckpt.step(step + 1, model, opt, sched)
             if final:
                 ckpt.save(steps, model, opt, sched, final=True)
@@ -165,7 +147,7 @@ def test_sigterm_commits_the_current_step_then_stops_with_75(tmp_path):
     ckpt.resume(model, opt, sched)
     with pytest.raises(Preempted) as stopped, ckpt:
         for step in range(50):
-            train(model, opt, sched, step)
+            train_step(model, opt, sched, step)
             if step == 6:
                 os.kill(os.getpid(), signal.SIGTERM)  # the preemption, mid-loop
             ckpt.step(step + 1, model, opt, sched, extra={"seen": step + 1})
@@ -190,7 +172,7 @@ def test_time_schedule_saves_on_rank0s_clock(tmp_path):
     ckpt.resume(model, opt, sched)
     assert not ckpt.step(1, model, opt, sched)  # an hour has not passed
     ckpt._session.schedule._last -= 7200  # now it has
-    train(model, opt, sched, 1)
+    train_step(model, opt, sched, 1)
     assert ckpt.step(2, model, opt, sched) and ckpt.last_committed == 2
     ckpt.close()
 
