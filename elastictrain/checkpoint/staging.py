@@ -74,16 +74,16 @@ class Snapshot:
 
     data: memoryview
     tensor_bytes: int
-    copy_done: Any = None  # a CUDA event when the copies are still in flight
+    copy_done: list[Any] | None = None  # one CUDA event per device whose copies are in flight
     placement: list[tuple[int, int]] | None = None
     """(byte offset, byte length) of each tensor in the file, in the order they were found."""
     owner: torch.Tensor | None = None  # keeps the memory behind ``data`` alive
 
     def wait(self) -> None:
         """Block until the device-to-host copies have landed (no-op on CPU)."""
-        if self.copy_done is not None:
-            self.copy_done.synchronize()
-            self.copy_done = None
+        for event in self.copy_done or ():
+            event.synchronize()
+        self.copy_done = None
 
 
 class Staging:
@@ -91,7 +91,7 @@ class Staging:
 
     def __init__(self) -> None:
         self.buffer: torch.Tensor | None = None
-        self._stream = None
+        self._streams: dict[torch.device, Any] = {}  # one side stream per CUDA device
 
     @property
     def nbytes(self) -> int:
@@ -135,11 +135,9 @@ class Staging:
         total = tensor_bytes + len(skeleton_bytes) + len(header) + _TRAILER.size
         on_cuda = any(t.is_cuda for t in tensors)
         buffer = self._ensure(total, pin=on_cuda)
-        copy_done = None
-        if on_cuda:
-            copy_done = self._copy_on_side_stream(tensors, entries, buffer)
-        else:
-            for t, (_, shape, off, nbytes) in zip(tensors, entries, strict=True):
+        copy_done = self._copy_on_side_streams(tensors, entries, buffer) if on_cuda else None
+        for t, (_, shape, off, nbytes) in zip(tensors, entries, strict=True):
+            if not t.is_cuda:  # also the CPU tensors of a CUDA state (Adam's ``step``)
                 buffer[off : off + nbytes].view(t.dtype).view(shape).copy_(t)
         tail = skeleton_bytes + header + _TRAILER.pack(len(header), MAGIC)
         buffer[tensor_bytes:total].copy_(torch.frombuffer(bytearray(tail), dtype=torch.uint8))
@@ -151,20 +149,26 @@ class Staging:
             owner=buffer,
         )
 
-    def _copy_on_side_stream(self, tensors, entries, buffer):
-        if self._stream is None:
-            self._stream = torch.cuda.Stream()
-        current = torch.cuda.current_stream()
-        self._stream.wait_stream(current)  # copy the state as of now, after the optimizer step
-        with torch.cuda.stream(self._stream):
-            for t, (_, shape, off, nbytes) in zip(tensors, entries, strict=True):
-                dst = buffer[off : off + nbytes].view(t.dtype).view(shape)
-                dst.copy_(t, non_blocking=True)
-                t.record_stream(self._stream)
-        current.wait_stream(self._stream)  # the next step may not touch them before the copies
-        event = torch.cuda.Event()
-        event.record(self._stream)
-        return event
+    def _copy_on_side_streams(self, tensors, entries, buffer) -> list[Any]:
+        """Start the device-to-host copies of the CUDA tensors, each on a side stream of its own
+        device (a model spread over GPUs has one per device); one event per device marks them."""
+        events = []
+        for device in sorted({t.device for t in tensors if t.is_cuda}, key=str):
+            with torch.cuda.device(device):
+                stream = self._streams.setdefault(device, torch.cuda.Stream())
+                current = torch.cuda.current_stream()
+                stream.wait_stream(current)  # copy the state as of now, after the optimizer step
+                with torch.cuda.stream(stream):
+                    for t, (_, shape, off, nbytes) in zip(tensors, entries, strict=True):
+                        if t.device == device:
+                            dst = buffer[off : off + nbytes].view(t.dtype).view(shape)
+                            dst.copy_(t, non_blocking=True)
+                            t.record_stream(stream)
+                current.wait_stream(stream)  # the next step may not touch them before the copies
+                event = torch.cuda.Event()
+                event.record(stream)
+                events.append(event)
+        return events
 
 
 def _memoryview(buffer: torch.Tensor, total: int) -> memoryview:

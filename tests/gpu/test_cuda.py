@@ -28,11 +28,16 @@ def figure(name: str, **values) -> None:
     print(f"\nGPU-FIGURE {name}: {json.dumps(values)}")
 
 
-@pytest.mark.parametrize("precision", ["fp32", "fp16", "bf16"])
-def test_one_process_on_cuda_killed_and_resumed_bitwise(launch, tmp_path, precision):
+@pytest.mark.parametrize(
+    "parallel,precision",
+    [("ddp", "fp32"), ("ddp", "fp16"), ("ddp", "bf16"), ("fsdp", "fp32"), ("fsdp", "bf16")],
+)
+def test_one_process_on_cuda_killed_and_resumed_bitwise(launch, tmp_path, parallel, precision):
     """torchrun, one worker on cuda:0 with nccl; SIGKILLed mid-run, resumed from its checkpoint
-    (map_location: the rank's device); fp16 carries its GradScaler state through the restart."""
-    extra = ("--precision", precision, "--task-option", "hidden=256", "--task-option", "layers=3")
+    (map_location: the rank's device); fp16 carries its GradScaler state through the restart.
+    Under FSDP2 the sharded layout stages DTensor shards that live on the GPU."""
+    extra = ("--parallel", parallel, "--precision", precision,
+             "--task-option", "hidden=256", "--task-option", "layers=3")  # fmt: skip
     ref_dir, run_dir, ev = tmp_path / "ref", tmp_path / "run", str(tmp_path / "run.jsonl")
     ref = launch(toy_args(str(ref_dir), str(tmp_path / "ref.jsonl"), extra=extra), nproc=1)
     assert ref.wait(300) == 0, ref.log()[-3000:]
@@ -48,7 +53,7 @@ def test_one_process_on_cuda_killed_and_resumed_bitwise(launch, tmp_path, precis
     assert_bitwise_equal(got, want)
     if precision == "fp16":
         assert got["scaler"] == want["scaler"], (got["scaler"], want["scaler"])
-    figure(f"cuda-resume-{precision}", resumed_from=resumes[1]["step"], bitwise_equal=True)
+    figure(f"cuda-resume-{parallel}-{precision}", resumed_from=resumes[1]["step"], bitwise_equal=True)
 
 
 def test_pinned_side_stream_snapshot_blocks_only_for_the_device_to_host_copy():
