@@ -188,3 +188,25 @@ def launch(tmp_path):
     for job in jobs:
         if job.proc.poll() is None:
             job.kill()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """With ELASTICTRAIN_CPU_REPORT=FILE, append each test's wall and CPU seconds (its own and its
+    waited-for children's: torchrun and every worker) to FILE. The suite is CPU-bound on 2 cores,
+    so CPU, not wall time, says which test to make cheaper (CONTRIBUTING.md)."""
+    path = os.environ.get("ELASTICTRAIN_CPU_REPORT")
+    if not path:
+        yield
+        return
+    import resource
+    import time
+
+    def cpu() -> float:
+        own, kids = (resource.getrusage(w) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+        return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+    wall, used = time.monotonic(), cpu()
+    yield
+    with open(path, "a") as f:
+        f.write(f"{cpu() - used:.1f}\t{time.monotonic() - wall:.1f}\t{item.nodeid}\n")
