@@ -203,7 +203,9 @@ def pytest_runtest_protocol(item, nextitem):
     import time
 
     def cpu() -> float:
-        own, kids = (resource.getrusage(w) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+        own, kids = (
+            resource.getrusage(w) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
+        )
         return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
 
     wall, used = time.monotonic(), cpu()

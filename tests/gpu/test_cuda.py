@@ -53,7 +53,9 @@ def test_one_process_on_cuda_killed_and_resumed_bitwise(launch, tmp_path, parall
     assert_bitwise_equal(got, want)
     if precision == "fp16":
         assert got["scaler"] == want["scaler"], (got["scaler"], want["scaler"])
-    figure(f"cuda-resume-{parallel}-{precision}", resumed_from=resumes[1]["step"], bitwise_equal=True)
+    figure(
+        f"cuda-resume-{parallel}-{precision}", resumed_from=resumes[1]["step"], bitwise_equal=True
+    )
 
 
 def test_pinned_side_stream_snapshot_blocks_only_for_the_device_to_host_copy():
