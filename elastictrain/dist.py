@@ -6,9 +6,8 @@ per-attempt prefix (torch/distributed/rendezvous.py: "We create a new TCPStore f
 no need to add prefix", which is false for the shared store). A restarted worker can read the dead
 workers' gloo addresses and fail with "connectFullMesh ... Connection refused" or hang in init.
 
-Fix: rank 0 of each attempt publishes a fresh nonce; every other rank proves it joined *this*
-attempt (rank 0 must welcome the rank's own fresh nonce), and the process group is then built on
-``PrefixStore("elastictrain/<nonce>/", store)``, where no key of an earlier attempt can exist.
+Fix: ranks agree on a fresh attempt nonce (``handshake.py``), and the process group is then built
+on ``PrefixStore("elastictrain/<nonce>/", store)``, where no key of an earlier attempt can exist.
 """
 
 from __future__ import annotations
@@ -17,7 +16,6 @@ import logging
 import os
 import threading
 import time
-import uuid
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -29,21 +27,10 @@ import torch.distributed as dist
 
 from elastictrain import knobs
 from elastictrain.env import DistEnv, read_env
-from elastictrain.errors import EXIT_INIT_TIMEOUT, InitTimeoutError
+from elastictrain.errors import EXIT_INIT_TIMEOUT
+from elastictrain.handshake import Attempt, handshake
 
 logger = logging.getLogger(__name__)
-
-ATTEMPT_KEY = "elastictrain/attempt"
-_POLL_S = 0.02  # handshake poll interval: cheap TCPStore round trips
-
-
-@dataclass(frozen=True)
-class Attempt:
-    """One start of the worker group, agreed by every rank."""
-
-    nonce: str
-    generation: int
-    """Rank 0's start time in ns: increases across attempts; stored in every checkpoint."""
 
 
 def pick_device(env: DistEnv, model_devices: Sequence[torch.device] | None = None) -> torch.device:
@@ -76,56 +63,6 @@ def _base_store(env: DistEnv, timeout: float) -> dist.Store:
         timedelta(seconds=timeout),
         multi_tenant=True,
     )
-
-
-def handshake(
-    store: dist.Store, env: DistEnv, timeout: float, flag_value: float | None = None
-) -> Attempt:
-    """Agree on a fresh attempt nonce; never trusts a value left by an earlier attempt.
-
-    ``flag_value`` is the --init-timeout to name in errors when ``timeout`` is a share of it.
-    """
-    shown = f"{flag_value if flag_value is not None else timeout:.0f}s"
-    deadline = time.monotonic() + timeout
-    if env.rank == 0:
-        generation = time.time_ns()
-        nonce = f"{generation}-{uuid.uuid4().hex[:12]}-{env.world_size}"
-        store.set(ATTEMPT_KEY, nonce)
-        joins = [f"{nonce}/join/{r}" for r in range(1, env.world_size)]
-        if joins:
-            try:
-                store.wait(joins, timedelta(seconds=timeout))
-            except dist.DistStoreError as e:
-                missing = [k.rsplit("/", 1)[1] for k in joins if not store.check([k])]
-                raise InitTimeoutError(
-                    f"rank 0: ranks {missing} did not join within --init-timeout ({shown}). "
-                    "Raise --init-timeout if nodes start far apart."
-                ) from e
-            for key in joins:
-                store.set(f"{nonce}/welcome/{store.get(key).decode()}", b"1")
-        return Attempt(nonce=nonce, generation=generation)
-
-    mine = uuid.uuid4().hex
-    joined = None
-    while True:
-        if time.monotonic() >= deadline:
-            raise InitTimeoutError(
-                f"rank {env.rank}: rank 0 of this attempt did not answer within --init-timeout "
-                f"({shown}). Raise --init-timeout if nodes start far apart."
-            )
-        # check() never blocks, so a stale advertisement costs one poll, not a store timeout.
-        if store.check([ATTEMPT_KEY]):
-            nonce = store.get(ATTEMPT_KEY).decode()
-            if nonce != joined:
-                store.set(f"{nonce}/join/{env.rank}", mine)
-                joined = nonce
-            if store.check([f"{nonce}/welcome/{mine}"]):
-                if not nonce.endswith(f"-{env.world_size}"):
-                    raise InitTimeoutError(
-                        f"rank {env.rank}: attempt {nonce!r} has another world size."
-                    )
-                return Attempt(nonce=nonce, generation=int(nonce.split("-", 1)[0]))
-        time.sleep(_POLL_S)
 
 
 class _InitWatchdog:

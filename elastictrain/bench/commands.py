@@ -18,6 +18,7 @@ BENCHES = {
     "tiers": ("tiers", "the local tier against a slow durable tier, side by side", "256MB"),
     "overhead": ("overhead", "the runner's per-step cost against a plain DDP loop", None),
     "loader": ("loader", "loader workers against in-process loading", None),
+    "scale": ("scale", "the real protocol for W simulated ranks, W up to 8,192", None),
 }
 
 # The boolean flags of earlier releases, accepted for one more with a warning.
@@ -40,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
             b.add_argument(
                 "--size", type=parse_size, default=parse_size(size), help=f"state size ({size})"
             )
-        if name != "recovery":
+        if name not in ("recovery", "scale"):
             b.add_argument(
                 "--repeats", type=int, default=3, help="runs per figure; the median is shown (3)"
             )
@@ -68,6 +69,18 @@ def build_parser() -> argparse.ArgumentParser:
     loader.add_argument("--load-ms", type=float, default=50.0, help="load time per batch (50)")
     loader.add_argument("--compute-ms", type=float, default=50.0, help="compute per step (50)")
     loader.add_argument("--steps", type=int, default=60, help="steps per run (60)")
+    scale = benches["scale"]
+    scale.add_argument(
+        "--worlds", default="8,64,512,4096,8192", metavar="W,W,...",
+        type=lambda text: [int(w) for w in text.split(",")],
+        help="world sizes to simulate (8,64,512,4096,8192)",
+    )  # fmt: skip
+    scale.add_argument("--latency-ms", type=float, default=20.0, help="per storage request (20)")
+    scale.add_argument("--tensors", type=int, default=3000, help="sharded tensors (3000)")
+    scale.add_argument(
+        "--budget-s", type=float, default=120.0,
+        help="skip a phase at a W where its growth says it would take longer (120)",
+    )  # fmt: skip
     return p
 
 
@@ -99,6 +112,8 @@ def main(argv: list[str]) -> int:
         return bench.main(args.size, args.json)
     if args.bench == "tiers":
         return bench.main(args.size, args.remote_mbps, args.repeats, args.json)
+    if args.bench == "scale":
+        return bench.main(args.worlds, args.latency_ms, args.tensors, args.budget_s, args.json)
     if args.bench == "overhead":
         return bench.main(args.steps, args.repeats, args.json)
     return bench.main(

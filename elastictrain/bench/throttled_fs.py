@@ -1,14 +1,20 @@
-"""A slow remote for ``bench --recovery --remote-mbps``: ``throttled://PATH``, a local folder
-reached at a fixed bandwidth, through the same fsspec code path as S3 (not the local backend).
+"""A slow remote for the benches: ``throttled://PATH``, a local folder reached at a fixed bandwidth
+and, for ``bench scale``, a fixed latency per request, through the same fsspec code path as S3 (not
+the local backend). It counts requests as S3 would bill them: a listing is one request per 1,000
+names (S3's page), and the metadata a listing returns costs nothing more.
 
 Workers import this module through ``--task elastictrain.bench.throttled_fs:make_task``, which
 registers the protocol and returns the toy task. ``ET_THROTTLE_BPS`` sets the bytes per second
 of each process's link (reads and writes share it); every state-file byte read is appended as
 ``pid<TAB>bytes<TAB>path`` to ``ET_THROTTLE_LOG``, so the bench counts what a resume read.
+``ET_THROTTLE_LATENCY_MS`` adds that many milliseconds to every request (a sleep, so requests made
+in parallel overlap as they would against S3); ``REQUESTS`` and ``BYTES`` count them in-process.
 """
 
 from __future__ import annotations
 
+import collections
+import math
 import os
 import threading
 import time
@@ -20,6 +26,33 @@ from elastictrain.toy import make_task as make_toy_task
 
 _lock = threading.Lock()
 _link_free_at = 0.0
+_inside = threading.local()  # a request made inside another (ls calls info) is not a second one
+REQUESTS: collections.Counter = collections.Counter()  # kind (put, get, head, list, delete) -> n
+BYTES: collections.Counter = collections.Counter()  # "read", "written" -> bytes, this process
+
+
+def _request(kind: str, pages: int = 1) -> bool:
+    """Count (and delay) one request unless this thread is already inside one."""
+    if getattr(_inside, "depth", 0):
+        return False
+    with _lock:
+        REQUESTS[kind] += pages
+    latency_ms = float(os.environ.get("ET_THROTTLE_LATENCY_MS", "0") or 0)
+    if latency_ms:
+        time.sleep(pages * latency_ms / 1e3)
+    return True
+
+
+class _Request:
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+
+    def __enter__(self):
+        _request(self.kind)
+        _inside.depth = getattr(_inside, "depth", 0) + 1
+
+    def __exit__(self, *exc):
+        _inside.depth -= 1
 
 
 def _throttle(nbytes: int, bps: float) -> None:
@@ -55,7 +88,8 @@ class ThrottledFileSystem(LocalFileSystem):
         # ``value`` may be bytes or the backend's sliceable view of a big payload (what s3fs
         # uploads in parts): written here 8 MB at a time, each part through the link.
         part = 8 << 20
-        with super()._open(path, "wb") as f:
+        with _Request("put"), super()._open(path, "wb") as f:
+            BYTES["written"] += len(value)
             for start in range(0, len(value), part):
                 chunk = value[start : start + part]
                 self._pass(len(chunk))
@@ -64,8 +98,31 @@ class ThrottledFileSystem(LocalFileSystem):
     def _open(self, path, mode="rb", **kwargs):
         # Every read goes through here: whole-file reads (``cat_file`` opens and reads) and
         # chunked ones (``readinto``), so each byte is counted and throttled once.
+        if "r" in mode:
+            _request("get")
         f = super()._open(path, mode=mode, **kwargs)
         return _Reader(f, str(path), self) if "r" in mode else f
+
+    def info(self, path, **kwargs):
+        with _Request("head"):
+            return super().info(path, **kwargs)
+
+    def ls(self, path, detail=False, **kwargs):
+        _inside.depth = getattr(_inside, "depth", 0) + 1
+        try:
+            entries = super().ls(path, detail=detail, **kwargs)
+        finally:
+            _inside.depth -= 1
+        _request("list", pages=max(1, math.ceil(len(entries) / 1000)))
+        return entries
+
+    def rm_file(self, path):
+        with _Request("delete"):
+            return super().rm_file(path)
+
+    def rm(self, path, recursive=False, maxdepth=None):
+        with _Request("delete"):
+            return super().rm(path, recursive=recursive, maxdepth=maxdepth)
 
     def _pass(self, nbytes: int) -> None:
         bps = float(os.environ.get(self.bps_env, "0")) if self.bps_env else 0.0
@@ -85,6 +142,7 @@ class _Reader:
         self._f, self._path, self._fs = f, path, fs
 
     def _got(self, n: int) -> None:
+        BYTES["read"] += n
         self._fs._pass(n)
         self._fs._record(n, self._path)
 

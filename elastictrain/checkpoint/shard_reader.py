@@ -28,7 +28,15 @@ from torch.distributed.checkpoint.storage import StorageReader
 
 import storage
 from elastictrain.checkpoint import state as tstate
-from elastictrain.checkpoint.sharded import INDEX_FORMAT, capture, join, split
+from elastictrain.checkpoint.sharded import (
+    INDEX_FORMAT,
+    RULE_INDEX_FORMAT,
+    capture,
+    join,
+    rows_of,
+    shard_file,
+    split,
+)
 from elastictrain.errors import CheckpointMismatchError
 
 
@@ -40,32 +48,89 @@ class Index:
     def parse(cls, raw: bytes | memoryview, where: str) -> Index:
         try:
             doc = json.loads(bytes(raw))
-            if doc.get("format") != INDEX_FORMAT:
+            if doc.get("format") not in (INDEX_FORMAT, RULE_INDEX_FORMAT):
                 raise ValueError(f"unsupported index format {doc.get('format')!r}")
         except (ValueError, AttributeError) as e:
             raise storage.CheckpointCorruptError(f"Index of {where} is unreadable: {e}.") from e
         return cls(doc)
 
-    def metadata(self) -> Metadata:
-        """DCP's ``Metadata``, so its load planner can compute what each rank reads."""
+    @property
+    def by_rule(self) -> bool:
+        return self.doc["format"] == RULE_INDEX_FORMAT
+
+    def metadata(self, targets: dict[str, torch.Tensor] | None = None) -> Metadata:
+        """DCP's ``Metadata``, so its load planner can compute what each rank reads. By the row
+        rule, only the saved chunks that ``targets`` (this rank's tensors) overlap: a rank's plan
+        then costs the same at any saved world size."""
         state_dict_metadata, storage_data = {}, {}
-        for fqn, t in self.doc["tensors"].items():
-            chunks = []
-            for i, c in enumerate(t["chunks"]):
-                chunks.append(
+        saved = self.doc["tensors"]
+        wanted_fqns = saved if targets is None else [f for f in targets if f in saved]
+        for fqn in wanted_fqns:
+            t = saved[fqn]
+            if self.by_rule:
+                wanted = _rows_wanted(targets.get(fqn) if targets else None, t)
+                chunks = self._rule_chunks(fqn, t, wanted)
+            else:
+                chunks = t["chunks"]
+            listed = []
+            for i, c in enumerate(chunks):
+                listed.append(
                     ChunkStorageMetadata(torch.Size(c["offsets"]), torch.Size(c["sizes"]))
                 )
                 storage_data[MetadataIndex(fqn, torch.Size(c["offsets"]), i)] = {
                     **c,
+                    "fqn": fqn,
                     "dtype": t["dtype"],
                 }
             state_dict_metadata[fqn] = TensorStorageMetadata(
-                TensorProperties(dtype=getattr(torch, t["dtype"])), torch.Size(t["size"]), chunks
+                TensorProperties(dtype=getattr(torch, t["dtype"])), torch.Size(t["size"]), listed
             )
         return Metadata(state_dict_metadata=state_dict_metadata, storage_data=storage_data)
 
+    def _rule_chunks(self, fqn: str, t: dict[str, Any], wanted: tuple[int, int]):
+        rows, world = t["size"][0], self.doc["world"]
+        per = -(-rows // world)
+        lo, hi = wanted
+        if hi <= lo:
+            return []
+        chunks = []
+        for rank in range(lo // per, min(world, (hi - 1) // per + 1)):
+            first, count = rows_of(rows, world, rank)
+            if count:
+                chunks.append({
+                    "offsets": [first, *[0] * (len(t["size"]) - 1)],
+                    "sizes": [count, *t["size"][1:]],
+                    "file": shard_file(rank, self.doc["generation"]),
+                })  # fmt: skip
+        return chunks
+
+    def chunk_count(self, fqn: str) -> int:
+        """How many ranks saved a part of this tensor."""
+        t = self.doc["tensors"][fqn]
+        if not self.by_rule:
+            return len(t["chunks"])
+        return len(self._rule_chunks(fqn, t, (0, t["size"][0])))
+
+    def table_of(self, file: str) -> str:
+        """The table (chunks and block digests) of a shard file."""
+        if self.by_rule:
+            return file.replace("shard-", "part-", 1).removesuffix(".bin") + ".json"
+        return self.doc["files"][file]
+
     def global_shapes(self) -> dict[str, tuple[int, ...]]:
         return {fqn: tuple(t["size"]) for fqn, t in self.doc["tensors"].items()}
+
+
+def _rows_wanted(target: torch.Tensor | None, saved: dict[str, Any]) -> tuple[int, int]:
+    """The rows [lo, hi) of the saved tensor that ``target`` covers: a DTensor's local chunk, else
+    all of them."""
+    rows = saved["size"][0]
+    chunk_list = getattr(target, "__create_chunk_list__", None)
+    if chunk_list is None:
+        return 0, rows
+    (chunk,) = chunk_list()
+    lo = chunk.offsets[0] if len(chunk.offsets) else 0
+    return lo, lo + (chunk.sizes[0] if len(chunk.sizes) else rows)
 
 
 class ShardReader(StorageReader):
@@ -76,7 +141,7 @@ class ShardReader(StorageReader):
         self.store, self.manifest, self.index = store, manifest, index
         self.bytes_read = 0
         self._storage_data: dict[MetadataIndex, dict[str, Any]] = {}
-        self._reports: dict[str, dict[str, Any]] = {}  # shard file -> its part report
+        self._reports: dict[str, tuple] = {}  # shard file -> (its table, its chunks by fqn)
 
     def reset(self, checkpoint_id: Any = None) -> None:
         self.bytes_read = 0
@@ -98,21 +163,19 @@ class ShardReader(StorageReader):
         return False
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future[None]:
-        by_file: dict[str, list[tuple[ReadItem, dict[str, Any], tuple[int, int]]]] = {}
+        by_file: dict[str, list[tuple[ReadItem, dict[str, Any]]]] = {}
         for req in plan.items:
             chunk = self._storage_data[req.storage_index]
-            by_file.setdefault(chunk["file"], []).append((req, chunk, _byte_range(req, chunk)))
+            by_file.setdefault(chunk["file"], []).append((req, chunk))
         for name, reqs in by_file.items():
-            if name not in self._reports:  # once per file: a reader may read a tensor at a time
-                self._reports[name] = json.loads(
-                    bytes(self.store.read_file(self.manifest, self.index.doc["files"][name]))
-                )
-            report = self._reports[name]
-            views, n = self.store.read_ranges(
-                self.manifest, name, report["blocks"], [r for _, _, r in reqs]
-            )
+            table, by_fqn = self._table(name)
+            # Where each chunk's bytes are: in the index (format 1) or in the file's table.
+            located = [(req, {**by_fqn[c["fqn"]], **c} if "offset" not in c else c)
+                       for req, c in reqs]  # fmt: skip
+            ranges = [_byte_range(req, c) for req, c in located]
+            views, n = self.store.read_ranges(self.manifest, name, table["blocks"], ranges)
             self.bytes_read += n
-            for req, chunk, byte_range in reqs:
+            for (req, chunk), byte_range in zip(located, ranges, strict=True):
                 source = _as_tensor(views[byte_range], req, chunk)
                 target = planner.resolve_tensor(req).detach()
                 target.copy_(source)
@@ -120,6 +183,17 @@ class ShardReader(StorageReader):
         done: torch.futures.Future[None] = torch.futures.Future()
         done.set_result(None)
         return done
+
+    def _table(self, name: str) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+        """A shard file's table, read and verified once (a reader may read a tensor at a time)."""
+        if name not in self._reports:
+            table = json.loads(
+                bytes(self.store.read_file(self.manifest, self.index.table_of(name)))
+            )
+            by_fqn = {c["fqn"]: {"offset": c["offset"], "nbytes": c["nbytes"]}
+                      for c in table["chunks"]}  # fmt: skip
+            self._reports[name] = (table, by_fqn)
+        return self._reports[name]
 
 
 def _byte_range(req: ReadItem, chunk: dict[str, Any]) -> tuple[int, int]:
@@ -155,7 +229,7 @@ def read_chunks(reader: ShardReader, targets: dict[str, torch.Tensor]) -> None:
     """Fill ``targets`` (DTensors at this world size, or whole tensors) from the checkpoint, in
     place, through DCP's load planner; nothing is collective."""
     planner = DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
-    metadata = reader.read_metadata()
+    metadata = reader.index.metadata(targets)
     planner.set_up_planner(targets, metadata, True)
     reader.set_up_storage_reader(metadata, True)
     plan = planner.create_local_plan()

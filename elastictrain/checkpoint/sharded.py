@@ -4,12 +4,20 @@ A sharded checkpoint of step N, written by W ranks of generation g:
 
     step-N/shard-r00000-gg.bin   rank r's local shards, in the flat format of ``staging``,
     step-N/shard-r00001-gg.bin   hashed in 64 KiB blocks (so any byte range verifies alone)
-    step-N/part-r0000r-gg.json   rank r's report, once its shard is durable: its chunks and the
+    step-N/part-r0000r-gg.json   rank r's table: its chunks, where their bytes are, and the
                                  shard's block digests (whose SHA-256 is the shard's hash)
+    step-N/done-r0000r-gg.json   rank r's receipt, last: both files are durable, their sizes and
+                                 hashes, and whether its chunks follow the row rule (below)
     step-N/common-gg.bin         rank 0: everything not sharded (steps, LR, scheduler, buffers)
-    step-N/index-gg.json         rank 0: DCP's metadata as JSON (each tensor's global shape, the
-                                 chunk each rank wrote, where its bytes are)
-    step-N/manifest.json         rank 0, last: every file above, sizes and hashes
+    step-N/index-gg.json         rank 0: each tensor's global shape and how it is split
+    step-N/manifest.json         rank 0, last: every file above but the receipts, sizes and hashes
+
+The index, format 2: FSDP2 splits every tensor by rows over the W ranks as ``torch.chunk`` does
+(rank r holds rows [r c, (r + 1) c), c = ceil(n / W)), so a tensor is one line (``"split":
+"rows"``) and each rank's chunk is computed, not listed: the index does not grow with W, rank 0
+reads W receipts of ~300 bytes at commit (not W tables), and a rank planning a resume looks only
+at the saved chunks its new rows overlap. A sharding that breaks the rule on any rank gets the
+explicit index of format 1 (every chunk listed), which rank 0 builds from every rank's table.
 
 Why our own storage under DCP's planner, and not ``dcp.save``/``dcp.load``: DCP's planners own
 the hard part (which chunk of which tensor each rank holds, and what overlaps what at another world
@@ -41,7 +49,8 @@ BLOCK_BYTES = 64 << 10
 """Hash granularity of shard files: a ranged read over-reads at most one block at each end of each
 span. Small enough that a rank resuming at another world size reads little it does not need; the
 digests (about 1/1000 of the shard as hex) stay in each rank's report."""
-INDEX_FORMAT = "elastictrain-sharded/1"
+INDEX_FORMAT = "elastictrain-sharded/1"  # every chunk of every tensor listed
+RULE_INDEX_FORMAT = "elastictrain-sharded/2"  # split by the row rule; irregular ones never here
 _MARK = "__et_dtensor__"
 
 
@@ -51,6 +60,10 @@ def shard_file(rank: int, generation: int) -> str:
 
 def part_file(rank: int, generation: int) -> str:
     return f"part-r{rank:05d}-g{generation}.json"
+
+
+def receipt_file(rank: int, generation: int) -> str:
+    return f"done-r{rank:05d}-g{generation}.json"
 
 
 def common_file(generation: int) -> str:
@@ -175,6 +188,43 @@ def part_report(
             "chunks": chunks,
         }
     ).encode()
+
+
+def rows_of(rows: int, world: int, rank: int) -> tuple[int, int]:
+    """(first row, row count) of ``rank``'s chunk under the row rule (``torch.chunk``'s, which
+    DTensor's ``Shard(0)`` follows)."""
+    per = -(-rows // world)
+    first = min(rows, rank * per)
+    return first, max(0, min(rows, first + per) - first)
+
+
+def follows_row_rule(chunks: list[dict[str, Any]], world: int, rank: int) -> bool:
+    """Whether every chunk of this rank is the row rule's: offsets and sizes computable from the
+    global size, W and the rank alone. Checked on every rank at save, so the rule is never assumed."""
+    for c in chunks:
+        size = c["size"]
+        if not size or not size[0]:
+            return False
+        first, count = rows_of(size[0], world, rank)
+        if c["offsets"] != [first, *[0] * (len(size) - 1)] or c["sizes"] != [count, *size[1:]]:
+            return False
+    return True
+
+
+def receipt(shard: Any, part: Any, regular: bool) -> bytes:
+    """Rank r's receipt, written after its shard and table: what rank 0's commit needs of it."""
+    return json.dumps({"shard": shard.to_doc(), "part": part.to_doc(), "regular": regular}).encode()
+
+
+def build_rule_index(
+    chunks: list[dict[str, Any]], common: str, world: int, generation: int
+) -> bytes:
+    """Rank 0 at commit, when every rank's chunks follow the row rule: one line per tensor, from
+    rank 0's own chunks (it holds a chunk of every tensor: the rule gives rank 0 the first rows)."""
+    tensors = {c["fqn"]: {"dtype": c["dtype"], "size": c["size"], "split": "rows"} for c in chunks}
+    doc = {"format": RULE_INDEX_FORMAT, "common": common, "world": world,
+           "generation": generation, "tensors": tensors}  # fmt: skip
+    return json.dumps(doc, separators=(",", ":")).encode()
 
 
 def build_index(parts: list[dict[str, Any]], common: str, generation: int) -> bytes:

@@ -139,7 +139,7 @@ def _sharded_tensors(store: storage.CheckpointStore, manifest: storage.Manifest)
         for fqn, t in index.doc["tensors"].items()
     }
     rows = _tensors(sharded.join(common, metas))
-    chunks = {fqn.replace("/", "."): len(t["chunks"]) for fqn, t in index.doc["tensors"].items()}
+    chunks = {fqn.replace("/", "."): index.chunk_count(fqn) for fqn in index.doc["tensors"]}
     for row in rows:
         if row["name"] in chunks:
             row["shards"] = chunks[row["name"]]

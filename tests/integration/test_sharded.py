@@ -34,12 +34,20 @@ def _shards(step_dir: str) -> list[str]:
     return sorted(f for f in os.listdir(step_dir) if f.startswith("shard-") and f.endswith(".bin"))
 
 
+def _index_format(step_dir: str) -> str:
+    (name,) = [f for f in os.listdir(step_dir) if f.startswith("index-")]
+    with open(os.path.join(step_dir, name)) as f:
+        return json.load(f)["format"]
+
+
 @pytest.mark.slow
 def test_fsdp_checkpoint_saved_at_2_resumes_at_1_and_3_with_exact_state(launch, tmp_path):
     ckpt, ref = str(tmp_path / "ckpt"), str(tmp_path / "saved.pt")
     saver = launch(["save", ckpt, ref, "12"], nproc=2, entry=PROBE, name="save")
     assert saver.wait(120) == 0, saver.log()[-3000:]
     assert len(_shards(os.path.join(ckpt, step_dir_name(12)))) == 2
+    # Real FSDP2 shards follow the row rule, so the index lists tensors, not chunks (format 2).
+    assert _index_format(os.path.join(ckpt, step_dir_name(12))) == sharded.RULE_INDEX_FORMAT
     jobs = {}
     for world in (1, 3):  # both at once: each on its own copy
         copy = str(tmp_path / f"at-{world}")
@@ -53,6 +61,8 @@ def test_fsdp_checkpoint_saved_at_2_resumes_at_1_and_3_with_exact_state(launch, 
         assert seen == {"world_size": world, "resumed": 12, "differs": [], "tensors": 24}, seen
         # Training went on at the new size: its checkpoint has one shard per rank.
         assert len(_shards(os.path.join(str(tmp_path / f"at-{world}"), step_dir_name(15)))) == world
+        at = os.path.join(str(tmp_path / f"at-{world}"), step_dir_name(15))
+        assert _index_format(at) == sharded.RULE_INDEX_FORMAT  # uneven rows at 3 ranks too
 
 
 def _kill_while_shards_are_written(job, ckpt: str, after: int, timeout: float) -> int:

@@ -1,5 +1,5 @@
 """elastictrain.checkpoint.layouts: rank 0's commit gate for sharded checkpoints commits only with
-every rank's report, and a rank that gave up (or never reports) leaves the step uncommitted
+every rank's receipt, and a rank that gave up (or never reports) leaves the step uncommitted
 instead of hanging."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 import storage
 from elastictrain.checkpoint import sharded
@@ -16,7 +17,7 @@ from elastictrain.checkpoint.layouts import ShardedLayout, ShardsMissingError
 
 
 def _report(store, rank: int, generation: int = 7) -> None:
-    store.write_note(3, sharded.part_file(rank, generation), json.dumps({"rank": rank}).encode())
+    store.write_note(3, sharded.receipt_file(rank, generation), json.dumps({"rank": rank}).encode())
 
 
 def test_waits_until_every_rank_reported(tmp_path):
@@ -30,7 +31,7 @@ def test_waits_until_every_rank_reported(tmp_path):
     t0 = time.monotonic()
     parts = layout.wait_for_reports(store, 3, 7, lambda s: False, deadline_s=10)
     assert time.monotonic() - t0 >= 0.25
-    assert [p["rank"] for p, _ in parts] == [0, 1, 2]
+    assert [p["rank"] for p in parts] == [0, 1, 2]
 
 
 def test_a_rank_that_gave_up_ends_the_wait_without_a_commit(tmp_path):
@@ -43,3 +44,113 @@ def test_a_rank_that_gave_up_ends_the_wait_without_a_commit(tmp_path):
     assert not store.is_committed(3)
     # Skippable under --on-storage-failure warn, like any storage outage.
     assert isinstance(ShardsMissingError("x"), storage.StorageUnavailableError)
+
+
+# -- the index: by the row rule when every rank follows it, else every chunk listed -------------
+def _save(store, world: int, *, step: int = 5, generation: int = 9, irregular: bool = False):
+    """W ranks' shards of 4 tensors of 100-103 rows, split by rows as FSDP2 splits them (rank r's
+    rows hold 100 r + tensor number), each rank's write, then rank 0's commit. ``irregular``
+    moves one row of the first tensor from the last rank to the one before: a complete split
+    that is not the rule's."""
+    from elastictrain.checkpoint.layouts import ShardSnap
+    from elastictrain.checkpoint.staging import Staging
+
+    sizes = {f"model/w{i}": [100 + i, 3] for i in range(4)}
+    snaps = []
+    for rank in range(world):
+        tensors, chunks = {}, []
+        for i, (fqn, size) in enumerate(sizes.items()):
+            first, count = sharded.rows_of(size[0], world, rank)
+            if not count:
+                continue
+            if irregular and i == 0 and rank >= world - 2:
+                first, count = (first, count + 1) if rank == world - 2 else (first + 1, count - 1)
+            tensors[fqn] = torch.full((count, 3), float(100 * rank + i))
+            chunks.append({"fqn": fqn, "dtype": "float32", "size": size,
+                           "offsets": [first, 0], "sizes": [count, 3]})  # fmt: skip
+        snap = ShardSnap(sharded.LocalShards(tensors, chunks), Staging().snapshot(tensors),
+                         Staging().snapshot({"step": step}) if rank == 0 else None)  # fmt: skip
+        ShardedLayout(rank, world).write_own(store, step, snap, generation)
+        snaps.append(snap)
+    return ShardedLayout(0, world).commit(
+        store, step, snaps[0], generation, {}, before_commit=lambda: None,
+        abandoned=lambda s: False, deadline_s=10,
+    )  # fmt: skip
+
+
+def _whole(store, manifest) -> dict[str, torch.Tensor]:
+    """Every saved tensor, whole, read through the reader the runner uses (ranges, verified)."""
+    from elastictrain.checkpoint import shard_reader
+
+    index, _ = shard_reader.read_common(store, manifest, "cpu")
+    targets = {f[len("model/") :]: torch.empty(t["size"]) for f, t in index.doc["tensors"].items()}
+    reader = shard_reader.ShardReader(store, manifest, index)
+    shard_reader.read_chunks(reader, {f"model/{k}": v for k, v in targets.items()})
+    return targets
+
+
+def test_a_regular_split_commits_an_index_that_does_not_grow_with_w_and_reads_back_exactly(
+    tmp_path,
+):
+
+    index_bytes = {}
+    for world in (4, 32):
+        store = storage.open_store(f"memory://layouts-{world}-{time.monotonic_ns()}")
+        manifest = _save(store, world)
+        raw = store.read_file(manifest, manifest.metadata["index_file"])
+        assert json.loads(raw)["format"] == sharded.RULE_INDEX_FORMAT
+        index_bytes[world] = len(raw)
+        whole = _whole(store, manifest)
+        for i in range(4):
+            rows = whole[f"w{i}"]
+            owner = [sharded.rows_of(rows.shape[0], world, r) for r in range(world)]
+            want = torch.cat([torch.full((n, 3), float(100 * r + i)) for r, (_, n) in
+                              enumerate(owner)])  # fmt: skip
+            assert torch.equal(rows, want), (world, i)
+    # One line per tensor, whatever W: only the digits of "world" differ.
+    assert index_bytes[32] - index_bytes[4] == 1, index_bytes
+
+
+def test_a_rank_resuming_at_another_world_size_plans_only_the_chunks_its_rows_overlap(tmp_path):
+    from elastictrain.checkpoint import shard_reader
+
+    store = storage.open_store(str(tmp_path / "c"))
+    manifest = _save(store, 32)
+    index = shard_reader.Index.parse(store.read_file(manifest, manifest.metadata["index_file"]), "")
+
+    class Rows(torch.Tensor):  # what a DTensor tells DCP about its local chunk: rows 16..31
+        pass
+
+    target = torch.empty(16, 3)
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+    target.__create_chunk_list__ = lambda: [ChunkStorageMetadata(torch.Size([16, 0]),
+                                                                 torch.Size([16, 3]))]  # fmt: skip
+    md = index.metadata({"model/w0": target})
+    assert list(md.state_dict_metadata) == ["model/w0"]
+    saved = md.state_dict_metadata["model/w0"].chunks
+    assert [c.offsets[0] for c in saved] == [16, 20, 24, 28]  # 4 rows a rank: 4 of 32 ranks
+
+
+def test_an_irregular_split_on_any_rank_gets_every_chunk_listed_and_still_reads_exactly(tmp_path):
+
+    store = storage.open_store(str(tmp_path / "c"))
+    manifest = _save(store, 4, irregular=True)
+    doc = json.loads(store.read_file(manifest, manifest.metadata["index_file"]))
+    assert doc["format"] == sharded.INDEX_FORMAT
+    assert [c["offsets"][0] for c in doc["tensors"]["model/w0"]["chunks"]] == [0, 25, 50, 76]
+    w0 = _whole(store, manifest)["w0"]
+    assert torch.equal(w0[50:76], torch.full((26, 3), 200.0))
+    assert torch.equal(w0[76:], torch.full((24, 3), 300.0))
+
+
+def test_a_shard_table_with_a_bad_digest_is_refused_before_any_range_is_trusted(tmp_path):
+
+    store = storage.open_store(str(tmp_path / "c"))
+    manifest = _save(store, 4)
+    table = tmp_path / "c" / "step-000000000005" / sharded.part_file(2, 9)
+    doc = json.loads(table.read_text())
+    doc["blocks"][0] = "0" * len(doc["blocks"][0])  # a digest that would accept other bytes
+    table.write_text(json.dumps(doc))
+    with pytest.raises(storage.CheckpointCorruptError):
+        _whole(store, manifest)

@@ -1,0 +1,156 @@
+"""The restart handshake on a real TCPStore: stale attempts are never trusted, and each rank makes
+the same few store requests however many ranks there are and however late rank 0 comes."""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from elastictrain.env import DistEnv
+from elastictrain.errors import InitTimeoutError
+from elastictrain.handshake import ATTEMPT_KEY, handshake
+
+
+def _env(rank: int, world: int) -> DistEnv:
+    return DistEnv(
+        rank=rank,
+        world_size=world,
+        local_rank=rank,
+        local_world_size=world,
+        master_addr="127.0.0.1",
+        master_port=0,
+        restart_count=1,
+        max_restarts=3,
+        run_id="t",
+        use_agent_store=True,
+        launched_by_torchrun=True,
+    )
+
+
+@pytest.fixture
+def server():
+    return dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=10))
+
+
+def _client(server) -> dist.TCPStore:
+    return dist.TCPStore("127.0.0.1", server.port, None, False, timedelta(seconds=10))
+
+
+def test_stale_advertisement_is_not_trusted(server):
+    # What a killed attempt leaves behind in torchrun's long-lived store.
+    stale = "1000-deadbeef0000-3"
+    server.set(ATTEMPT_KEY, stale)
+    server.set(f"{stale}/join/1", "old-rank-1")
+    server.set(f"{stale}/welcome/old-rank-1", "1")
+    results = {}
+
+    def run(rank):
+        results[rank] = handshake(_client(server), _env(rank, 3), timeout=20)
+
+    late_zero = threading.Thread(target=run, args=(0,))
+    others = [threading.Thread(target=run, args=(r,)) for r in (1, 2)]
+    for t in others:
+        t.start()
+    time.sleep(0.5)  # ranks 1 and 2 have read (and joined) the stale attempt by now
+    late_zero.start()
+    for t in [*others, late_zero]:
+        t.join(30)
+    assert len(results) == 3
+    nonces = {a.nonce for a in results.values()}
+    assert len(nonces) == 1 and stale not in nonces
+    assert results[0].generation > 1000
+
+
+def _run_all(server, world: int, *, rank0_late_s: float = 0.0, wrap=lambda store, rank: store):
+    results, errors = {}, []
+
+    def run(rank):
+        try:
+            store = wrap(_client(server), rank)
+            results[rank] = handshake(store, _env(rank, world), timeout=20)
+        except Exception as e:  # reported by the assertion below, with the rank
+            errors.append((rank, e))
+
+    others = [threading.Thread(target=run, args=(r,)) for r in range(1, world)]
+    for t in others:
+        t.start()
+    time.sleep(rank0_late_s)
+    zero = threading.Thread(target=run, args=(0,))
+    zero.start()
+    for t in [*others, zero]:
+        t.join(30)
+    assert not errors and len(results) == world, (errors, sorted(results))
+    return results
+
+
+def test_a_finished_attempt_left_in_the_store_is_not_joined(server):
+    """A dead attempt that completed (every rank counted in, welcomed) is what a restart finds:
+    a rank that reads it before the new rank 0 speaks must wait for the new one, not train in it."""
+    stale = "1000-feedfacecafe-3"
+    server.set(ATTEMPT_KEY, stale)
+    server.add(f"{stale}/joined", 2)
+    server.set(f"{stale}/all-joined", "1")
+    server.set(f"{stale}/outcome", "welcome")
+    results = _run_all(server, 3, rank0_late_s=0.5)
+    nonces = {a.nonce for a in results.values()}
+    assert len(nonces) == 1 and stale not in nonces, nonces
+
+
+def test_an_attempt_of_another_world_size_is_not_joined(server):
+    """After the world grows from 2 ranks to 3, the finished 2-rank attempt is left behind: its
+    count (1) is not full for 3 ranks, so only the world size in its nonce tells it apart."""
+    stale = "1000-0123456789ab-2"
+    server.set(ATTEMPT_KEY, stale)
+    server.add(f"{stale}/joined", 1)
+    server.set(f"{stale}/all-joined", "1")
+    server.set(f"{stale}/outcome", "welcome")
+    results = _run_all(server, 3, rank0_late_s=0.5)
+    nonces = {a.nonce for a in results.values()}
+    assert len(nonces) == 1 and stale not in nonces and nonces.pop().endswith("-3")
+
+
+class _Counting:
+    """A store client that counts its requests."""
+
+    def __init__(self, store, counts, rank):
+        self._store, self._counts, self._rank = store, counts, rank
+
+    def __getattr__(self, name):
+        fn = getattr(self._store, name)
+
+        def counted(*args, **kwargs):
+            self._counts[self._rank] += 1
+            return fn(*args, **kwargs)
+
+        return counted
+
+
+def test_each_rank_makes_a_few_requests_however_late_rank0_is_and_however_many_ranks():
+    """No polling: ranks that wait a second for rank 0 make as few requests as ranks that do not,
+    and the count per rank is the same at 4 and 24 ranks (polling every 20 ms made 50 a second)."""
+    import collections
+
+    per_rank = {}
+    for world, late in ((4, 0.0), (24, 1.0)):
+        counts = collections.Counter()
+        wrap = lambda store, rank, counts=counts: _Counting(store, counts, rank)  # noqa: E731
+        server = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=10))
+        _run_all(server, world, rank0_late_s=late, wrap=wrap)
+        per_rank[world] = max(counts.values())
+    assert per_rank[4] <= 8 and per_rank[24] <= 8, per_rank
+
+
+def test_missing_rank0_times_out_clearly(server):
+    t0 = time.monotonic()
+    with pytest.raises(InitTimeoutError, match="init-timeout"):
+        handshake(_client(server), _env(1, 2), timeout=1.0)
+    assert time.monotonic() - t0 < 5
+
+
+def test_missing_worker_times_out_clearly(server):
+    with pytest.raises(InitTimeoutError, match=r"ranks \['1'\]"):
+        handshake(_client(server), _env(0, 2), timeout=1.0)
