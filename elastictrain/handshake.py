@@ -6,7 +6,7 @@ each attempt publishes a fresh nonce; the process group is built under ``elastic
 where no key of an earlier attempt can exist. What the handshake must rule out is a rank trusting
 a nonce a dead rank 0 left behind.
 
-The protocol, with every wait a blocking ``store.wait`` (no polling: at W = 8,192 ranks polling
+The protocol, with every wait a blocking store request (no polling: at W = 8,192 ranks polling
 every 20 ms put up to two million requests on one store, docs/scale.md):
 
 - rank 0 reads the previous nonce P, publishes its own N, then points P at N: ``P/next = N`` and
@@ -18,7 +18,8 @@ every 20 ms put up to two million requests on one store, docs/scale.md):
 - a nonce whose count is already full, or whose world size is not ours, belongs to a finished or
   other attempt: the rank does not join it and waits for its ``next`` instead.
 
-So a rank makes about 7 requests and rank 0 about 7, whatever W is and however long rank 0 takes.
+Every wait on another rank is a blocking ``get`` (one request). So a rank makes 4 requests (the
+last to join, 5) and rank 0 makes 7, whatever W is and however long rank 0 takes.
 """
 
 from __future__ import annotations
@@ -57,7 +58,11 @@ def handshake(
     deadline = time.monotonic() + timeout
     if env.rank == 0:
         return _lead(store, env, deadline, shown)
-    return _join(store, env, deadline, shown)
+    original = store.timeout  # a blocking get waits this long; restored for the process group
+    try:
+        return _join(store, env, deadline, shown)
+    finally:
+        store.set_timeout(original)
 
 
 def _left(deadline: float) -> timedelta:
@@ -90,14 +95,15 @@ def _lead(store: dist.Store, env: DistEnv, deadline: float, shown: str) -> Attem
 
 def _join(store: dist.Store, env: DistEnv, deadline: float, shown: str) -> Attempt:
     def wait(key: str) -> str:
+        """The key's value once it is set: a blocking get is one request (wait + get were two)."""
+        store.set_timeout(_left(deadline))  # client-side: no request
         try:
-            store.wait([key], _left(deadline))
+            return store.get(key).decode()
         except dist.DistStoreError as e:
             raise InitTimeoutError(
                 f"rank {env.rank}: rank 0 of this attempt did not answer within --init-timeout "
                 f"({shown}). Raise --init-timeout if nodes start far apart."
             ) from e
-        return store.get(key).decode()
 
     nonce = wait(ATTEMPT_KEY)
     while True:

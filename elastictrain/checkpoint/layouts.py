@@ -202,14 +202,17 @@ class ShardedLayout:
         deadline_s: float,
     ) -> list[dict[str, Any]]:
         """Every rank's receipt for this step and generation, read from storage: the agreed message
-        that gates the commit, without a collective on the training thread. Receipts are read as
-        they appear, many at once: at W ranks and 20 ms a request, one at a time was W × 20 ms."""
+        that gates the commit, without a collective on the training thread. Receipts are read many
+        at once (at W ranks and 20 ms a request, one at a time was W × 20 ms): first all of them,
+        since by rank 0's commit most ranks are done, then after each listing the ones it shows."""
         wanted = {sharded.receipt_file(r, generation): r for r in range(self.world_size)}
         got: dict[int, dict[str, Any]] = {}
         deadline = time.monotonic() + deadline_s
         pause = _POLL_S[0]
+        first = True
         while True:
-            present = store.names_in(step)
+            present = set(wanted) if first else store.names_in(step)  # a listing is W/1000 pages
+            first = False
             new = [n for n, r in wanted.items() if r not in got and n in present]
             read = _read_all(lambda n: store.read_uncommitted(step, n), new)
             for name, raw in zip(new, read, strict=True):
@@ -229,8 +232,10 @@ class ShardedLayout:
 
 
 def _read_all(read: Callable[[str], bytes | None], names: list[str]) -> list[bytes | None]:
-    """``read`` of every name, up to 64 at a time (requests, not bandwidth, are the cost)."""
+    """``read`` of every name, up to 128 at a time: small files, so requests, not bandwidth, are
+    the cost (on S3 through s3fs, raise botocore's ``max_pool_connections`` to match:
+    docs/scale.md)."""
     if len(names) <= 1:
         return [read(n) for n in names]
-    with ThreadPoolExecutor(min(64, len(names))) as pool:
+    with ThreadPoolExecutor(min(128, len(names))) as pool:
         return list(pool.map(read, names))

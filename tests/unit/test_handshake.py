@@ -121,6 +121,8 @@ class _Counting:
 
     def __getattr__(self, name):
         fn = getattr(self._store, name)
+        if not callable(fn) or name == "set_timeout":  # client-side, not a request
+            return fn
 
         def counted(*args, **kwargs):
             self._counts[self._rank] += 1
@@ -141,7 +143,7 @@ def test_each_rank_makes_a_few_requests_however_late_rank0_is_and_however_many_r
         server = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=10))
         _run_all(server, world, rank0_late_s=late, wrap=wrap)
         per_rank[world] = max(counts.values())
-    assert per_rank[4] <= 8 and per_rank[24] <= 8, per_rank
+    assert per_rank[4] <= 7 and per_rank[24] <= 7, per_rank
 
 
 def test_missing_rank0_times_out_clearly(server):
