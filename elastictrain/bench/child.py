@@ -47,11 +47,11 @@ class Torchrun:
     """One torchrun agent in its own session, its output in ``log``; only it and its descendants
     are ever signalled."""
 
-    def __init__(self, args: list[str], log: str, env: dict[str, str]) -> None:
+    def __init__(self, args: list[str], log: str, env: dict[str, str], nproc: int = 2) -> None:
         self.log_path = log
         with open(log, "wb") as out:
             self.proc = subprocess.Popen(
-                torchrun(*args, max_restarts=3),
+                torchrun(*args, nproc=nproc, max_restarts=3),
                 stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
             )  # fmt: skip
 
