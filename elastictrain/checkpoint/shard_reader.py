@@ -48,11 +48,21 @@ class Index:
     def parse(cls, raw: bytes | memoryview, where: str) -> Index:
         try:
             doc = json.loads(bytes(raw))
-            if doc.get("format") not in (INDEX_FORMAT, RULE_INDEX_FORMAT):
-                raise ValueError(f"unsupported index format {doc.get('format')!r}")
+            fmt = doc.get("format")
         except (ValueError, AttributeError) as e:
             raise storage.CheckpointCorruptError(f"Index of {where} is unreadable: {e}.") from e
-        return cls(doc)
+        if fmt in (INDEX_FORMAT, RULE_INDEX_FORMAT):
+            return cls(doc)
+        family, _, version = str(fmt).rpartition("/")
+        if family == "elastictrain-sharded" and version.isdigit() and int(version) > 2:
+            raise storage.NewerFormatError(
+                f"The index of {where} is {fmt}, newer than this elastictrain reads (up to "
+                f"{RULE_INDEX_FORMAT}). Nothing was loaded or changed: resume it with the release "
+                "that wrote it, or a newer one."
+            )
+        raise storage.CheckpointCorruptError(
+            f"Index of {where} is unreadable: unsupported index format {fmt!r}."
+        )
 
     @property
     def by_rule(self) -> bool:
