@@ -82,17 +82,20 @@ def _shards_of(rank: int, world: int, names: list[str], tensors: dict) -> sharde
 
 
 # -- the phases ------------------------------------------------------------------------------------
-class _Counting:
-    def __init__(self, store: Any, counts: collections.Counter) -> None:
-        self._store, self._counts = store, counts
+class CountingStore:
+    """A store client that counts its requests in ``counts`` (under ``key``, else by method);
+    client-side calls such as ``set_timeout`` are not requests."""
+
+    def __init__(self, store: Any, counts: collections.Counter, key: Any = None) -> None:
+        self._store, self._counts, self._key = store, counts, key
 
     def __getattr__(self, name: str) -> Any:
         fn = getattr(self._store, name)
-        if not callable(fn) or name == "set_timeout":  # client-side, not a request
+        if not callable(fn) or name == "set_timeout":
             return fn
 
         def counted(*args, **kwargs):
-            self._counts[name] += 1  # Counter updates are atomic enough under the GIL
+            self._counts[name if self._key is None else self._key] += 1  # atomic under the GIL
             return fn(*args, **kwargs)
 
         return counted
@@ -125,7 +128,7 @@ def run_handshake(world: int) -> Row:
 
     def rank(r: int) -> None:
         try:
-            handshake(_Counting(clients[r], counts), _env(r, world, server.port), 300)
+            handshake(CountingStore(clients[r], counts), _env(r, world, server.port), 300)
             done[r] = time.perf_counter()
         except BaseException as e:  # noqa: BLE001 (reported below)
             errors.append(e)

@@ -33,6 +33,7 @@ from elastictrain.checkpoint.sharded import (
     RULE_INDEX_FORMAT,
     capture,
     join,
+    part_file,
     rows_of,
     shard_file,
     split,
@@ -111,6 +112,7 @@ class Index:
                     "offsets": [first, *[0] * (len(t["size"]) - 1)],
                     "sizes": [count, *t["size"][1:]],
                     "file": shard_file(rank, self.doc["generation"]),
+                    "table": part_file(rank, self.doc["generation"]),
                 })  # fmt: skip
         return chunks
 
@@ -122,9 +124,8 @@ class Index:
         return len(self._rule_chunks(fqn, t, (0, t["size"][0])))
 
     def table_of(self, file: str) -> str:
-        """The table (chunks and block digests) of a shard file."""
-        if self.by_rule:
-            return file.replace("shard-", "part-", 1).removesuffix(".bin") + ".json"
+        """The table (chunks and block digests) of a shard file, format 1 (format 2's chunks name
+        their table themselves)."""
         return self.doc["files"][file]
 
     def global_shapes(self) -> dict[str, tuple[int, ...]]:
@@ -178,7 +179,7 @@ class ShardReader(StorageReader):
             chunk = self._storage_data[req.storage_index]
             by_file.setdefault(chunk["file"], []).append((req, chunk))
         for name, reqs in by_file.items():
-            table, by_fqn = self._table(name)
+            table, by_fqn = self._table(name, reqs[0][1].get("table"))
             # Where each chunk's bytes are: in the index (format 1) or in the file's table.
             located = [(req, {**by_fqn[c["fqn"]], **c} if "offset" not in c else c)
                        for req, c in reqs]  # fmt: skip
@@ -194,12 +195,13 @@ class ShardReader(StorageReader):
         done.set_result(None)
         return done
 
-    def _table(self, name: str) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    def _table(
+        self, name: str, table_name: str | None
+    ) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
         """A shard file's table, read and verified once (a reader may read a tensor at a time)."""
         if name not in self._reports:
-            table = json.loads(
-                bytes(self.store.read_file(self.manifest, self.index.table_of(name)))
-            )
+            table_name = table_name or self.index.table_of(name)
+            table = json.loads(bytes(self.store.read_file(self.manifest, table_name)))
             by_fqn = {c["fqn"]: {"offset": c["offset"], "nbytes": c["nbytes"]}
                       for c in table["chunks"]}  # fmt: skip
             self._reports[name] = (table, by_fqn)

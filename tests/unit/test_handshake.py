@@ -10,6 +10,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
+from elastictrain.bench.scale import CountingStore
 from elastictrain.env import DistEnv
 from elastictrain.errors import InitTimeoutError
 from elastictrain.handshake import ATTEMPT_KEY, handshake
@@ -87,16 +88,20 @@ def _run_all(server, world: int, *, rank0_late_s: float = 0.0, wrap=lambda store
     return results
 
 
+def _leave_finished_attempt(server, nonce: str, joined: int) -> None:
+    """What a dead attempt that completed (every rank counted in, welcomed) leaves in the store."""
+    server.set(ATTEMPT_KEY, nonce)
+    server.add(f"{nonce}/joined", joined)
+    server.set(f"{nonce}/all-joined", "1")
+    server.set(f"{nonce}/outcome", "welcome")
+
+
 def test_a_finished_attempt_left_in_the_store_is_not_joined(server):
-    """A dead attempt that completed (every rank counted in, welcomed) is what a restart finds:
-    a rank that reads it before the new rank 0 speaks must wait for the new one, not train in it."""
+    """What a restart finds: a rank that reads it before the new rank 0 speaks must wait for the
+    new one, not train in it."""
     stale = "1000-feedfacecafe-3"
-    server.set(ATTEMPT_KEY, stale)
-    server.add(f"{stale}/joined", 2)
-    server.set(f"{stale}/all-joined", "1")
-    server.set(f"{stale}/outcome", "welcome")
-    results = _run_all(server, 3, rank0_late_s=0.5)
-    nonces = {a.nonce for a in results.values()}
+    _leave_finished_attempt(server, stale, joined=2)
+    nonces = {a.nonce for a in _run_all(server, 3, rank0_late_s=0.5).values()}
     assert len(nonces) == 1 and stale not in nonces, nonces
 
 
@@ -104,31 +109,9 @@ def test_an_attempt_of_another_world_size_is_not_joined(server):
     """After the world grows from 2 ranks to 3, the finished 2-rank attempt is left behind: its
     count (1) is not full for 3 ranks, so only the world size in its nonce tells it apart."""
     stale = "1000-0123456789ab-2"
-    server.set(ATTEMPT_KEY, stale)
-    server.add(f"{stale}/joined", 1)
-    server.set(f"{stale}/all-joined", "1")
-    server.set(f"{stale}/outcome", "welcome")
-    results = _run_all(server, 3, rank0_late_s=0.5)
-    nonces = {a.nonce for a in results.values()}
+    _leave_finished_attempt(server, stale, joined=1)
+    nonces = {a.nonce for a in _run_all(server, 3, rank0_late_s=0.5).values()}
     assert len(nonces) == 1 and stale not in nonces and nonces.pop().endswith("-3")
-
-
-class _Counting:
-    """A store client that counts its requests."""
-
-    def __init__(self, store, counts, rank):
-        self._store, self._counts, self._rank = store, counts, rank
-
-    def __getattr__(self, name):
-        fn = getattr(self._store, name)
-        if not callable(fn) or name == "set_timeout":  # client-side, not a request
-            return fn
-
-        def counted(*args, **kwargs):
-            self._counts[self._rank] += 1
-            return fn(*args, **kwargs)
-
-        return counted
 
 
 def test_each_rank_makes_a_few_requests_however_late_rank0_is_and_however_many_ranks():
@@ -139,7 +122,7 @@ def test_each_rank_makes_a_few_requests_however_late_rank0_is_and_however_many_r
     per_rank = {}
     for world, late in ((4, 0.0), (24, 1.0)):
         counts = collections.Counter()
-        wrap = lambda store, rank, counts=counts: _Counting(store, counts, rank)  # noqa: E731
+        wrap = lambda store, rank, counts=counts: CountingStore(store, counts, key=rank)  # noqa: E731
         server = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=10))
         _run_all(server, world, rank0_late_s=late, wrap=wrap)
         per_rank[world] = max(counts.values())
