@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import re
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from storage.errors import CheckpointCorruptError, NewerFormatError
@@ -100,7 +100,9 @@ class Manifest:
         return sum(f.size for f in self.files.values())
 
     def to_json(self) -> bytes:
-        doc = asdict(self)
+        # Field by field, not ``asdict``: its deep copy of W file entries was a sixth of a commit's
+        # time at W = 8,192 (bench scale).
+        doc = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "files"}
         doc["files"] = {name: entry.to_doc() for name, entry in self.files.items()}
         # For people and tools reading the file; verification goes by each entry's own key.
         doc["checksum_algorithm"] = ",".join(sorted({e.algorithm for e in self.files.values()}))

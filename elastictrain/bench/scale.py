@@ -8,9 +8,10 @@ requests as S3 bills them. Each phase runs the functions the runner calls:
 
 - **handshake**: W threads, each its own client of one real TCPStore on loopback, through
   ``elastictrain.handshake``; the time from the first rank starting to the last admitted.
-- **commit**: W ranks write their shard and report (``ShardedLayout.write_own``, no latency: ranks
-  write in parallel), then rank 0's ``ShardedLayout.commit`` with latency: the critical path after
-  the slowest shard is durable, the requests it makes and the metadata bytes it reads.
+- **commit**: W ranks write their shard and table and post their receipt to a real TCPStore
+  (``ShardedLayout.write_own``, no latency: ranks write in parallel), then rank 0's
+  ``ShardedLayout.commit`` with latency: the critical path after the slowest shard is durable, the
+  storage requests it makes, the metadata bytes it reads, and its store requests.
 - **resume-checks**: what rank 0 does before anyone reads: rank the manifests, then
   ``CheckpointStore.check_sizes`` of the newest.
 - **resume-plan**: one rank at world size 3W/4 reads the index (``shard_reader.Index``) and plans
@@ -45,6 +46,7 @@ import storage
 from elastictrain.bench import throttled_fs
 from elastictrain.checkpoint import sharded
 from elastictrain.checkpoint.layouts import ShardedLayout, ShardSnap
+from elastictrain.checkpoint.receipts import StoreReceipts
 from elastictrain.checkpoint.shard_reader import Index
 from elastictrain.checkpoint.staging import Staging
 from elastictrain.env import DistEnv
@@ -99,6 +101,10 @@ class CountingStore:
             return fn(*args, **kwargs)
 
         return counted
+
+    def clone(self) -> CountingStore:
+        """A new connection, counted with this one."""
+        return CountingStore(self._store.clone(), self._counts, self._key)
 
 
 def _env(rank: int, world: int, port: int) -> DistEnv:
@@ -158,22 +164,36 @@ def run_handshake(world: int) -> Row:
                f"connects took {connect_s:.1f}s before, untimed")  # fmt: skip
 
 
-def _write_ranks(url: str, world: int, ranks: range, tensor_count: int) -> None:
-    """Ranks ``ranks``' shard, table and receipt, as ``ShardedLayout.write_own`` writes them."""
+def _receipts_client(port: int) -> Any:
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", port, None, False, timedelta(seconds=300))
+
+
+def _write_ranks(url: str, world: int, ranks: range, tensor_count: int, port: int) -> None:
+    """Ranks ``ranks``' shard, table and receipt, as ``ShardedLayout.write_own`` writes them, the
+    receipts into the job's store at ``port`` (one connection for these ranks: a client per rank
+    changes nothing the commit does, and 8,192 connects would dominate the harness)."""
     names = _tensor_names(tensor_count)
     tensors = {n: torch.zeros(1, 2) for n in names}
     staged = Staging().snapshot(tensors)  # the same bytes for every rank: metadata is the point
     store = storage.CheckpointStore(url)
+    client = _receipts_client(port)
     for r in ranks:
         snap = ShardSnap(_shards_of(r, world, names, tensors), staged, None)
-        ShardedLayout(r, world).write_own(store, 1, snap, 1)
+        ShardedLayout(r, world, StoreReceipts(client, world)).write_own(store, 1, snap, 1)
 
 
 def run_commit_and_resume(world: int, names: list[str], latency_ms: float) -> list[Row]:
     """commit, resume-checks and resume-plan share one checkpoint of ``world`` ranks. The ranks'
     writes (no latency: ranks write in parallel) are spread over this machine's cores."""
+    import torch.distributed as dist
+
     root = tempfile.mkdtemp(prefix="et-scale-")
     url = f"throttled://{root}"
+    job_store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=300),
+                              wait_for_workers=False)  # fmt: skip
+    port = job_store.port
     try:
         workers = min(os.cpu_count() or 1, max(1, world // 256))
         if workers > 1:
@@ -182,14 +202,15 @@ def run_commit_and_resume(world: int, names: list[str], latency_ms: float) -> li
             spawn = multiprocessing.get_context("spawn")  # no fork: this process has threads
             with ProcessPoolExecutor(workers, mp_context=spawn) as pool:
                 list(pool.map(_write_ranks, [url] * len(spans), [world] * len(spans), spans,
-                              [len(names)] * len(spans)))  # fmt: skip
+                              [len(names)] * len(spans), [port] * len(spans)))  # fmt: skip
         else:
-            _write_ranks(url, world, range(world), len(names))
+            _write_ranks(url, world, range(world), len(names), port)
         store = storage.CheckpointStore(url)
         tensors = {n: torch.zeros(1, 2) for n in names}
         staged = Staging().snapshot(tensors)
         common = Staging().snapshot({"step": 1})
-        rows = [_timed_commit(store, world, names, tensors, staged, common, latency_ms)]
+        receipts = _receipts_client(port)
+        rows = [_timed_commit(store, world, names, tensors, staged, common, latency_ms, receipts)]
         rows.append(_timed_checks(store, world, latency_ms))
         rows.append(_timed_plan(store, world, latency_ms))
         return rows
@@ -217,15 +238,21 @@ class _Latency:
         self.read = throttled_fs.BYTES["read"] - self.read0
 
 
-def _timed_commit(store, world, names, tensors, staged, common, latency_ms) -> Row:
-    layout = ShardedLayout(0, world)
+def _timed_commit(store, world, names, tensors, staged, common, latency_ms, receipts) -> Row:
+    store_requests: collections.Counter = collections.Counter()
+    gather = StoreReceipts(CountingStore(receipts, store_requests, "store"), world)
+    layout = ShardedLayout(0, world, gather)
     snap = ShardSnap(_shards_of(0, world, names, tensors), staged, common)
     with _Latency(latency_ms) as m:
         manifest = layout.commit(store, 1, snap, 1, {}, before_commit=lambda: None,
                                  abandoned=lambda step: False, deadline_s=3600)  # fmt: skip
     index_bytes = manifest.files[manifest.metadata["index_file"]].size
-    return Row("commit", world, m.requests, m.read, m.seconds,
-               f"index {index_bytes / 1e6:.2f} MB")  # fmt: skip
+    # What rank 0 read from the store counts as metadata too (the rank keys outlive the gather).
+    keys = [f"{StoreReceipts._prefix(1, 1)}r{r}" for r in range(world)]
+    from_store = sum(len(v) for v in receipts.multi_get(keys))
+    return Row("commit", world, m.requests, m.read + from_store, m.seconds,
+               f"index {index_bytes / 1e6:.2f} MB; the receipts: {store_requests['store']} store "
+               f"requests")  # fmt: skip
 
 
 def _timed_checks(store, world, latency_ms) -> Row:

@@ -1,8 +1,9 @@
 """What each rank puts on storage for one checkpoint: the persister's two strategies.
 
 - :class:`FlatLayout` (DDP, one process): rank 0 writes the whole state as one flat file.
-- :class:`ShardedLayout` (FSDP2): every rank writes its own shards and a report once they are
-  durable; rank 0 writes the unsharded rest, waits for every report, writes the index and commits.
+- :class:`ShardedLayout` (FSDP2): every rank writes its own shards and posts a receipt once they
+  are durable (``receipts``); rank 0 writes the unsharded rest, gathers every receipt, writes the
+  index and commits.
 
 Both snapshot into reused staging buffers (the only part that blocks training) and commit with one
 manifest, written last, listing every file with its size and hash.
@@ -11,9 +12,7 @@ manifest, written last, listing every file with its size and hash.
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -22,10 +21,10 @@ import torch
 import storage
 from elastictrain.checkpoint import sharded
 from elastictrain.checkpoint import state as tstate
+from elastictrain.checkpoint.receipts import Receipts, StorageReceipts, read_all
+from elastictrain.checkpoint.receipts import ShardsMissingError as ShardsMissingError
 from elastictrain.checkpoint.staging import Snapshot, Staging
 from storage.hashing import hex_digest
-
-_POLL_S = (0.005, 0.5)  # the wait for other ranks' reports: first and longest poll interval
 
 
 class Snap(Protocol):
@@ -118,17 +117,14 @@ class ShardSnap:
             self.common.wait()
 
 
-class ShardsMissingError(storage.StorageUnavailableError):
-    """Some rank's shard never became durable, so the step cannot be committed."""
-
-
 class ShardedLayout:
     """FSDP2: every rank writes its own shards; rank 0 commits once every rank reported."""
 
     writes_alone = False
 
-    def __init__(self, rank: int, world_size: int) -> None:
+    def __init__(self, rank: int, world_size: int, receipts: Receipts | None = None) -> None:
         self.rank, self.world_size = rank, world_size
+        self.receipts = receipts or StorageReceipts(world_size)
         self.staging = Staging()
         self.common_staging = Staging() if rank == 0 else None
         self._plan_cache: dict = {}
@@ -154,7 +150,7 @@ class ShardedLayout:
         )
         regular = sharded.follows_row_rule(snap.local.chunks, self.world_size, self.rank)
         receipt = sharded.receipt(entry, table_entry, regular)
-        store.write_note(step, sharded.receipt_file(self.rank, generation), receipt)
+        self.receipts.post(store, step, generation, self.rank, receipt)
 
     def commit(
         self,
@@ -170,7 +166,7 @@ class ShardedLayout:
     ) -> storage.Manifest:
         common_name = sharded.common_file(generation)
         entries = {common_name: store.write_file(step, common_name, snap.common.data)[0]}
-        receipts = self.wait_for_reports(store, step, generation, abandoned, deadline_s)
+        receipts = self.receipts.gather(store, step, generation, abandoned, deadline_s)
         for rank, got in enumerate(receipts):
             entries[sharded.shard_file(rank, generation)] = storage.FileEntry.from_doc(got["shard"])
             # Listed too: its block digests are what a resharding reader verifies ranges with.
@@ -181,7 +177,7 @@ class ShardedLayout:
             )
         else:  # some rank's chunks break the row rule: list every chunk, from every rank's table
             names = [sharded.part_file(r, generation) for r in range(self.world_size)]
-            tables = _read_all(lambda name: store.read_uncommitted(step, name), names)
+            tables = read_all(lambda name: store.read_uncommitted(step, name), names)
             index = sharded.build_index([json.loads(t) for t in tables], common_name, generation)
         index_name = sharded.index_file(generation)
         entries[index_name] = store.write_file(step, index_name, index)[0]
@@ -192,50 +188,3 @@ class ShardedLayout:
             generation=generation,
             before_commit=before_commit,
         )
-
-    def wait_for_reports(
-        self,
-        store: storage.CheckpointStore,
-        step: int,
-        generation: int,
-        abandoned: Callable[[int], bool],
-        deadline_s: float,
-    ) -> list[dict[str, Any]]:
-        """Every rank's receipt for this step and generation, read from storage: the agreed message
-        that gates the commit, without a collective on the training thread. Receipts are read many
-        at once (at W ranks and 20 ms a request, one at a time was W × 20 ms): first all of them,
-        since by rank 0's commit most ranks are done, then after each listing the ones it shows."""
-        wanted = {sharded.receipt_file(r, generation): r for r in range(self.world_size)}
-        got: dict[int, dict[str, Any]] = {}
-        deadline = time.monotonic() + deadline_s
-        pause = _POLL_S[0]
-        first = True
-        while True:
-            present = set(wanted) if first else store.names_in(step)  # a listing is W/1000 pages
-            first = False
-            new = [n for n, r in wanted.items() if r not in got and n in present]
-            read = _read_all(lambda n: store.read_uncommitted(step, n), new)
-            for name, raw in zip(new, read, strict=True):
-                if raw is not None:
-                    got[wanted[name]] = json.loads(raw)
-            if len(got) == len(wanted):
-                return [got[r] for r in range(self.world_size)]
-            missing = sorted(set(range(self.world_size)) - set(got))
-            if abandoned(step) or time.monotonic() > deadline:
-                why = "gave up on it" if abandoned(step) else f"did not report in {deadline_s:.0f}s"
-                raise ShardsMissingError(
-                    f"the shards of rank(s) {missing[:8]} for step {step} never became durable "
-                    f"(a rank {why}); the step is not committed"
-                )
-            time.sleep(pause)
-            pause = min(pause * 2, _POLL_S[1])
-
-
-def _read_all(read: Callable[[str], bytes | None], names: list[str]) -> list[bytes | None]:
-    """``read`` of every name, up to 128 at a time: small files, so requests, not bandwidth, are
-    the cost (on S3 through s3fs, raise botocore's ``max_pool_connections`` to match:
-    docs/scale.md)."""
-    if len(names) <= 1:
-        return [read(n) for n in names]
-    with ThreadPoolExecutor(min(128, len(names))) as pool:
-        return list(pool.map(read, names))

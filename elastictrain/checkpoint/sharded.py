@@ -6,16 +6,17 @@ A sharded checkpoint of step N, written by W ranks of generation g:
     step-N/shard-r00001-gg.bin   hashed in 64 KiB blocks (so any byte range verifies alone)
     step-N/part-r0000r-gg.json   rank r's table: its chunks, where their bytes are, and the
                                  shard's block digests (whose SHA-256 is the shard's hash)
-    step-N/done-r0000r-gg.json   rank r's receipt, last: both files are durable, their sizes and
-                                 hashes, and whether its chunks follow the row rule (below)
+    (receipt)                    rank r, last: both files are durable, their sizes and hashes,
+                                 and whether its chunks follow the row rule (below); posted to the
+                                 job's c10d store, or step-N/done-r0000r-gg.json (``receipts``)
     step-N/common-gg.bin         rank 0: everything not sharded (steps, LR, scheduler, buffers)
     step-N/index-gg.json         rank 0: each tensor's global shape and how it is split
-    step-N/manifest.json         rank 0, last: every file above but the receipts, sizes and hashes
+    step-N/manifest.json         rank 0, last: every file above but a receipt file, sizes and hashes
 
 The index, format 2: FSDP2 splits every tensor by rows over the W ranks as ``torch.chunk`` does
 (rank r holds rows [r c, (r + 1) c), c = ceil(n / W)), so a tensor is one line (``"split":
 "rows"``) and each rank's chunk is computed, not listed: the index does not grow with W, rank 0
-reads W receipts of ~300 bytes at commit (not W tables), and a rank planning a resume looks only
+gathers W receipts of ~300 bytes at commit (not W tables), and a rank planning a resume looks only
 at the saved chunks its new rows overlap. A sharding that breaks the rule on any rank gets the
 explicit index of format 1 (every chunk listed), which rank 0 builds from every rank's table.
 
