@@ -180,8 +180,19 @@ class RunConfig:
     collective_timeout: float = setting(600.0, metavar="SECONDS")
     """Seconds a training collective may wait for the slowest rank; must exceed the worst skew."""
     hang_timeout: float = setting(600.0, metavar="SECONDS")
-    """Seconds without step progress before a rank is declared hung: it dumps its stacks and exits
-    4 so torchrun restarts the group. Must exceed the slowest legitimate step."""
+    """The most seconds without step progress before a rank is declared hung: it dumps its stacks
+    and exits 4 so torchrun restarts the group. Once the job has a step time the budget is
+    max(--hang-floor, 10 x the slowest of the last 50 steps), never above this."""
+    hang_floor: float = setting(60.0, metavar="SECONDS")
+    """The least no-progress budget once steps are timed: a step 10x slower than the slowest of
+    the last 50 is rare, a 60 s stall of a fast job is not (a storage hiccup, a slow collective)."""
+    heartbeat_seconds: float = setting(2.0, metavar="SECONDS")
+    """Seconds between each rank's liveness beats through the job's store, from a thread that does
+    not wait for the step: W store requests a second at the default."""
+    silent_timeout: float = setting(15.0, metavar="SECONDS")
+    """Seconds without a peer's heartbeat before every rank exits 8 naming it, so torchrun re-forms
+    the group without a frozen host instead of waiting --collective-timeout. Above the 10 s stall
+    a live rank must survive (swap storm, long GC). 0 turns liveness off."""
     sample_log: str | None = setting(None, metavar="DIR")
     """Directory where every rank appends the dataset indices it trains on (the exactly-once ledger)."""
     log_every_seconds: float = setting(10.0, metavar="SECONDS")
@@ -198,9 +209,19 @@ class RunConfig:
             raise ConfigError(
                 f"--task must be MODULE:CALLABLE, e.g. {DEFAULT_TASK}; got {self.task!r}."
             )
-        for name in ("max_steps", "init_timeout", "collective_timeout", "hang_timeout"):
+        names = ("max_steps", "init_timeout", "collective_timeout", "hang_timeout", "hang_floor",
+                 "heartbeat_seconds")  # fmt: skip
+        for name in names:
             if not _positive(getattr(self, name)):
                 raise ConfigError(f"{flag(name)} must be > 0, got {getattr(self, name)!r}.")
+        if self.silent_timeout < 0 or (
+            self.silent_timeout and self.silent_timeout < 2 * self.heartbeat_seconds
+        ):
+            raise ConfigError(
+                f"--silent-timeout must be 0 (off) or at least twice --heartbeat-seconds "
+                f"({2 * self.heartbeat_seconds:g}s), got {self.silent_timeout!r}: a rank is only "
+                "silent after missing more than one beat."
+            )
         if not _positive(self.log_every_seconds):
             raise ConfigError(f"--log-every-seconds must be > 0, got {self.log_every_seconds!r}.")
         if self.eval_every_steps == 0:

@@ -17,7 +17,7 @@ import os
 import threading
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -105,7 +105,10 @@ def init_process_groups(
     init_timeout: float,
     collective_timeout: float,
     checkpoint_timeout: float,
+    before_barrier: Callable[[dist.Store], None] = lambda store: None,
 ) -> ProcessGroups:
+    """``before_barrier``: called with the attempt's store before the group's first barrier, so
+    what it writes is there for every rank once init returns (liveness's first beats)."""
     backend = "nccl" if device.type == "cuda" else "gloo"
     kwargs = {"device_id": device} if device.type == "cuda" else {}
     if knobs.diagnostic_env_init():
@@ -139,6 +142,7 @@ def init_process_groups(
             **kwargs,
         )
         control = dist.new_group(backend="gloo", timeout=timedelta(seconds=checkpoint_timeout))
+        before_barrier(store)
         dist.barrier(group=control)
     return ProcessGroups(attempt=attempt, control=control)
 

@@ -28,6 +28,7 @@ EXIT_HUNG = 4
 EXIT_TIMEOUT = 5
 EXIT_ORPHANED = 6  # the torchrun agent died; exiting so no zombie writer is left behind
 EXIT_STORAGE = 7  # storage stayed unusable past --storage-retry-deadline
+EXIT_PEER_SILENT = 8  # a peer (or the job's store) sent no heartbeat for --silent-timeout
 EXIT_PREEMPTED = (
     75  # EX_TEMPFAIL: stopped on request with a checkpoint committed; relaunch to continue
 )

@@ -27,6 +27,7 @@ from elastictrain.config import RunConfig
 from elastictrain.data import GlobalBatchSampler
 from elastictrain.env import DistEnv, read_env
 from elastictrain.errors import EXIT_PREEMPTED, Preempted, named_timeout
+from elastictrain.liveness import Liveness
 from elastictrain.loader import StepLoader, check_micro_steps, worker_init
 from elastictrain.loop import Trainer
 from elastictrain.observe import stragglers
@@ -69,9 +70,12 @@ def run(cfg: RunConfig, early_signals: StopSignals | None = None) -> int:
     watchdog = HangWatchdog(
         cfg.hang_timeout,
         startup_s=cfg.init_timeout + cfg.checkpoint.checkpoint_timeout,
+        floor_s=cfg.hang_floor,
         agent_pid=agent_pid if env.launched_by_torchrun else None,
     ).start()
     attempt: _Attempt | None = None
+    liveness = Liveness(env.rank, env.world_size, interval_s=cfg.heartbeat_seconds,
+                        silent_s=cfg.silent_timeout, step=lambda: watchdog.step)  # fmt: skip
     try:
         t_init = time.monotonic()
         groups = edist.init_process_groups(
@@ -80,6 +84,7 @@ def run(cfg: RunConfig, early_signals: StopSignals | None = None) -> int:
             init_timeout=cfg.init_timeout,
             collective_timeout=cfg.collective_timeout,
             checkpoint_timeout=cfg.checkpoint.checkpoint_timeout,
+            before_barrier=liveness.announce,
         )
         attached = (
             (lambda: os.getppid() == agent_pid) if env.launched_by_torchrun else (lambda: True)
@@ -97,6 +102,7 @@ def run(cfg: RunConfig, early_signals: StopSignals | None = None) -> int:
             attached=attached,
             signals=signals,
         )
+        liveness.start(session.last_words)
         init_s = time.monotonic() - t_init
         logger.info(
             "started: world size %d, restart %d, generation %d, device %s, init %.2fs",
@@ -118,6 +124,7 @@ def run(cfg: RunConfig, early_signals: StopSignals | None = None) -> int:
             raise
     finally:
         STATUS.close()  # never leave a terminal on a half-drawn line
+        liveness.stop()
         watchdog.stop()
         edist.shutdown()
 

@@ -1,8 +1,15 @@
 """Hang detection, and exit when the torchrun agent is gone.
 
-A hang is "no step progress for --hang-timeout": a SIGSTOPped peer, a deadlocked collective, user
-code stuck in a loop. The watchdog thread dumps every thread's Python stack (faulthandler) and exits
-non-zero, so torchrun restarts the group instead of waiting for gloo's 30-minute default.
+A hang is "no step progress within the budget": a deadlocked collective, a rank wedged inside one
+while its process lives (its heartbeat goes on: ``liveness`` cannot see it), user code stuck in a
+loop. The watchdog thread dumps every thread's Python stack (faulthandler) and exits non-zero, so
+torchrun restarts the group instead of waiting for gloo's 30-minute default.
+
+The budget learns the job's own step time: after ``WARMUP_STEPS`` timed steps it is
+max(--hang-floor, ``STEP_MULTIPLE`` x the slowest of the last ``RECENT_STEPS``), never above
+--hang-timeout, so a 0.5 s step job finds a wedged rank in a minute, not ten, and a job whose steps
+take 2 minutes still gets 20. Startup (resume, the first step's compilation), evaluation and the
+checkpoint gates keep their own budgets (``phase``); the time spent in them is not a step's.
 """
 
 from __future__ import annotations
@@ -14,12 +21,17 @@ import os
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 
 from elastictrain.errors import EXIT_HUNG, EXIT_ORPHANED
 from elastictrain.observe.events import Cause
 
 logger = logging.getLogger(__name__)
+
+WARMUP_STEPS = 5  # steps timed before the budget adapts: the first ones warm caches and allocators
+RECENT_STEPS = 50  # the window whose slowest step sets the budget: a few minutes of a fast job
+STEP_MULTIPLE = 10  # a live step 10x slower than the slowest recent one is rare; a wedge is not
 
 
 class HangWatchdog:
@@ -30,6 +42,7 @@ class HangWatchdog:
         timeout: float,
         *,
         startup_s: float,
+        floor_s: float | None = None,
         poll_s: float = 0.5,
         clock: Callable[[], float] = time.monotonic,
         on_hang: Callable[[str], None] | None = None,
@@ -38,8 +51,11 @@ class HangWatchdog:
         budget_names: tuple[str, str] = ("--hang-timeout", "--checkpoint-timeout"),
     ) -> None:
         """``budget_names``: what the user calls the step budget and the other phases' budget,
-        named in the hang message so it says which setting to raise."""
+        named in the hang message so it says which setting to raise. ``floor_s``: the adaptive
+        budget's floor (None: the step budget is ``timeout``, fixed)."""
         self.timeout = timeout
+        self.floor_s = floor_s
+        self._steps: deque[float] = deque(maxlen=RECENT_STEPS)
         self._budget_names = budget_names
         self._poll_s = poll_s
         self._clock = clock
@@ -70,11 +86,34 @@ class HangWatchdog:
             self._thread.join(self._poll_s + 1.0)
 
     def beat(self, step: int) -> None:
+        now = self._clock()
+        if self._phase == "training" and self._step is not None and step > self._step:
+            self._steps.append((now - self._last) / (step - self._step))
         self._step = step
-        self._last = self._clock()
+        self._last = now
         if self._phase == "startup":
             self._phase, self._budget = "training", self.timeout
             self._setting = self._budget_names[0]
+        if self._phase == "training":
+            self._budget, self._setting = self.step_budget()
+
+    @property
+    def step(self) -> int | None:
+        """The last completed step (None before the first)."""
+        return self._step
+
+    def step_budget(self) -> tuple[float, str]:
+        """The budget of one step now, and what sets it (named in the hang message)."""
+        if self.floor_s is None or len(self._steps) < WARMUP_STEPS:
+            return self.timeout, self._budget_names[0]
+        slowest = max(self._steps)
+        learned = max(self.floor_s, STEP_MULTIPLE * slowest)
+        if learned >= self.timeout:
+            return self.timeout, self._budget_names[0]
+        return learned, (
+            f"max(--hang-floor, {STEP_MULTIPLE} x the slowest of the last {len(self._steps)} "
+            f"steps, {slowest:.2f}s)"
+        )
 
     @contextlib.contextmanager
     def phase(self, name: str, budget: float, setting: str | None = None) -> Iterator[None]:

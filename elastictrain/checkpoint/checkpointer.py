@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 import storage
 from elastictrain import dist as edist
-from elastictrain.checkpoint import node_check, receipts, sharded, tiers
+from elastictrain.checkpoint import node_check, sharded, tiers
 from elastictrain.checkpoint import state as tstate
 from elastictrain.checkpoint.layouts import FlatLayout, ShardedLayout
 from elastictrain.checkpoint.local_tier import LocalTier
@@ -100,11 +100,7 @@ class Checkpointer:
         if self.sharded and self.store is None:
             self.store = self.open_store()
         if self.is_writer or self.sharded:
-            layout = (
-                ShardedLayout(self.rank, self.world_size, receipts.for_job(self.world_size))
-                if self.sharded
-                else FlatLayout()
-            )
+            layout = ShardedLayout(self.rank, self.world_size) if self.sharded else FlatLayout()
             self.writer = Persister(
                 store=self.store,
                 layout=layout,

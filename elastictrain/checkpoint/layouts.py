@@ -21,7 +21,7 @@ import torch
 import storage
 from elastictrain.checkpoint import sharded
 from elastictrain.checkpoint import state as tstate
-from elastictrain.checkpoint.receipts import Receipts, StorageReceipts, read_all
+from elastictrain.checkpoint.receipts import Receipts, for_job, read_all
 from elastictrain.checkpoint.receipts import ShardsMissingError as ShardsMissingError
 from elastictrain.checkpoint.staging import Snapshot, Staging
 from storage.hashing import hex_digest
@@ -124,7 +124,8 @@ class ShardedLayout:
 
     def __init__(self, rank: int, world_size: int, receipts: Receipts | None = None) -> None:
         self.rank, self.world_size = rank, world_size
-        self.receipts = receipts or StorageReceipts(world_size)
+        # The job's c10d store when torch.distributed runs, else files beside the shards.
+        self.receipts = receipts or for_job(world_size)
         self.staging = Staging()
         self.common_staging = Staging() if rank == 0 else None
         self._plan_cache: dict = {}

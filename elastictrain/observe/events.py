@@ -50,6 +50,7 @@ class Cause(Name):
     is used for causes outside this set."""
 
     HANG = "hang"
+    PEER_SILENT = "peer_silent"  # a peer or the store stopped beating (liveness)
     ORPHANED = "orphaned"
     ABORTED = "aborted"  # a second interrupt (Ctrl-C) or stop signal: stopped at once
 

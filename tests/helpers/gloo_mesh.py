@@ -38,7 +38,9 @@ def established_tcp(pid: int) -> int:
             inodes.add(target[8:-1])
     count = 0
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        for line in open(table).read().splitlines()[1:]:
+        with open(table) as f:
+            lines = f.read().splitlines()[1:]
+        for line in lines:
             cols = line.split()
             count += cols[9] in inodes and cols[3] == "01"
     return count
@@ -81,7 +83,9 @@ def run(world: int, peer_dies: bool) -> None:
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, peer_dies, out)) for r in range(world)]
+    procs = [
+        ctx.Process(target=_worker, args=(r, world, port, peer_dies, out)) for r in range(world)
+    ]
     for p in procs:
         p.start()
     rows = []
@@ -95,8 +99,10 @@ def run(world: int, peer_dies: bool) -> None:
             p.join()
     mode = "lazy" if os.environ.get("TORCH_GLOO_LAZY_INIT") == "1" else "eager"
     rows.sort()
-    print(f"{mode}, W = {world}{', the last rank died before the first gate' if peer_dies else ''}:")
-    for rank, made_s, at_init, after_gates, gates_s, outcome in rows:
+    print(
+        f"{mode}, W = {world}{', the last rank died before the first gate' if peer_dies else ''}:"
+    )
+    for rank, _made_s, _at_init, _after_gates, gates_s, outcome in rows:
         if peer_dies:
             print(f"  rank {rank}: gates {gates_s:.2f}s -> {outcome}")
     if not peer_dies:

@@ -121,6 +121,15 @@ class Job:
         finally:
             self._log.close()
 
+    def signal_node(self, sig: int) -> list[int]:
+        """``sig`` to the agent and every process under it: SIGSTOP is a frozen host (its
+        sockets stay open), SIGCONT its thaw. The pids signalled."""
+        pids = [self.proc.pid, *descendants(self.proc.pid)] if self.proc.poll() is None else []
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+        return pids
+
     def kill(self) -> None:
         """SIGKILL the agent and all of its descendants (a node failure)."""
         for _ in range(3):  # a dying agent may be spawning; sweep until nothing is left

@@ -51,3 +51,46 @@ def test_watchdog_exits_when_the_agent_is_gone(monkeypatch):
     assert not dog.check()
     parent[0] = 1  # reparented to init: the agent died
     assert dog.check() and exits == [100]
+
+
+def _steps(dog, clock, first: int, count: int, seconds: float) -> int:
+    for step in range(first, first + count):
+        clock.now += seconds
+        assert not dog.check()
+        dog.beat(step)
+    return first + count
+
+
+def test_the_step_budget_learns_the_job_s_step_time_with_a_floor_and_the_timeout_as_ceiling():
+    clock, fired = Clock(), []
+    dog = HangWatchdog(600.0, startup_s=900.0, floor_s=60.0, clock=clock, on_hang=fired.append)
+    clock.now = 180.0  # a 3-minute first step (compilation) is startup's, not a step's
+    dog.beat(1)
+    step = _steps(dog, clock, 2, 3, 0.5)
+    assert dog.step_budget()[0] == 600.0  # still warming up: the fixed budget
+    step = _steps(dog, clock, step, 20, 0.5)
+    assert dog.step_budget()[0] == 60.0  # 10 x 0.5 s is under the floor
+    with dog.phase("checkpoint", 900.0):
+        clock.now += 300.0  # a slow checkpoint gate is its own phase, not a slow step
+    step = _steps(dog, clock, step, 2, 0.5)
+    assert dog.step_budget()[0] == 60.0
+    step = _steps(dog, clock, step, 1, 5.0)  # one rank 10x slower for a step: the budget widens
+    assert dog.step_budget()[0] == 60.0
+    step = _steps(dog, clock, step, 1, 30.0)
+    assert dog.step_budget()[0] == 300.0 and "slowest" in dog.step_budget()[1]
+    step = _steps(dog, clock, step, 1, 90.0)
+    assert dog.step_budget() == (600.0, "--hang-timeout")  # the ceiling
+    # A wedge after fast steps is found at the floor, not at --hang-timeout.
+    fast = HangWatchdog(600.0, startup_s=900.0, floor_s=60.0, clock=clock, on_hang=fired.append)
+    fast.beat(1)
+    _steps(fast, clock, 2, 10, 0.5)
+    clock.now += 61.0
+    assert fast.check() and "budget 60s" in fired[-1] and "--hang-floor" in fired[-1]
+
+
+def test_without_a_floor_the_step_budget_stays_fixed():
+    clock = Clock()
+    dog = HangWatchdog(600.0, startup_s=900.0, clock=clock, on_hang=lambda reason: None)
+    dog.beat(1)
+    _steps(dog, clock, 2, 60, 0.5)
+    assert dog.step_budget() == (600.0, "--hang-timeout")

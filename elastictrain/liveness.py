@@ -1,0 +1,189 @@
+"""Liveness, apart from progress: a frozen peer is found in seconds, not at --collective-timeout.
+
+A host that freezes (SIGSTOP, a wedged NIC or GPU, a hung kernel) keeps its sockets open, so its
+peers wait in their collectives until the collective timeout: 600 s in the recipes (issue 27
+measured 606 s from the freeze to training again). Step progress cannot tell a frozen peer from a
+slow step, so every rank also shows it is alive from a thread of its own, which needs no progress:
+
+- every ``--heartbeat-seconds`` each rank sets its beat key in the attempt's c10d store (a counter
+  and its step), and reads rank 0's beat: 2 requests per beat, whatever W;
+- rank 0 reads every rank's beat with one ``multi_get``; a rank whose beat has not changed for
+  ``--silent-timeout`` is silent. Rank 0 writes the verdict into its own beat, which every rank
+  reads at its next beat, and every rank exits 8 naming the silent ranks and hosts, so torchrun
+  re-forms the group without them (its keep-alive drops the frozen agent);
+- every rank watches rank 0's beat the same way, so a frozen rank 0 is found too;
+- a store that stops answering for ``--silent-timeout`` ends the rank the same way, naming the
+  store: when it lives on the frozen host (rank 0's, or torchrun's own on node 0), torchrun cannot
+  re-form the group either; the recipe then needs a rendezvous endpoint off the training nodes
+  (docs/faults.md).
+
+A watcher that was itself stopped (its own beats late) judges nobody for that round: after a
+pause its view of everyone is stale, not theirs of it. The default silence, 15 s, is above the
+10 s stall (swap storm, long GC, SIGSTOP then SIGCONT) a live rank must survive; beats every 2 s
+keep the store's load at W requests a second (docs/scale.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+from elastictrain.errors import EXIT_PEER_SILENT
+from elastictrain.observe.events import Cause
+
+logger = logging.getLogger(__name__)
+
+_PREFIX = "elastictrain/alive/"
+
+
+def _beat_key(rank: int) -> str:
+    return f"{_PREFIX}beat/{rank}"
+
+
+def _host_key(rank: int) -> str:
+    return f"{_PREFIX}host/{rank}"
+
+
+class Liveness:
+    """One rank's heartbeat thread and its watch: rank 0 over every rank, every rank over rank 0."""
+
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        *,
+        interval_s: float,
+        silent_s: float,
+        step: Callable[[], int | None] = lambda: None,
+        on_silent: Callable[[str], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        host: str | None = None,
+    ) -> None:
+        """``step``: this rank's last completed step, carried in its beat. ``on_silent``: called
+        with the reason; default logs it, records the last words and exits 8."""
+        self.rank, self.world_size = rank, world_size
+        self.interval_s, self.silent_s = interval_s, silent_s
+        self._store: Any = None
+        self._step = step
+        self._on_silent = on_silent or self._exit
+        self._clock = clock
+        self._host = host or socket.gethostname()
+        self._seq = 0
+        self._watched = list(range(world_size)) if rank == 0 else [0]
+        self._seen: dict[int, str] = {}
+        self._changed: dict[int, float] = {}
+        self._last_round: float | None = None
+        self._last_ok = clock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="elastictrain-liveness", daemon=True)
+        self.last_words: Callable[[str, str], None] = lambda cause, detail: None
+
+    def announce(self, store: Any) -> None:
+        """This rank's host and first beat in the attempt's store (its keys die with the
+        rendezvous), before the group's first barrier: a watcher's read of every beat never waits
+        for a key that is not there yet."""
+        if not self.enabled:
+            return
+        self._store = store
+        self._store.set(_host_key(self.rank), self._host)
+        self._store.set(_beat_key(self.rank), self._beat_value())
+
+    @property
+    def enabled(self) -> bool:
+        """Off with one rank (nobody to watch) or a silence of 0 (``--silent-timeout 0``)."""
+        return self.world_size > 1 and self.silent_s > 0
+
+    def start(self, last_words: Callable[[str, str], None]) -> Liveness:
+        """``last_words``: records (cause, detail) for the run report before an exit."""
+        self.last_words = last_words
+        if not self.enabled or self._store is None:
+            return self
+        # Its own connection, with the silence as its timeout: a frozen store answers nothing.
+        self._store = self._store.clone()
+        self._store.set_timeout(timedelta(seconds=self.silent_s))
+        self._last_ok = self._clock()
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(self.interval_s + 1.0)
+
+    def _beat_value(self, verdict: list[dict[str, Any]] | None = None) -> str:
+        doc: dict[str, Any] = {"seq": self._seq, "step": self._step()}
+        if verdict:
+            doc["silent"] = verdict
+        return json.dumps(doc)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            reason = self.round()
+            if reason is not None:
+                self._on_silent(reason)
+                return
+
+    def round(self) -> str | None:
+        """One beat and one look; the reason to exit, or None. Public for the tests' clocks."""
+        now = self._clock()
+        # Late ourselves (paused, starved): our view of the others is stale, so judge nobody now.
+        away = self._last_round is not None and now - self._last_round > 2 * self.interval_s
+        self._last_round = now
+        self._seq += 1
+        try:
+            self._store.set(_beat_key(self.rank), self._beat_value())
+            keys = [_beat_key(r) for r in self._watched]
+            values = [bytes(v).decode() for v in self._store.multi_get(keys)]
+        except Exception as e:  # the store did not answer within the silence
+            if self._clock() - self._last_ok >= self.silent_s:
+                return (
+                    f"the job's store stopped answering for {self._clock() - self._last_ok:.0f}s "
+                    f"({type(e).__name__}: {str(e).splitlines()[0][:120]}); its host is frozen or "
+                    "unreachable"
+                )
+            return None
+        self._last_ok = now = self._clock()
+        for rank, value in zip(self._watched, values, strict=True):
+            if away or self._seen.get(rank) != value:
+                self._seen[rank], self._changed[rank] = value, now
+        verdict = json.loads(self._seen[0]).get("silent") if self.rank != 0 else None
+        if verdict:
+            return "rank 0 found " + _describe(verdict)
+        silent = [
+            r for r in self._watched if r != self.rank and now - self._changed[r] >= self.silent_s
+        ]
+        if not silent:
+            return None
+        hosts = [bytes(h).decode() for h in self._store.multi_get([_host_key(r) for r in silent])]
+        verdict = [
+            {"rank": r, "host": h, "silent_s": round(now - self._changed[r], 1)}
+            for r, h in zip(silent, hosts, strict=True)
+        ]
+        if self.rank == 0:  # tell everyone at their next beat
+            self._store.set(_beat_key(0), self._beat_value(verdict))
+        return _describe(verdict)
+
+    def _exit(self, reason: str) -> None:
+        line = (
+            f"PEER SILENT: {reason} (no heartbeat for --silent-timeout={self.silent_s:.0f}s, "
+            f"beats every {self.interval_s:.0f}s); exiting {EXIT_PEER_SILENT} so torchrun re-forms "
+            "the group without it"
+        )
+        logger.error(line)
+        with contextlib.suppress(Exception):  # last words must never stop the exit
+            self.last_words(Cause.PEER_SILENT, reason)
+        logging.shutdown()
+        os._exit(EXIT_PEER_SILENT)
+
+
+def _describe(verdict: list[dict[str, Any]]) -> str:
+    who = ", ".join(f"rank {v['rank']} on host {v['host']} ({v['silent_s']}s)" for v in verdict)
+    return f"silent: {who}"

@@ -1,0 +1,102 @@
+"""elastictrain.liveness on a real store and a test clock: a peer whose beats stop is named (rank
+and host) by rank 0 and then by every rank; a frozen rank 0 is found by the others; a rank paused
+for less than the silence, or a watcher that was itself paused, condemns nobody; a store that stops
+answering ends the rank naming the store."""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from elastictrain.liveness import Liveness
+
+BEAT, SILENT = 2.0, 15.0
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _ranks(world: int, store=None, clock=None):
+    store = store or dist.HashStore()
+    clock = clock or Clock()
+    ranks = [
+        Liveness(
+            r,
+            world,
+            interval_s=BEAT,
+            silent_s=SILENT,
+            step=lambda: 7,
+            clock=clock,
+            host=f"host{r}",
+        )  # fmt: skip
+        for r in range(world)
+    ]
+    for r in ranks:
+        r.announce(store)
+    return ranks, clock
+
+
+def _beat(ranks, clock, seconds: float, alive=None) -> list:
+    """Every rank in ``alive`` beats once per interval for ``seconds``; the reasons returned."""
+    reasons = []
+    for _ in range(int(seconds / BEAT)):
+        clock.now += BEAT
+        for r in ranks if alive is None else [ranks[i] for i in alive]:
+            reason = r.round()
+            if reason:
+                reasons.append((r.rank, reason))
+    return reasons
+
+
+def test_a_silent_peer_is_named_by_rank_0_and_then_by_every_rank():
+    ranks, clock = _ranks(3)
+    assert _beat(ranks, clock, 30) == []  # all beating: nobody is silent
+    reasons = _beat(ranks, clock, SILENT + 2 * BEAT, alive=[0, 1])  # rank 2 froze
+    by_rank = dict(reasons)
+    assert "rank 2 on host host2" in by_rank[0] and "silent" in by_rank[0]
+    assert by_rank[1].startswith("rank 0 found silent: rank 2 on host host2")
+
+
+def test_a_frozen_rank_0_is_found_by_the_others():
+    ranks, clock = _ranks(3)
+    _beat(ranks, clock, 10)
+    reasons = dict(_beat(ranks, clock, SILENT + 2 * BEAT, alive=[1, 2]))
+    assert set(reasons) == {1, 2} and "rank 0 on host host0" in reasons[1]
+
+
+def test_a_peer_paused_for_less_than_the_silence_survives():
+    ranks, clock = _ranks(2)
+    _beat(ranks, clock, 10)
+    assert _beat(ranks, clock, 10, alive=[0]) == []  # rank 1 stopped 10 s (SIGSTOP, SIGCONT)
+    assert _beat(ranks, clock, 60) == []
+
+
+def test_a_watcher_that_was_itself_paused_condemns_nobody():
+    ranks, clock = _ranks(2)
+    _beat(ranks, clock, 10)
+    _beat(ranks, clock, BEAT, alive=[0])  # rank 0 has seen rank 1's last beat
+    clock.now += 3 * SILENT  # the whole host stopped: on waking, rank 0 looks first
+    assert ranks[0].round() is None
+    assert _beat(ranks, clock, 4) == []
+
+
+def test_a_store_that_stops_answering_ends_the_rank_naming_the_store():
+    class Frozen:
+        def __init__(self, store) -> None:
+            self.store, self.frozen = store, False
+
+        def __getattr__(self, name):
+            if self.frozen and name in ("set", "multi_get"):
+                raise dist.DistStoreError("timed out")
+            return getattr(self.store, name)
+
+    store = Frozen(dist.HashStore())
+    ranks, clock = _ranks(2, store=store)
+    _beat(ranks, clock, 6)
+    store.frozen = True
+    reasons = dict(_beat(ranks, clock, SILENT + BEAT))
+    assert "store stopped answering" in reasons[0] and "store stopped answering" in reasons[1]
