@@ -2,8 +2,10 @@
 
 Options (``--task-option KEY=VALUE``): hidden (10), layers (1 hidden layer), dataset_size (4096),
 batch_size (64, global), lr (0.01), momentum (0.9), step_time (0 s of simulated compute per step),
-and for skew tests: slow_rank (none), slow_factor (1: that rank's step_time multiplier) and
-start_delay (0 s that rank sleeps before initialising).
+and for skew tests: slow_rank (none), slow_factor (1: that rank's step_time multiplier),
+start_delay (0 s that rank sleeps before initialising) and wedge_step (none: in the first attempt,
+that rank stops inside this micro-step for good, its process alive, as a rank wedged in a kernel or
+a collective is).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ KNOWN_OPTIONS = {
     "slow_rank",
     "slow_factor",
     "start_delay",
+    "wedge_step",
 }
 
 
@@ -73,7 +76,11 @@ def make_task(options: Mapping[str, str]) -> Task:
         )
     step_time = option(options, "step_time", 0.0, float)
     slow_rank = option(options, "slow_rank", -1)
-    if read_env().rank == slow_rank:
+    env = read_env()
+    wedge_at = option(options, "wedge_step", -1)
+    wedges = env.rank == slow_rank and env.restart_count == 0 and wedge_at >= 0
+    calls = [0]
+    if env.rank == slow_rank:
         step_time *= option(options, "slow_factor", 1.0, float)
         time.sleep(option(options, "start_delay", 0.0, float))  # the task is built before init
     lr = option(options, "lr", 0.01, float)
@@ -84,6 +91,9 @@ def make_task(options: Mapping[str, str]) -> Task:
         x, y = batch
         if step_time > 0:
             time.sleep(step_time)  # simulated compute, so tests can kill mid-run
+        calls[0] += 1
+        while wedges and calls[0] > wedge_at:
+            time.sleep(3600)  # the GIL is free: this rank's heartbeat goes on
         return mse(model(x), y)
 
     return Task(

@@ -56,6 +56,7 @@ class HangWatchdog:
         self.timeout = timeout
         self.floor_s = floor_s
         self._steps: deque[float] = deque(maxlen=RECENT_STEPS)
+        self._after_gate = False
         self._budget_names = budget_names
         self._poll_s = poll_s
         self._clock = clock
@@ -87,8 +88,10 @@ class HangWatchdog:
 
     def beat(self, step: int) -> None:
         now = self._clock()
-        if self._phase == "training" and self._step is not None and step > self._step:
+        timed = self._phase == "training" and self._step is not None and not self._after_gate
+        if timed and step > self._step:
             self._steps.append((now - self._last) / (step - self._step))
+        self._after_gate = False
         self._step = step
         self._last = now
         if self._phase == "startup":
@@ -128,6 +131,11 @@ class HangWatchdog:
             yield
         finally:
             (self._phase, self._budget, self._setting), self._last = previous, self._clock()
+            self._after_gate = True  # the next step's time includes peers still in the gate
+            if self._phase == "training" and budget > self._budget:
+                # Until the next step: a peer may still be inside this gate (rank 0 waiting for a
+                # slow persist) while this rank waits for it in the next step's collective.
+                self._budget, self._setting = budget, setting or self._budget_names[1]
 
     def check(self) -> bool:
         """True (and the handler called) on a hang or a dead agent; used by the thread."""

@@ -24,9 +24,10 @@ def test_watchdog_fires_only_past_the_phase_budget():
     with dog.phase("checkpoint", 100.0):
         clock.now = 120.0  # a slow save is not a hang
         assert not dog.check()
+    dog.beat(2)  # the step after the gate, then the step budget again
     clock.now = 125.5
     assert dog.check()
-    assert "phase 'training' after step 1" in fired[0] and "--hang-timeout" in fired[0]
+    assert "phase 'training' after step 2" in fired[0] and "--hang-timeout" in fired[0]
 
 
 def test_watchdog_names_checkpoint_timeout_in_save_phase():
@@ -72,6 +73,10 @@ def test_the_step_budget_learns_the_job_s_step_time_with_a_floor_and_the_timeout
     assert dog.step_budget()[0] == 60.0  # 10 x 0.5 s is under the floor
     with dog.phase("checkpoint", 900.0):
         clock.now += 300.0  # a slow checkpoint gate is its own phase, not a slow step
+    # The step after a gate waits for peers still in theirs (rank 0 on a slow persist): the
+    # gate's budget holds until that step is done.
+    clock.now += 200.0
+    assert not dog.check()
     step = _steps(dog, clock, step, 2, 0.5)
     assert dog.step_budget()[0] == 60.0
     step = _steps(dog, clock, step, 1, 5.0)  # one rank 10x slower for a step: the budget widens
