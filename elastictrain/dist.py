@@ -29,6 +29,7 @@ from elastictrain import knobs
 from elastictrain.env import DistEnv, read_env
 from elastictrain.errors import EXIT_INIT_TIMEOUT
 from elastictrain.handshake import Attempt, handshake
+from elastictrain.liveness import Liveness
 
 logger = logging.getLogger(__name__)
 
@@ -211,7 +212,11 @@ def shutdown() -> None:
 
 
 def init_distributed(
-    *, init_timeout: float = 900.0, timeout: float = 600.0, backend: str | None = None
+    *,
+    init_timeout: float = 900.0,
+    timeout: float = 600.0,
+    backend: str | None = None,
+    silent_timeout: float = 15.0,
 ) -> torch.device:
     """Library mode's ``init_process_group``: the runner's restart-safe handshake for your loop.
 
@@ -226,6 +231,9 @@ def init_distributed(
         init_timeout: seconds for the handshake and process-group creation.
         timeout: seconds a collective may wait for the slowest rank.
         backend: ``"gloo"`` or ``"nccl"``; default from the device.
+        silent_timeout: seconds without a peer's heartbeat before this rank exits 8 naming it, so
+            torchrun re-forms the group without a frozen host (``elastictrain.liveness``, beats
+            every 2 s from a thread of its own); 0 turns it off.
 
     Raises:
         InitTimeoutError: a rank did not join within ``init_timeout``.
@@ -235,11 +243,14 @@ def init_distributed(
     if backend == "gloo":
         device = torch.device("cpu")
     if env.launched_by_torchrun and not dist.is_initialized():
+        liveness = Liveness(env.rank, env.world_size, interval_s=2.0, silent_s=silent_timeout)
         init_process_groups(
             env,
             device,
             init_timeout=init_timeout,
             collective_timeout=timeout,
             checkpoint_timeout=timeout,
+            before_barrier=liveness.announce,
         )
+        liveness.start(last_words=lambda cause, detail: None)  # a daemon: it ends with the process
     return device

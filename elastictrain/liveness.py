@@ -48,10 +48,6 @@ def _beat_key(rank: int) -> str:
     return f"{_PREFIX}beat/{rank}"
 
 
-def _host_key(rank: int) -> str:
-    return f"{_PREFIX}host/{rank}"
-
-
 class Liveness:
     """One rank's heartbeat thread and its watch: rank 0 over every rank, every rank over rank 0."""
 
@@ -82,18 +78,18 @@ class Liveness:
         self._changed: dict[int, float] = {}
         self._last_round: float | None = None
         self._last_ok = clock()
+        self._pending: threading.Event | None = None  # the store request in flight, if any
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="elastictrain-liveness", daemon=True)
         self.last_words: Callable[[str, str], None] = lambda cause, detail: None
 
     def announce(self, store: Any) -> None:
-        """This rank's host and first beat in the attempt's store (its keys die with the
+        """This rank's first beat (with its host) in the attempt's store (its keys die with the
         rendezvous), before the group's first barrier: a watcher's read of every beat never waits
         for a key that is not there yet."""
         if not self.enabled:
             return
         self._store = store
-        self._store.set(_host_key(self.rank), self._host)
         self._store.set(_beat_key(self.rank), self._beat_value())
 
     @property
@@ -119,7 +115,7 @@ class Liveness:
             self._thread.join(self.interval_s + 1.0)
 
     def _beat_value(self, verdict: list[dict[str, Any]] | None = None) -> str:
-        doc: dict[str, Any] = {"seq": self._seq, "step": self._step()}
+        doc: dict[str, Any] = {"seq": self._seq, "step": self._step(), "host": self._host}
         if verdict:
             doc["silent"] = verdict
         return json.dumps(doc)
@@ -131,6 +127,36 @@ class Liveness:
                 self._on_silent(reason)
                 return
 
+    def _ask(self, request: Callable[[], Any]) -> Any:
+        """``request`` of the store, waited for at most one beat: a TCPStore client whose server
+        is frozen (SIGSTOP) does not honour its own timeout (torch 2.13 blocks for minutes), so the
+        request runs on a daemon thread of its own and a frozen store costs this thread nothing."""
+        if self._pending is not None and not self._pending.is_set():
+            raise TimeoutError("the previous request is still unanswered")
+        answer: dict[str, Any] = {}
+        done = self._pending = threading.Event()
+
+        def call() -> None:
+            try:
+                answer["value"] = request()
+            except BaseException as e:  # handed to the asking thread
+                answer["error"] = e
+            finally:
+                done.set()
+
+        threading.Thread(target=call, name="elastictrain-liveness-store", daemon=True).start()
+        if not done.wait(self.interval_s):
+            raise TimeoutError(f"no answer within {self.interval_s:g}s")
+        if "error" in answer:
+            raise answer["error"]
+        return answer["value"]
+
+    def _exchange(self) -> list[str]:
+        """Set this rank's beat, read the watched ones'."""
+        self._store.set(_beat_key(self.rank), self._beat_value())
+        values = self._store.multi_get([_beat_key(r) for r in self._watched])
+        return [bytes(v).decode() for v in values]
+
     def round(self) -> str | None:
         """One beat and one look; the reason to exit, or None. Public for the tests' clocks."""
         now = self._clock()
@@ -139,15 +165,13 @@ class Liveness:
         self._last_round = now
         self._seq += 1
         try:
-            self._store.set(_beat_key(self.rank), self._beat_value())
-            keys = [_beat_key(r) for r in self._watched]
-            values = [bytes(v).decode() for v in self._store.multi_get(keys)]
-        except Exception as e:  # the store did not answer within the silence
-            if self._clock() - self._last_ok >= self.silent_s:
+            values = self._ask(self._exchange)
+        except Exception as e:
+            quiet = self._clock() - self._last_ok
+            if quiet >= self.silent_s:
                 return (
-                    f"the job's store stopped answering for {self._clock() - self._last_ok:.0f}s "
-                    f"({type(e).__name__}: {str(e).splitlines()[0][:120]}); its host is frozen or "
-                    "unreachable"
+                    f"the job's store stopped answering for {quiet:.0f}s ({type(e).__name__}: "
+                    f"{str(e).splitlines()[0][:120]}); its host is frozen or unreachable"
                 )
             return None
         self._last_ok = now = self._clock()
@@ -156,26 +180,27 @@ class Liveness:
                 self._seen[rank], self._changed[rank] = value, now
         verdict = json.loads(self._seen[0]).get("silent") if self.rank != 0 else None
         if verdict:
-            return "rank 0 found " + _describe(verdict)
+            return "rank 0 saw " + _describe(verdict)
         silent = [
             r for r in self._watched if r != self.rank and now - self._changed[r] >= self.silent_s
         ]
         if not silent:
             return None
-        hosts = [bytes(h).decode() for h in self._store.multi_get([_host_key(r) for r in silent])]
         verdict = [
-            {"rank": r, "host": h, "silent_s": round(now - self._changed[r], 1)}
-            for r, h in zip(silent, hosts, strict=True)
-        ]
+            {"rank": r, "host": json.loads(self._seen[r])["host"],
+             "silent_s": round(now - self._changed[r], 1)}
+            for r in silent
+        ]  # fmt: skip
         if self.rank == 0:  # tell everyone at their next beat
-            self._store.set(_beat_key(0), self._beat_value(verdict))
+            with contextlib.suppress(Exception):  # this rank exits either way
+                self._ask(lambda: self._store.set(_beat_key(0), self._beat_value(verdict)))
         return _describe(verdict)
 
     def _exit(self, reason: str) -> None:
         line = (
-            f"PEER SILENT: {reason} (no heartbeat for --silent-timeout={self.silent_s:.0f}s, "
-            f"beats every {self.interval_s:.0f}s); exiting {EXIT_PEER_SILENT} so torchrun re-forms "
-            "the group without it"
+            f"PEER SILENT: {reason} (--silent-timeout={self.silent_s:g}s, beats every "
+            f"{self.interval_s:g}s); exiting {EXIT_PEER_SILENT} so torchrun re-forms the group "
+            "without it"
         )
         logger.error(line)
         with contextlib.suppress(Exception):  # last words must never stop the exit
@@ -185,5 +210,7 @@ class Liveness:
 
 
 def _describe(verdict: list[dict[str, Any]]) -> str:
-    who = ", ".join(f"rank {v['rank']} on host {v['host']} ({v['silent_s']}s)" for v in verdict)
-    return f"silent: {who}"
+    return "; ".join(
+        f"no heartbeat from rank {v['rank']} on host {v['host']} for {v['silent_s']}s"
+        for v in verdict
+    )

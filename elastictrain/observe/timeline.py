@@ -16,6 +16,7 @@ class Outcome(Name):
     FINISHED = "finished"
     PREEMPTION = "preemption"
     HANG = "hang"
+    SILENT = "silent peer"
     MEMBERSHIP = "membership change"
     KILL = "kill"
     RUNNING = "running or killed"
@@ -124,8 +125,9 @@ def build_timeline(events: list[dict[str, Any]]) -> Timeline:
             a.outcome, a.detail = Outcome.PREEMPTION, f"{e.get('signal')} at step {step}"
         elif kind == Event.EXIT:
             a.last_words[int(e.get("rank", 0))] = e
-            if a.outcome != Outcome.HANG:
-                # Every rank may leave last words; a hang seen by anyone explains the others' errors.
+            if a.outcome not in (Outcome.HANG, Outcome.SILENT):
+                # Every rank may leave last words; a hang or a silent peer seen by anyone explains
+                # the others' errors.
                 a.outcome = _exit_cause(e)
                 a.detail = f"rank {e.get('rank', 0)}: {_gist(str(e.get('detail', '')))}"
     for a in attempts:
@@ -161,6 +163,8 @@ def _gist(message: str) -> str:
 
 def _exit_cause(e: dict[str, Any]) -> str:
     cause = e.get("cause", "")
+    if cause == Cause.PEER_SILENT:
+        return Outcome.SILENT  # liveness: a peer (or the store) stopped beating
     if cause in (Cause.HANG, "CollectiveTimeoutError"):
         return Outcome.HANG  # this rank, or a peer it waited on, made no progress within its budget
     if cause in (Cause.ORPHANED, "RuntimeError", "DistBackendError"):

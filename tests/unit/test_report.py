@@ -142,3 +142,20 @@ def test_report_renders_svg_from_a_synthetic_log(tmp_path):
     )
     assert report.main([path, "-o", str(tmp_path / "r.svg")]) == 0
     assert (tmp_path / "r.svg").read_text().lstrip().startswith("<?xml")
+
+
+def test_a_silent_peer_is_the_attempt_s_cause_and_names_the_rank_and_host():
+    silent = "no heartbeat from rank 1 on host node7 for 16.0s"
+    events = [
+        *attempt(0, 2, 0, 0),
+        ev(Event.EXIT, 5, cause="DistBackendError", detail="Connection reset", rank=2),
+        ev(Event.EXIT, 5.5, cause=Cause.PEER_SILENT, detail=silent, rank=0),
+        ev(Event.EXIT, 6, cause="DistBackendError", detail="Connection reset", rank=3),
+        *attempt(10, 2, 1, 0),  # the same size: the silent node came back
+        ev(Event.EXIT, 15, cause=Cause.PEER_SILENT, detail=silent, rank=0),
+        *attempt(20, 1, 2, 0),  # smaller: it was dropped
+        ev(Event.END, 25, step=100),
+    ]
+    first, second, _ = timeline.build_timeline(events).attempts
+    assert first.outcome == Outcome.SILENT and first.detail == f"rank 0: {silent}"
+    assert second.outcome == Outcome.MEMBERSHIP and silent in second.detail
