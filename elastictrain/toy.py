@@ -3,9 +3,9 @@
 Options (``--task-option KEY=VALUE``): hidden (10), layers (1 hidden layer), dataset_size (4096),
 batch_size (64, global), lr (0.01), momentum (0.9), step_time (0 s of simulated compute per step),
 and for skew tests: slow_rank (none), slow_factor (1: that rank's step_time multiplier),
-start_delay (0 s that rank sleeps before initialising) and wedge_step (none: in the first attempt,
+start_delay (0 s that rank sleeps before initialising), wedge_step (none: in the first attempt,
 that rank stops inside this micro-step for good, its process alive, as a rank wedged in a kernel or
-a collective is).
+a collective is) and first_step_time (0 s more in every rank's first micro-step: a compilation).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ KNOWN_OPTIONS = {
     "slow_factor",
     "start_delay",
     "wedge_step",
+    "first_step_time",
 }
 
 
@@ -80,6 +81,7 @@ def make_task(options: Mapping[str, str]) -> Task:
     wedge_at = option(options, "wedge_step", -1)
     wedges = env.rank == slow_rank and env.restart_count == 0 and wedge_at >= 0
     calls = [0]
+    first_step_time = option(options, "first_step_time", 0.0, float)
     if env.rank == slow_rank:
         step_time *= option(options, "slow_factor", 1.0, float)
         time.sleep(option(options, "start_delay", 0.0, float))  # the task is built before init
@@ -91,6 +93,8 @@ def make_task(options: Mapping[str, str]) -> Task:
         x, y = batch
         if step_time > 0:
             time.sleep(step_time)  # simulated compute, so tests can kill mid-run
+        if calls[0] == 0:
+            time.sleep(first_step_time)  # holds the GIL no more than a compiler's Python does
         calls[0] += 1
         while wedges and calls[0] > wedge_at:
             time.sleep(3600)  # the GIL is free: this rank's heartbeat goes on

@@ -8,6 +8,8 @@ workers SIGSTOPped: sockets open, as a hung host's) and time the other node back
 
 Prints the survivor's last words and the seconds from the freeze to its first step alone, or that
 it did not train again within ``--wait`` seconds.
+
+    python -m tests.helpers.freeze_host store   # a TCPStore get, 3 s timeout, server SIGSTOPped
 """
 
 from __future__ import annotations
@@ -27,11 +29,51 @@ from tests.helpers.net import free_port
 from tests.integration.test_multinode import SCRIPT, node_env
 
 
+def frozen_store_get(wait: float) -> None:
+    """Why liveness never waits on a store call: time one ``get`` against a frozen server."""
+    import threading
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    port = free_port()
+    serve = ("import sys, time, torch.distributed as d; s = d.TCPStore('127.0.0.1', int(sys.argv[1]), "
+             "is_master=True, wait_for_workers=False); time.sleep(1e9)")  # fmt: skip
+    server = subprocess.Popen([sys.executable, "-c", serve, str(port)])
+    try:
+        client = dist.TCPStore("127.0.0.1", port, None, False, timedelta(seconds=30))
+        client.set("k", "v")
+        client.set_timeout(timedelta(seconds=3))
+        os.kill(server.pid, signal.SIGSTOP)
+        outcome: list[str] = []
+        t0 = time.monotonic()
+
+        def get() -> None:
+            try:
+                client.get("k")
+                outcome.append(f"returned after {time.monotonic() - t0:.1f}s")
+            except Exception as e:
+                outcome.append(f"{type(e).__name__} after {time.monotonic() - t0:.1f}s")
+
+        threading.Thread(target=get, daemon=True).start()
+        deadline = t0 + wait
+        while not outcome and time.monotonic() < deadline:
+            time.sleep(0.1)
+        print(
+            f"get with a 3 s timeout, server frozen: {outcome[0] if outcome else f'still blocked after {wait:.0f}s'}"
+        )
+    finally:
+        server.kill()
+        server.wait()
+    sys.stdout.flush()
+    os._exit(0)  # the get's thread is still inside torch: a normal exit would abort on it
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "node",
-        choices=("0", "1", "rank0"),
+        choices=("0", "1", "rank0", "store"),
         help="the node to freeze: 0 (hosts the rendezvous unless --rdzv-off-node), "
         "1, or rank0 (whichever holds rank 0 and the workers' store)",
     )
@@ -42,6 +84,9 @@ def main() -> None:
         help="the rendezvous store in a process of its own, not in node 0's agent",
     )
     args = parser.parse_args()
+    if args.node == "store":
+        frozen_store_get(args.wait)
+        return
     with tempfile.TemporaryDirectory() as tmp:
         port, run_id = free_port(), f"freeze-{uuid.uuid4().hex[:6]}"
         ev = os.path.join(tmp, "ev.jsonl")
