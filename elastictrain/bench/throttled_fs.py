@@ -8,7 +8,9 @@ registers the protocol and returns the toy task. ``ET_THROTTLE_BPS`` sets the by
 of each process's link (reads and writes share it); every state-file byte read is appended as
 ``pid<TAB>bytes<TAB>path`` to ``ET_THROTTLE_LOG``, so the bench counts what a resume read.
 ``ET_THROTTLE_LATENCY_MS`` adds that many milliseconds to every request (a sleep, so requests made
-in parallel overlap as they would against S3); ``REQUESTS`` and ``BYTES`` count them in-process.
+in parallel overlap as they would against S3); ``ET_THROTTLE_STALL_FROM``/``_UNTIL`` (epoch seconds)
+hold every request made between them until the second; ``REQUESTS`` and ``BYTES`` count them
+in-process.
 """
 
 from __future__ import annotations
@@ -40,6 +42,12 @@ def _request(kind: str, pages: int = 1) -> bool:
     latency_ms = float(os.environ.get("ET_THROTTLE_LATENCY_MS", "0") or 0)
     if latency_ms:
         time.sleep(pages * latency_ms / 1e3)
+    # A stall: every request made inside [FROM, UNTIL) (epoch seconds) waits until UNTIL.
+    stall = [
+        float(os.environ.get(f"ET_THROTTLE_STALL_{end}", "0") or 0) for end in ("FROM", "UNTIL")
+    ]
+    if stall[0] <= time.time() < stall[1]:
+        time.sleep(stall[1] - time.time())
     return True
 
 

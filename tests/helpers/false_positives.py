@@ -39,11 +39,12 @@ CASES: dict[str, dict] = {
         env={"ET_THROTTLE_BPS": "40000"},
         throttled=True,
     ),
-    # Storage that takes 60 s per persist (12 s a request): the next checkpoint waits for it.
+    # Storage that stops answering for 60 s, 25 s after the launch, while rank 0 persists every
+    # 20 steps (1 s): the persist in flight stalls and the next checkpoint waits for it.
     "storage-stall-60s": dict(
         app=[*THROTTLED, *_options(step_time=0.05), "--checkpoint-every-steps", "20"],
-        steps=60,
-        env={"ET_THROTTLE_LATENCY_MS": "12000"},
+        steps=1000,
+        stall=(25, 60),
         throttled=True,
     ),
     # A worker stopped for 10 s (SIGSTOP, then SIGCONT: a swap storm, a long GC).
@@ -67,8 +68,13 @@ def run_case(name: str, case: dict, tmp: str, results: dict) -> None:
             results[name] = f"FAILED to write the checkpoint to resume: {seed.log()[-500:]}"
             return
         os.remove(ev)
+    env = dict(case.get("env", {}))
+    if case.get("stall"):
+        after, seconds = case["stall"]
+        env["ET_THROTTLE_STALL_FROM"] = str(time.time() + after)
+        env["ET_THROTTLE_STALL_UNTIL"] = str(time.time() + after + seconds)
     job = Job(torchrun, [*base, "--max-steps", str(case["steps"]), *case["app"]],
-              os.path.join(home, "job.log"), home, job_env(**case.get("env", {})))  # fmt: skip
+              os.path.join(home, "job.log"), home, job_env(**env))  # fmt: skip
     if case.get("pause_s"):
         wait_for_event(ev, lambda e: e["event"] == Event.PROGRESS and e["step"] >= 100, 120, job)
         pid = job.workers()[1]
@@ -79,9 +85,11 @@ def run_case(name: str, case: dict, tmp: str, results: dict) -> None:
     events = read_events(ev)
     starts = sum(e["event"] == Event.START for e in events)  # rank 0's, one per attempt
     exits = [f"rank {e['rank']} {e['cause']}" for e in events if e["event"] == Event.EXIT]
+    waits = [e.get("waited_s", 0) for e in events if e["event"] == Event.CHECKPOINT]
     ok = code == 0 and starts == 1 and not exits
     results[name] = (f"{'ok' if ok else 'FALSE POSITIVE'}: exit {code}, {starts} attempt(s), "
-                     f"exits {exits or 'none'}, {time.monotonic() - t0:.0f}s")  # fmt: skip
+                     f"exits {exits or 'none'}, the longest wait for a persist "
+                     f"{max(waits, default=0):.0f}s, {time.monotonic() - t0:.0f}s")  # fmt: skip
 
 
 def main() -> None:
