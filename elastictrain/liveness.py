@@ -110,14 +110,24 @@ class Liveness:
         return self
 
     def stop(self) -> None:
+        """End the beats, saying so in a last one: a rank that finished (or left by an error that
+        its peers see in their collectives) is not silent while its peers still close up, e.g.
+        rank 0 committing the final checkpoint."""
         self._stop.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(self.interval_s + 1.0)
+        if self._store is not None:  # announced: peers may be watching this rank
+            with contextlib.suppress(Exception):  # best effort: the store may be gone already
+                self._ask(
+                    lambda: self._store.set(_beat_key(self.rank), self._beat_value(done=True))
+                )
 
-    def _beat_value(self, verdict: list[dict[str, Any]] | None = None) -> str:
+    def _beat_value(self, verdict: list[dict[str, Any]] | None = None, done: bool = False) -> str:
         doc: dict[str, Any] = {"seq": self._seq, "step": self._step(), "host": self._host}
         if verdict:
             doc["silent"] = verdict
+        if done:
+            doc["done"] = True
         return json.dumps(doc)
 
     def _run(self) -> None:
@@ -182,7 +192,11 @@ class Liveness:
         if verdict:
             return "rank 0 saw " + _describe(verdict)
         silent = [
-            r for r in self._watched if r != self.rank and now - self._changed[r] >= self.silent_s
+            r
+            for r in self._watched
+            if r != self.rank
+            and now - self._changed[r] >= self.silent_s
+            and not json.loads(self._seen[r]).get("done")
         ]
         if not silent:
             return None

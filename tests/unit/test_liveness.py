@@ -132,3 +132,11 @@ def test_a_store_that_never_answers_costs_one_beat_per_request_and_ends_the_rank
         reason = rank.round()
     assert reason and "store stopped answering" in reason, reason
     assert time.monotonic() - t0 < 0.3 + 2 * 0.05 + 0.5  # the silence and a beat, not minutes
+
+
+def test_a_rank_that_stopped_its_beats_on_the_way_out_is_not_silent():
+    """Rank 1 finished and left; rank 0 still commits the final checkpoint for a minute."""
+    ranks, clock = _ranks(2)
+    _beat(ranks, clock, 10)
+    ranks[1].stop()
+    assert _beat(ranks, clock, 60, alive=[0]) == []
