@@ -59,16 +59,18 @@ class Liveness:
         interval_s: float,
         silent_s: float,
         step: Callable[[], int | None] = lambda: None,
+        phase: Callable[[], str] = lambda: "training",
         on_silent: Callable[[str], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
         host: str | None = None,
     ) -> None:
-        """``step``: this rank's last completed step, carried in its beat. ``on_silent``: called
-        with the reason; default logs it, records the last words and exits 8."""
+        """``step``, ``phase``: this rank's last completed step and its watchdog phase, carried in
+        its beat (peers in a gate excuse the others' slow steps: ``excuse``). ``on_silent``:
+        called with the reason; default logs it, records the last words and exits 8."""
         self.rank, self.world_size = rank, world_size
         self.interval_s, self.silent_s = interval_s, silent_s
         self._store: Any = None
-        self._step = step
+        self._step, self._phase = step, phase
         self._on_silent = on_silent or self._exit
         self._clock = clock
         self._host = host or socket.gethostname()
@@ -79,9 +81,20 @@ class Liveness:
         self._last_round: float | None = None
         self._last_ok = clock()
         self._pending: threading.Event | None = None  # the store request in flight, if any
+        self._gated: list[int] = []  # rank 0: the ranks its last look found inside a gate
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="elastictrain-liveness", daemon=True)
         self.last_words: Callable[[str, str], None] = lambda cause, detail: None
+
+    @classmethod
+    def beside(cls, watchdog: Any, rank: int, world_size: int, interval_s: float,
+               silent_s: float) -> Liveness:  # fmt: skip
+        """The runner's: beats carry the hang watchdog's step and phase, and the watchdog asks it
+        whether a peer in a gate excuses a slow step."""
+        liveness = cls(rank, world_size, interval_s=interval_s, silent_s=silent_s,
+                       step=lambda: watchdog.step, phase=lambda: watchdog.phase_name)  # fmt: skip
+        watchdog.excuse = liveness.excuse
+        return liveness
 
     def announce(self, store: Any) -> None:
         """This rank's first beat (with its host) in the attempt's store (its keys die with the
@@ -123,7 +136,10 @@ class Liveness:
                 )
 
     def _beat_value(self, verdict: list[dict[str, Any]] | None = None, done: bool = False) -> str:
-        doc: dict[str, Any] = {"seq": self._seq, "step": self._step(), "host": self._host}
+        doc: dict[str, Any] = {"seq": self._seq, "step": self._step(), "host": self._host,
+                               "phase": self._phase()}  # fmt: skip
+        if self.rank == 0 and self._gated:  # for the ranks that only watch rank 0
+            doc["gated"] = self._gated
         if verdict:
             doc["silent"] = verdict
         if done:
@@ -188,6 +204,8 @@ class Liveness:
         for rank, value in zip(self._watched, values, strict=True):
             if away or self._seen.get(rank) != value:
                 self._seen[rank], self._changed[rank] = value, now
+        if self.rank == 0:
+            self._gated = [r for r in self._watched if _in_gate(self._seen[r])][:8]
         verdict = json.loads(self._seen[0]).get("silent") if self.rank != 0 else None
         if verdict:
             return "rank 0 saw " + _describe(verdict)
@@ -210,6 +228,19 @@ class Liveness:
                 self._ask(lambda: self._store.set(_beat_key(0), self._beat_value(verdict)))
         return _describe(verdict)
 
+    def excuse(self) -> str | None:
+        """Why a peer may keep this rank waiting past its learned step budget: a peer inside a
+        phase of its own budget (a checkpoint gate, evaluation, a wait for its loader), as the
+        last beats say; rank 0 sees every rank's, the others see rank 0's and its summary."""
+        if not self.enabled or 0 not in self._seen:
+            return None
+        if self.rank == 0:
+            gated = [r for r in self._gated if r != 0]
+        else:
+            doc = json.loads(self._seen[0])
+            gated = doc.get("gated") or ([0] if _in_gate(self._seen[0]) else [])
+        return f"rank(s) {gated} inside a gate" if gated else None
+
     def _exit(self, reason: str) -> None:
         line = (
             f"PEER SILENT: {reason} (--silent-timeout={self.silent_s:g}s, beats every "
@@ -221,6 +252,11 @@ class Liveness:
             self.last_words(Cause.PEER_SILENT, reason)
         logging.shutdown()
         os._exit(EXIT_PEER_SILENT)
+
+
+def _in_gate(beat: str) -> bool:
+    doc = json.loads(beat)
+    return doc.get("phase", "training") not in ("training", "startup") and not doc.get("done")
 
 
 def _describe(verdict: list[dict[str, Any]]) -> str:

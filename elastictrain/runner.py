@@ -74,8 +74,8 @@ def run(cfg: RunConfig, early_signals: StopSignals | None = None) -> int:
         agent_pid=agent_pid if env.launched_by_torchrun else None,
     ).start()
     attempt: _Attempt | None = None
-    liveness = Liveness(env.rank, env.world_size, interval_s=cfg.heartbeat_seconds,
-                        silent_s=cfg.silent_timeout, step=lambda: watchdog.step)  # fmt: skip
+    liveness = Liveness.beside(watchdog, env.rank, env.world_size, cfg.heartbeat_seconds,
+                               cfg.silent_timeout)  # fmt: skip
     try:
         t_init = time.monotonic()
         groups = edist.init_process_groups(
@@ -225,7 +225,7 @@ class _Attempt:
         cfg, watchdog = self.cfg, self.watchdog
         t0 = time.monotonic()
         with (
-            watchdog.phase("evaluation", cfg.hang_timeout, "--hang-timeout"),
+            watchdog.phase("evaluation", cfg.hang_timeout, "--hang-timeout", shared=True),
             named_timeout(
                 "--checkpoint-timeout",
                 cfg.checkpoint.checkpoint_timeout,

@@ -9,7 +9,9 @@ The budget learns the job's own step time: after ``WARMUP_STEPS`` timed steps it
 max(--hang-floor, ``STEP_MULTIPLE`` x the slowest of the last ``RECENT_STEPS``), never above
 --hang-timeout, so a 0.5 s step job finds a wedged rank in a minute, not ten, and a job whose steps
 take 2 minutes still gets 20. Startup (resume, the first step's compilation), evaluation and the
-checkpoint gates keep their own budgets (``phase``); the time spent in them is not a step's.
+checkpoint gates keep their own budgets (``phase``); the time spent in them is not a step's, and
+while a peer is inside one (``excuse``, from the heartbeats: rank 0 waiting for a slow persist)
+the ranks waiting for it in a collective are judged by --hang-timeout, not the learned budget.
 """
 
 from __future__ import annotations
@@ -72,6 +74,9 @@ class HangWatchdog:
         self._setting = budget_names[1]
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="elastictrain-watchdog", daemon=True)
+        self.excuse: Callable[[], str | None] = lambda: None
+        """Why a learned step budget may be overrun now (a peer in a gate, from the heartbeats),
+        or None."""
         self.last_words: Callable[[str, str], None] = lambda cause, detail: None
         """Called with (cause, detail) just before the process exits: rank 0 records it in the
         event log, so the run report can say why the attempt ended."""
@@ -105,6 +110,11 @@ class HangWatchdog:
         """The last completed step (None before the first)."""
         return self._step
 
+    @property
+    def phase_name(self) -> str:
+        """'startup', 'training', or the phase this rank is in (a checkpoint gate, evaluation)."""
+        return self._phase
+
     def step_budget(self) -> tuple[float, str]:
         """The budget of one step now, and what sets it (named in the hang message)."""
         if self.floor_s is None or len(self._steps) < WARMUP_STEPS:
@@ -119,10 +129,13 @@ class HangWatchdog:
         )
 
     @contextlib.contextmanager
-    def phase(self, name: str, budget: float, setting: str | None = None) -> Iterator[None]:
+    def phase(
+        self, name: str, budget: float, setting: str | None = None, *, shared: bool = False
+    ) -> Iterator[None]:
         """Run a non-step phase (resume, checkpoint save, a wait for the data loader) under its own
         budget; ``setting`` names the budget in the hang message (default: the second of
-        ``budget_names``)."""
+        ``budget_names``). ``shared``: every rank is in it together (a checkpoint gate,
+        evaluation), so the next step waits for the last to leave it and is not timed."""
         previous = (self._phase, self._budget, self._setting)
         self._phase, self._budget = name, budget
         self._setting = setting or self._budget_names[1]
@@ -131,11 +144,8 @@ class HangWatchdog:
             yield
         finally:
             (self._phase, self._budget, self._setting), self._last = previous, self._clock()
-            self._after_gate = True  # the next step's time includes peers still in the gate
-            if self._phase == "training" and budget > self._budget:
-                # Until the next step: a peer may still be inside this gate (rank 0 waiting for a
-                # slow persist) while this rank waits for it in the next step's collective.
-                self._budget, self._setting = budget, setting or self._budget_names[1]
+            if shared:
+                self._after_gate = True  # the next step's time includes peers still in it
 
     def check(self) -> bool:
         """True (and the handler called) on a hang or a dead agent; used by the thread."""
@@ -145,6 +155,11 @@ class HangWatchdog:
             return True
         idle = self._clock() - self._last
         if idle <= self._budget:
+            return False
+        if self._phase == "training" and idle <= self.timeout and self.excuse() is not None:
+            # A peer is inside a phase of its own budget (rank 0 waiting for a slow persist at a
+            # checkpoint gate): this rank waits for it in a collective. Its own watchdog judges
+            # it; the learned budget is for steps, and the ceiling still holds.
             return False
         reason = (
             f"no progress for {idle:.1f}s in phase '{self._phase}' after step {self._step} "

@@ -261,7 +261,8 @@ class CheckpointSession:
         """Storage-bound work: judged by ``checkpoint_timeout`` (the watchdog's budget too), and a
         backend timeout becomes an error that names that setting."""
         budget, name = self.config.checkpoint_timeout, self.config.name_of("checkpoint_timeout")
-        watch = self._watchdog.phase(phase, budget, name) if self._watchdog else _no_watch()
+        watch = self._watchdog.phase(phase, budget, name, shared=True) if self._watchdog else None
+        watch = watch or _no_watch()
         with watch, named_timeout(name, budget, what or phase):
             yield
 

@@ -39,12 +39,13 @@ CASES: dict[str, dict] = {
         env={"ET_THROTTLE_BPS": "40000"},
         throttled=True,
     ),
-    # Storage that stops answering for 60 s, 25 s after the launch, while rank 0 persists every
-    # 20 steps (1 s): the persist in flight stalls and the next checkpoint waits for it.
-    "storage-stall-60s": dict(
+    # Storage that stops answering for 90 s (the 60 s, and past the 60 s --hang-floor), 25 s
+    # after the launch, while rank 0 persists every 20 steps (1 s): the persist in flight stalls,
+    # the next checkpoint waits for it at its gate, and rank 1 waits for rank 0 in the next step.
+    "storage-stall-90s": dict(
         app=[*THROTTLED, *_options(step_time=0.05), "--checkpoint-every-steps", "20"],
         steps=1000,
-        stall=(25, 60),
+        stall=(25, 90),
         throttled=True,
     ),
     # A worker stopped for 10 s (SIGSTOP, then SIGCONT: a swap storm, a long GC).

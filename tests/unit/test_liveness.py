@@ -140,3 +140,30 @@ def test_a_rank_that_stopped_its_beats_on_the_way_out_is_not_silent():
     _beat(ranks, clock, 10)
     ranks[1].stop()
     assert _beat(ranks, clock, 60, alive=[0]) == []
+
+
+def test_a_peer_inside_a_gate_excuses_a_slow_step_on_every_rank():
+    phases = {r: "training" for r in range(3)}
+    store, clock = dist.HashStore(), Clock()
+    ranks = [
+        Liveness(
+            r,
+            3,
+            interval_s=BEAT,
+            silent_s=SILENT,
+            clock=clock,
+            host=f"h{r}",
+            phase=lambda r=r: phases[r],
+        )  # fmt: skip
+        for r in range(3)
+    ]
+    for r in ranks:
+        r.announce(store)
+    _beat(ranks, clock, 4)
+    assert [r.excuse() for r in ranks] == [None, None, None]
+    phases[2] = "checkpoint"  # rank 2 waits for its persist at a gate (FSDP: every rank writes)
+    _beat(ranks, clock, 6)  # rank 0 sees it in a beat, and says so in its next
+    assert ranks[0].excuse() and ranks[1].excuse() and "[2]" in ranks[1].excuse()
+    phases[2] = "training"
+    _beat(ranks, clock, 6)
+    assert [r.excuse() for r in ranks] == [None, None, None]

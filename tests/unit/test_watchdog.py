@@ -71,12 +71,20 @@ def test_the_step_budget_learns_the_job_s_step_time_with_a_floor_and_the_timeout
     assert dog.step_budget()[0] == 600.0  # still warming up: the fixed budget
     step = _steps(dog, clock, step, 20, 0.5)
     assert dog.step_budget()[0] == 60.0  # 10 x 0.5 s is under the floor
-    with dog.phase("checkpoint", 900.0):
+    with dog.phase("waiting for the data loader", 600.0):
+        clock.now += 0.2  # this rank's own wait, inside every step: the step is still timed
+    dog.beat(step)
+    step += 1
+    with dog.phase("checkpoint", 900.0, shared=True):
         clock.now += 300.0  # a slow checkpoint gate is its own phase, not a slow step
-    # The step after a gate waits for peers still in theirs (rank 0 on a slow persist): the
-    # gate's budget holds until that step is done.
+    # The step after a gate waits for a peer still inside its own (rank 0 on a slow persist, as
+    # its heartbeat says): excused up to --hang-timeout, and not timed.
+    dog.excuse = lambda: "rank(s) [0] inside a gate"
     clock.now += 200.0
     assert not dog.check()
+    dog.beat(step)  # the peer left its gate: the step completes
+    step += 1
+    dog.excuse = lambda: None
     step = _steps(dog, clock, step, 2, 0.5)
     assert dog.step_budget()[0] == 60.0
     step = _steps(dog, clock, step, 1, 5.0)  # one rank 10x slower for a step: the budget widens
@@ -99,3 +107,28 @@ def test_without_a_floor_the_step_budget_stays_fixed():
     dog.beat(1)
     _steps(dog, clock, 2, 60, 0.5)
     assert dog.step_budget() == (600.0, "--hang-timeout")
+
+
+def test_an_excuse_holds_off_the_learned_budget_but_never_the_ceiling():
+    clock, fired = Clock(), []
+    dog = HangWatchdog(600.0, startup_s=900.0, floor_s=60.0, clock=clock, on_hang=fired.append)
+    dog.beat(1)
+    _steps(dog, clock, 2, 10, 0.5)
+    clock.now += 61.0
+    dog.excuse = lambda: "rank(s) [0] inside a gate"
+    assert not dog.check()  # a peer in a gate: the learned 60 s is not this wait's budget
+    clock.now += 540.0
+    assert dog.check() and "budget 60s" in fired[-1]  # past --hang-timeout: a hang all the same
+
+
+def test_the_budget_learns_when_every_step_waits_for_its_loader():
+    """The runner wraps each batch fetch in a phase of its own: that must not stop the timing."""
+    clock = Clock()
+    dog = HangWatchdog(600.0, startup_s=900.0, floor_s=5.0, clock=clock, on_hang=lambda r: None)
+    dog.beat(1)
+    for step in range(2, 30):
+        with dog.phase("waiting for the data loader", 600.0):
+            clock.now += 0.01
+        clock.now += 0.1
+        dog.beat(step)
+    assert dog.step_budget()[0] == 5.0
