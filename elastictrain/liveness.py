@@ -5,17 +5,21 @@ peers wait in their collectives until the collective timeout: 600 s in the recip
 measured 606 s from the freeze to training again). Step progress cannot tell a frozen peer from a
 slow step, so every rank also shows it is alive from a thread of its own, which needs no progress:
 
-- every ``--heartbeat-seconds`` each rank sets its beat key in the attempt's c10d store (a counter
-  and its step), and reads rank 0's beat: 2 requests per beat, whatever W;
+- every ``--heartbeat-seconds`` each rank sets its beat key in the attempt's c10d store (a counter,
+  its step, its host and its watchdog phase), and reads rank 0's beat: 2 requests per beat,
+  whatever W;
 - rank 0 reads every rank's beat with one ``multi_get``; a rank whose beat has not changed for
   ``--silent-timeout`` is silent. Rank 0 writes the verdict into its own beat, which every rank
   reads at its next beat, and every rank exits 8 naming the silent ranks and hosts, so torchrun
   re-forms the group without them (its keep-alive drops the frozen agent);
 - every rank watches rank 0's beat the same way, so a frozen rank 0 is found too;
 - a store that stops answering for ``--silent-timeout`` ends the rank the same way, naming the
-  store: when it lives on the frozen host (rank 0's, or torchrun's own on node 0), torchrun cannot
-  re-form the group either; the recipe then needs a rendezvous endpoint off the training nodes
-  (docs/faults.md).
+  store (when the workers' store lives on the frozen host, in rank 0's process). When torchrun's
+  rendezvous store lives there, torchrun cannot re-form the group at all: the recipe then needs a
+  rendezvous endpoint off the training nodes (docs/faults.md);
+- the phases in the beats tell the hang watchdog when a peer is inside a gate (``excuse``), so a
+  rank waiting for it in a collective is not called hung by its learned step budget;
+- a rank that stops its beats on the way out says so (``done``): it is not silent.
 
 A watcher that was itself stopped (its own beats late) judges nobody for that round: after a
 pause its view of everyone is stale, not theirs of it. The default silence, 15 s, is above the

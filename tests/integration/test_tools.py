@@ -24,7 +24,8 @@ def test_bench_overhead_gives_sane_figures(tmp_path):
         return json.loads(out.stdout)
 
     def within(r: dict) -> bool:
-        return all(-0.5 < r[k] < 1.0 for k in ("runner_overhead", "local_tier_overhead"))
+        keys = ("runner_overhead", "local_tier_overhead", "liveness_overhead")
+        return all(-0.5 < r[k] < 1.0 for k in keys)
 
     overhead = measure()
     if not within(overhead):
@@ -33,6 +34,7 @@ def test_bench_overhead_gives_sane_figures(tmp_path):
         # step, ours at 22, then 14). A broken bench or runner is out of bounds twice.
         overhead = measure()
     assert overhead["plain_step_s"] > 0 and overhead["elastictrain_step_s"] > 0
+    assert 0 < overhead["heartbeat_cpu_s"] < 0.01  # one beat: well under 10 ms of CPU
     ratio = overhead["elastictrain_step_s"] / overhead["plain_step_s"]
     assert overhead["runner_overhead"] == pytest.approx(ratio - 1)
     assert -0.5 < overhead["runner_overhead"] < 1.0, overhead  # same loop: never 2x slower
