@@ -95,7 +95,7 @@ def test_a_wedged_rank_is_found_by_the_step_time_learned_and_the_job_recovers(la
     rank dumps its stacks and exits 4, and the job finishes after the restart."""
     ev = str(tmp_path / "ev.jsonl")
     extra = ("--hang-floor", "5", "--task-option", "slow_rank=1", "--task-option", "wedge_step=150")
-    args = toy_args(str(tmp_path / "c"), ev, max_steps=600, every=50, step_time=0.01, extra=extra)
+    args = toy_args(str(tmp_path / "c"), ev, max_steps=300, every=50, step_time=0.01, extra=extra)
     job = launch(args, nproc=2, max_restarts=2)
     assert job.wait(180) == 0, job.log()[-3000:]
     log = job.log()

@@ -23,7 +23,7 @@ def test_a_paused_node_is_waited_for_and_a_frozen_node_is_dropped_within_a_minut
     port, run_id = free_port(), f"frozen-{uuid.uuid4().hex[:6]}"
     ckpt, ev = str(tmp_path / "shared"), str(tmp_path / "ev.jsonl")
     args = ["--max-steps", "100000", "--checkpoint-every-steps", "40", "--event-log", ev]
-    args += ["--log-every-seconds", "0.5", "--task-option", "step_time=0.02"]
+    args += ["--log-every-seconds", "0.5", "--task-option", "step_time=0.1"]
     nodes = []
     for node in (0, 1):
         home = tmp_path / f"host{node}"
@@ -31,7 +31,7 @@ def test_a_paused_node_is_waited_for_and_a_frozen_node_is_dropped_within_a_minut
         env = node_env(node, port, run_id, ckpt)
         nodes.append(launch(args, script=SCRIPT, env=env, cwd=str(home), name=f"node{node}"))
     wait_for_event(
-        ev, lambda e: e["event"] == Event.PROGRESS and e["world_size"] == 2 and e["step"] >= 60, 150
+        ev, lambda e: e["event"] == Event.PROGRESS and e["world_size"] == 2 and e["step"] >= 45, 150
     )
     # A 10 s stop of the whole node, then it continues: nobody may be declared silent.
     nodes[1].signal_node(signal.SIGSTOP)
