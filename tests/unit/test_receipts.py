@@ -53,6 +53,7 @@ def test_waits_until_every_rank_posted_and_ignores_another_generation(carrier):
     late.start()
     t0 = time.monotonic()
     got = receipts[0].gather(ckpt, 3, 7, lambda s: False, deadline_s=10)
+    late.join()  # its post finishes before the store goes away with the test
     assert time.monotonic() - t0 >= 0.25
     assert [r["rank"] for r in got] == [0, 1, 2]
 
