@@ -24,9 +24,9 @@ import time
 import uuid
 
 from elastictrain.observe.events import Event, read_events
-from tests.helpers.launcher import Job, wait_for_event
+from tests.helpers.launcher import TWO_NODES as SCRIPT
+from tests.helpers.launcher import Job, node_env, wait_for_event
 from tests.helpers.net import free_port
-from tests.integration.test_multinode import SCRIPT, node_env
 
 
 def frozen_store_get(wait: float) -> None:

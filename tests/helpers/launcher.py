@@ -51,6 +51,15 @@ def job_env(**extra: str) -> dict[str, str]:
     return env
 
 
+TWO_NODES = ["bash", os.path.join(REPO_ROOT, "examples", "two_nodes.sh")]
+"""The two-node recipe: one simulated node per launch, chosen by ``node_env``."""
+
+
+def node_env(node: int, port: int, run_id: str, ckpt: str, **extra: str) -> dict[str, str]:
+    """The environment of node ``node`` of ``TWO_NODES``."""
+    return job_env(NODE=str(node), PORT=str(port), RUN_ID=run_id, CKPT=ckpt, **extra)
+
+
 class Job:
     """One ``torchrun`` agent (a simulated node) and everything it spawns."""
 

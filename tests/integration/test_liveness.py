@@ -13,9 +13,9 @@ import uuid
 import pytest
 
 from elastictrain.observe.events import Cause, Event, read_events
-from tests.helpers.launcher import wait_for_event
+from tests.helpers.launcher import TWO_NODES as SCRIPT
+from tests.helpers.launcher import node_env, wait_for_event
 from tests.helpers.net import free_port
-from tests.integration.test_multinode import SCRIPT, node_env
 
 
 @pytest.mark.slow

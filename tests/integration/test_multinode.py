@@ -15,16 +15,18 @@ import pytest
 from elastictrain.observe import report
 from elastictrain.observe.events import Event, read_events, read_sample_log
 from tests.helpers.elastic import assert_exactly_once
-from tests.helpers.launcher import REPO_ROOT, final_state, job_env, run_single, wait_for_event
+from tests.helpers.launcher import (
+    TWO_NODES,
+    final_state,
+    node_env,
+    run_single,
+    wait_for_event,
+)
 from tests.helpers.net import free_port
 from tests.helpers.paths import checkpoint_files
 
-SCRIPT = ["bash", os.path.join(REPO_ROOT, "examples", "two_nodes.sh")]
+SCRIPT = TWO_NODES
 DATASET, BATCH, STEPS = 1024, 32, 480  # 32 steps per epoch, 15 epochs
-
-
-def node_env(node: int, port: int, run_id: str, ckpt: str, **extra: str) -> dict[str, str]:
-    return job_env(NODE=str(node), PORT=str(port), RUN_ID=run_id, CKPT=ckpt, **extra)
 
 
 @pytest.mark.slow
