@@ -47,5 +47,12 @@ if __name__ == "__main__":
         sys.exit(main())
     # Before torch is imported (seconds on a cold start): a SIGTERM or Ctrl-C from here on is a
     # graceful stop at the first step, never a KeyboardInterrupt traceback out of an import.
-    code = main(early_signals=StopSignals([signal.SIGTERM]))
+    try:
+        code = main(early_signals=StopSignals([signal.SIGTERM]))
+    except Exception:
+        # A crash is printed as Python would, and then leaves like every other exit: interpreter
+        # teardown runs exit hooks that can block forever (multiprocessing joins loader workers,
+        # which ignore SIGTERM while they wait for their rank's orders).
+        sys.excepthook(*sys.exc_info())
+        code = EXIT_CRASH
     exit_without_teardown(code)

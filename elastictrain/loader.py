@@ -118,6 +118,35 @@ def _die_with_parent(parent_pid: int) -> None:
 _PR_SET_PDEATHSIG = 1
 
 
+def load_failed(
+    it: Iterator[Any], step: int, micro: int, where: str, e: Exception
+) -> DataLoadError:
+    """The error for a failed load, once the iterator's workers are off torch's SIGCHLD watch.
+
+    A dead worker surfaces as DataLoader's RuntimeError, or, caught mid-message, as a bare
+    ConnectionResetError/EOFError; a dataset bug as its own exception. Name the step either way;
+    the caller chains the cause (and its worker traceback)."""
+    _stop_watching_workers(it)
+    return DataLoadError(
+        f"loading step {step} micro-batch {micro} failed ({where}): "
+        f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+    )
+
+
+def _stop_watching_workers(it: Iterator[Any]) -> None:
+    """Take a failed iterator's workers off torch's SIGCHLD watch. Its handler raises in the main
+    thread wherever that is, once per failure: a pair of workers found dead by their broken pipe
+    first would raise again inside the failure path this error starts (its report, its last words,
+    a logging lock it holds), losing the report or hanging the exit. Torch forgets the workers
+    itself when its handler is the one that raised; here the error came another way."""
+    from torch.utils.data._utils.signal_handling import _remove_worker_pids
+
+    with contextlib.suppress(Exception):  # never lets the cleanup hide the error
+        if getattr(it, "_worker_pids_set", False):
+            _remove_worker_pids(id(it))
+            it._worker_pids_set = False  # type: ignore[attr-defined]
+
+
 def _as_is(item: Any) -> Any:
     return item  # the batch is collated already; module-level so workers can unpickle it
 
@@ -182,13 +211,7 @@ class StepLoader:
                 with self.waiting():
                     key, batch = next(self._it)
             except Exception as e:
-                # A dead worker surfaces as DataLoader's RuntimeError, or, caught mid-message, as a
-                # bare ConnectionResetError/EOFError; a dataset bug as its own exception. Name the
-                # step either way; the cause (and its worker traceback) stays chained.
-                raise DataLoadError(
-                    f"loading step {step} micro-batch {micro} failed ({self._where}): "
-                    f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
-                ) from e
+                raise load_failed(self._it, step, micro, self._where, e) from e
             if key != (step, micro):
                 raise RuntimeError(
                     f"data loader out of order: expected step {step} micro-batch {micro}, got {key}"

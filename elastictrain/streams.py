@@ -34,6 +34,7 @@ from torch.utils.data import IterableDataset
 
 from elastictrain.data import Share
 from elastictrain.errors import CheckpointMismatchError, ConfigError, DataLoadError
+from elastictrain.loader import load_failed
 
 UNKNOWN = -1
 """A sample's global position where the runner cannot know it (loader workers interleave)."""
@@ -200,10 +201,7 @@ class StreamLoader:
                     "more data, or a stream that repeats."
                 ) from None
             except Exception as e:
-                raise DataLoadError(
-                    f"loading step {step} micro-batch {micro} failed ({self._where}): "
-                    f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
-                ) from e
+                raise load_failed(self._it, step, micro, self._where, e) from e
             out.append((Share(epoch=0, indices=self._positions(step, micro), weight=1.0), batch))
         return out
 

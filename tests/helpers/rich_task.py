@@ -119,10 +119,26 @@ class FaultyDataset(torch.utils.data.Dataset):
 
 
 def make_faulty_loader_task(options: Mapping[str, str]) -> Task:
-    """The toy task with a FaultyDataset (options: fault=crash|hang, after=320)."""
+    """The toy task with a FaultyDataset (options: fault=crash|hang, after=320); fault=bug
+    instead raises from the loss at its third call, with an exit hook that would never return
+    (as joining a loader worker stuck in I/O, which ignores SIGTERM, never does)."""
     from elastictrain.toy import make_task as toy
 
     task = toy({})
+    if options.get("fault") == "bug":
+        import atexit
+
+        atexit.register(time.sleep, 3600)
+        calls, loss_fn = [0], task.loss_fn
+
+        def buggy(model, batch):
+            calls[0] += 1
+            if calls[0] == 3:
+                raise ValueError("a bug in the loss")
+            return loss_fn(model, batch)
+
+        task.loss_fn = buggy
+        return task
     task.dataset = FaultyDataset(
         task.dataset, options.get("fault", "crash"), option(options, "after", 320)
     )

@@ -97,6 +97,15 @@ def test_a_crashed_loader_worker_fails_the_attempt_with_a_clear_error(tmp_path):
     assert ls_steps(tmp_path / "c") == []  # nothing committed was touched (there was none)
 
 
+def test_a_crash_prints_its_traceback_and_exits_without_interpreter_teardown(tmp_path):
+    """A bug's exception leaves the runner like any other failure: printed, exit 1, and no
+    interpreter teardown, whose exit hooks (multiprocessing joining loader workers) can block."""
+    args = ["--checkpoint-dir", str(tmp_path / "c"), "--max-steps", "50", *FAULTY]
+    result = run_single([*args, "--task-option", "fault=bug"], cwd=str(tmp_path), timeout=60)
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "Traceback" in result.stderr and "ValueError: a bug in the loss" in result.stderr
+
+
 def test_a_hung_loader_worker_is_a_hang_exit_4_naming_the_loader(tmp_path):
     args = ["--checkpoint-dir", str(tmp_path / "c"), "--max-steps", "50", "--hang-timeout", "3"]
     result = run_single([*args, *FAULTY, "--task-option", "fault=hang"], cwd=str(tmp_path))

@@ -86,3 +86,30 @@ def test_a_dataset_error_names_the_step_and_keeps_its_cause():
     ) as e:
         loader.next_step(0)
     assert isinstance(e.value.__cause__, KeyError) and e.value.exit_code == 1
+
+
+def test_workers_dying_after_a_load_error_do_not_raise_again_into_the_failure_path():
+    """Torch's SIGCHLD handler raises wherever the main thread is, for any watched worker that
+    dies. Once a load has failed another way (here a dataset error; in CI a broken pipe from a
+    pair of crashed workers) the workers' deaths must not raise again into the failure report:
+    that lost the report and once hung the exit."""
+    import os
+    import signal
+    import time
+
+    from elastictrain.errors import DataLoadError
+
+    loader = StepLoader(
+        task=_linear_task(_Broken(), batch_size=64), sampler=GlobalBatchSampler(64, 64, seed=1),
+        rank=0, world_size=1, micro_steps=1, seed=1, start=0, stop=2, num_workers=2,
+    )  # fmt: skip
+    try:
+        with pytest.raises(DataLoadError, match=r"2 loader workers .*KeyError"):
+            loader.next_step(0)
+        for worker in loader._it._workers:
+            os.kill(worker.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline:  # the failure path, where a raise would land
+            time.sleep(0.01)
+    finally:
+        loader.close()
