@@ -35,8 +35,9 @@ def __getattr__(name: str) -> Any:
         value = getattr(importlib.import_module(_LAZY[name]), name)
         globals()[name] = value  # once: later lookups skip this function
         return value
-    from elastictrain import errors
-
+    # Not ``from elastictrain import errors``: that asks this function for ``errors`` first, and
+    # so does every ``from elastictrain import <submodule>`` not yet imported.
+    errors = importlib.import_module("elastictrain.errors")
     if name in errors.__all__:  # the top level exported every error until 0.x; one release more
         warnings.warn(
             f"elastictrain.{name} is deprecated: import it from elastictrain.errors",
