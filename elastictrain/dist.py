@@ -197,6 +197,15 @@ def max_int(value: int, group: dist.ProcessGroup | None) -> int:
     return int(t.item())
 
 
+def max_ints(values: list[int], group: dist.ProcessGroup | None) -> list[int]:
+    """The largest of every rank's value at each position, in one all-reduce."""
+    if group is None:
+        return list(values)
+    t = torch.tensor(values, dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return [int(v) for v in t.tolist()]
+
+
 def all_gather_object(obj: Any, group: dist.ProcessGroup | None) -> list[Any]:
     """Every rank's ``obj``, in rank order (small, picklable values only)."""
     if group is None:

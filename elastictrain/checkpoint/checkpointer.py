@@ -30,6 +30,7 @@ from elastictrain.checkpoint.outcomes import (
     StopTheRun,
 )
 from elastictrain.checkpoint.persist import Persister
+from elastictrain.checkpoint.shard_tier import ShardTier
 from elastictrain.config import CheckpointConfig
 from elastictrain.errors import CheckpointFailedError
 from elastictrain.observe.events import Event, EventLog
@@ -62,12 +63,14 @@ class Checkpointer:
         group: dist.ProcessGroup | None,
         events: EventLog,
         attached: Callable[[], bool] = lambda: True,
+        local_world_size: int = 1,
     ) -> None:
         """``group``: the gloo group of the save and resume barriers (None: one process).
         ``attached``: False once our torchrun agent is gone; an orphan must never commit."""
         self.config = config
         self.is_writer = rank == 0
         self.rank, self.world_size, self.local_rank = rank, world_size, local_rank
+        self.local_world_size = local_world_size
         self.generation = generation
         self.group = group
         self.events = events
@@ -78,7 +81,8 @@ class Checkpointer:
         self.sharded: bool | None = None
         """Known from the state at the first resume or save."""
         self.local: LocalTier | None = None
-        """The node-local tier (replicated state only), set up with the layout."""
+        """The node-local tier (a replica; or each rank's shards and its buddy's), set up with
+        the layout."""
         if self.is_writer or config.resume_read == "all":
             self.store = self.open_store()
 
@@ -115,17 +119,14 @@ class Checkpointer:
             )
         if not config.local_checkpoint:
             return
-        if self.sharded or state.per_rank:
+        if state.per_rank:
             if self.is_writer:
                 logger.info(
-                    "local checkpoint tier off: %s, so resume reads the durable tier",
-                    "sharded (FSDP) state; a node holds only its own shards"
-                    if self.sharded
-                    else "a stream's per-rank positions are gathered at durable checkpoints only",
+                    "local checkpoint tier off: a stream's per-rank positions are gathered at "
+                    "durable checkpoints only, so resume reads the durable tier"
                 )
             return
-        self.local = LocalTier(
-            config,
+        tier = dict(
             rank=self.rank,
             local_rank=self.local_rank,
             world_size=self.world_size,
@@ -133,6 +134,12 @@ class Checkpointer:
             events=self.events,
             attached=self.attached,
         )
+        if self.sharded:
+            self.local = ShardTier(
+                config, local_world_size=self.local_world_size, group=self.group, **tier
+            )
+        else:
+            self.local = LocalTier(config, **tier)
 
     # -- what the record holds -------------------------------------------------------------------
     @property
@@ -196,19 +203,19 @@ class Checkpointer:
         self._setup(state)
         t0 = time.monotonic()
         if self.sharded:
-            found = tiers.fetch_sharded(
+            found = tiers.fetch_sharded_best(
                 state,
                 self.store,
+                self.local.dir if self.local is not None else None,
                 group=self.group,
                 rank=self.rank,
+                local_rank=self.local_rank,
                 device=device,
                 on_corrupt=self._report_corrupt,
             )
             if found is None:
                 return self._fresh()
-            payload, manifest, nbytes = found
-            origin = {"tier": tiers.DURABLE, "remote_bytes": nbytes}
-            saved_world = manifest.metadata.get("world_size")
+            payload, saved_world, nbytes, origin = found
         else:
             copy = tiers.fetch_best(
                 self.store,
@@ -234,50 +241,18 @@ class Checkpointer:
         self.record.last_committed = step
         seconds = time.monotonic() - t0
         edist.barrier(self.group)
-        self._report_resume(step, nbytes, seconds, saved_world, origin)
-        return Resumed(step=step, checkpoint_step=step, extra=payload.get("extra"))
-
-    def _report_resume(
-        self, step: int, nbytes: int, seconds: float, saved_world: int | None, origin: dict
-    ) -> None:
-        if origin["tier"] == tiers.LOCAL:
-            origin["steps_saved"] = step - (origin["durable_step"] or 0)
-            logger.info(
-                "resumed from the local checkpoint of step %d on rank %d (%d bytes, %.2fs; "
-                "%d steps newer than the durable tier's)",
-                step,
-                origin["source_rank"],
-                nbytes,
-                seconds,
-                origin["steps_saved"],
-            )
-        else:
-            logger.info("resumed from checkpoint step %d (%d bytes, %.2fs)", step, nbytes, seconds)
-        self.events.emit(
-            Event.RESUME,
-            fresh=False,
+        tiers.report_resume(
+            self.events,
             step=step,
-            bytes=nbytes,
-            seconds=round(seconds, 4),
+            nbytes=nbytes,
+            seconds=seconds,
+            saved_world=saved_world,
             world_size=self.world_size,
-            saved_world_size=saved_world,
             generation=self.generation,
-            **origin,
+            is_writer=self.is_writer,
+            origin=origin,
         )
-        if self.is_writer and saved_world is not None and saved_world != self.world_size:
-            logger.warning(
-                "membership change: world size %s -> %d, resuming from step %d; the global batch "
-                "stays the same, per-rank shares change",
-                saved_world,
-                self.world_size,
-                step,
-            )
-            self.events.emit(
-                Event.MEMBERSHIP,
-                old_world_size=saved_world,
-                new_world_size=self.world_size,
-                step=step,
-            )
+        return Resumed(step=step, checkpoint_step=step, extra=payload.get("extra"))
 
     def _fresh(self) -> Resumed:
         edist.barrier(self.group)

@@ -9,8 +9,8 @@ on their own schedules. The durable tier (``--checkpoint-dir``) keeps its own sc
 guarantee; the final and preemption checkpoints go there, and a finished run removes its local
 tier. Resume (``tiers``) picks the newest copy on any tier that verifies.
 
-Sharded (FSDP) state is not kept locally: a node holds only its own ranks' shards, so one node's
-copy could never serve a restart alone. Its resume reads the durable tier, as before.
+Sharded (FSDP) state has its own tier on the same folder (``shard_tier``): every rank keeps its own
+shards, and a copy of its buddy's on another node.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import torch
 import storage
 from elastictrain import knobs
 from elastictrain.checkpoint import state as tstate
-from elastictrain.checkpoint.layouts import FlatLayout
+from elastictrain.checkpoint.layouts import FlatLayout, Layout
 from elastictrain.checkpoint.outcomes import Reason, SaveRecord, TurnTierOff
 from elastictrain.checkpoint.persist import Persister
 from elastictrain.config import CheckpointConfig
@@ -141,7 +141,8 @@ class LocalTier:
         self.events = events
         self.schedule = LocalSchedule(config.local_every_steps, config.local_overhead)
         self.rank, self.local_rank = rank, local_rank
-        self.writes = config.local_checkpoint and local_rank == 0
+        self.folder = self._folder()
+        self.writes = config.local_checkpoint and self._writes()
         self.store: storage.CheckpointStore | None = None
         self.writer: Persister | None = None
         self.record = SaveRecord()
@@ -151,16 +152,16 @@ class LocalTier:
         if not self.writes:
             return
         why = self._unusable()
-        if os.path.isdir(self.dir):  # a node whose tier is off may still hold copies to offer
+        if os.path.isdir(self.folder):  # a node whose tier is off may still hold copies to offer
             self.store = storage.open_store(
-                self.dir, checksum=config.checksum, retry=storage.RetryPolicy(deadline_s=5.0)
+                self.folder, checksum=config.checksum, retry=storage.RetryPolicy(deadline_s=5.0)
             )
         if why:
             self._off(why)
             return
         self.writer = Persister(
             store=self.store,
-            layout=FlatLayout(),
+            layout=self._layout(world_size),
             # The newest KEEP copies; milestones are the durable tier's business.
             config=dataclasses.replace(config, keep_last=KEEP, keep_every_steps=None),
             record=self.record,
@@ -171,23 +172,35 @@ class LocalTier:
             attached=attached,
         )
 
+    # -- what differs for sharded state (``shard_tier``) ----------------------------------------
+    def _folder(self) -> str:
+        """Where this rank's copies go: the node's one replica."""
+        return self.dir
+
+    def _writes(self) -> bool:
+        return self.local_rank == 0
+
+    def _layout(self, world_size: int) -> Layout:
+        return FlatLayout()
+
     def _unusable(self) -> str | None:
         parent = os.path.dirname(self.dir.rstrip("/")) or "/"
         if self.config.local_checkpoint_dir is None and not os.path.isdir(os.path.dirname(parent)):
             return f"{os.path.dirname(parent)} does not exist on this host"
         try:
-            os.makedirs(self.dir, mode=0o700, exist_ok=True)
+            os.makedirs(self.folder, mode=0o700, exist_ok=True)
             if self.config.local_checkpoint_dir is None:
                 os.chmod(parent, 0o700)  # files readable only by the user
             os.chmod(self.dir, 0o700)
             # One writer per folder: two "nodes" on one host (or a stopped writer of an earlier
             # attempt that is still alive) must not write the same files. The lock dies with us.
-            self._lock = os.open(os.path.join(self.dir, LOCK_NAME), os.O_CREAT | os.O_RDWR, 0o600)
+            lock = os.path.join(self.folder, LOCK_NAME)
+            self._lock = os.open(lock, os.O_CREAT | os.O_RDWR, 0o600)
             fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(self._lock)
             self._lock = None
-            return f"another process (another node of this job on this host?) writes {self.dir}"
+            return f"another process (another node of this job on this host?) writes {self.folder}"
         except OSError as e:
             return f"cannot use {self.dir}: {e.strerror or e}"
         return None
@@ -228,11 +241,9 @@ class LocalTier:
         self._writing_since = self.active and self.writer.writing
 
     def save(self, step: int, state: tstate.TrainState) -> None:
-        if self.record.failure is not None:  # the previous copy's background write failed
-            error = self.record.failure.error
-            self._off(f"a local write failed: {type(error).__name__}: {error}")
-            return
-        if not self._sized and not self._has_room(tstate.capture(state, step=step)):
+        why = self._why_not(step, state)
+        if why:
+            self._off(why)
             return
         self._sized = True
         t0 = time.monotonic()
@@ -240,25 +251,38 @@ class LocalTier:
             step,
             state.epoch_of(step),
             Reason.STEPS,
-            lambda: tstate.capture(state, step=step),
+            lambda: self._capture(state, step),
             background=True,
         )
         # The previous copy's slowdown of the steps since, plus this one's blocking.
         self.schedule.took_copy(step, time.monotonic() - t0)
 
-    def _has_room(self, captured: dict[str, Any]) -> bool:
-        need = COPIES_OF_ROOM * (payload_bytes(captured) + SLACK_BYTES)
+    def _why_not(self, step: int, state: tstate.TrainState) -> str | None:
+        """Why the tier cannot take this copy: the previous copy's background write failed, or
+        (checked at the first copy) the folder lacks room."""
+        if self.record.failure is not None:
+            error = self.record.failure.error
+            return f"a local write failed: {type(error).__name__}: {error}"
+        if self._sized:
+            return None
+        need = COPIES_OF_ROOM * (self._copy_bytes(self._capture(state, step)) + SLACK_BYTES)
         free = shutil.disk_usage(self.dir).free + _bytes_under(self.dir)
         if free >= need:
-            return True
-        self._off(
+            return None
+        with contextlib.suppress(OSError):  # the folder is memory, and the tier is going off
+            shutil.rmtree(self.dir)
+        return (
             f"{self.dir} has {_size(free)} free, and the tier needs {_size(need)} "
             f"({COPIES_OF_ROOM} copies of the {_size(need // COPIES_OF_ROOM)} state: "
             f"{KEEP} kept + 1 being written)"
         )
-        with contextlib.suppress(OSError):
-            shutil.rmtree(self.dir)
-        return False
+
+    def _capture(self, state: tstate.TrainState, step: int) -> dict[str, Any]:
+        return tstate.capture(state, step=step)
+
+    def _copy_bytes(self, captured: dict[str, Any]) -> int:
+        """What one copy takes on this node's folder."""
+        return payload_bytes(captured)
 
     # -- resume --------------------------------------------------------------------------------
     def offers(self) -> list[tuple[int, int, int | None]]:

@@ -110,6 +110,7 @@ class CheckpointSession:
             rank=env.rank,
             world_size=env.world_size,
             local_rank=env.local_rank,
+            local_world_size=env.local_world_size,
             generation=generation,
             group=gate,
             events=self.events,

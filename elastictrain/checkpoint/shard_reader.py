@@ -173,7 +173,9 @@ class ShardReader(StorageReader):
     def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
         return False
 
-    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future[None]:
+    def located(self, plan: LoadPlan):
+        """Per shard file: (its name, its table, each request with its chunk's bytes located,
+        the byte range of each)."""
         by_file: dict[str, list[tuple[ReadItem, dict[str, Any]]]] = {}
         for req in plan.items:
             chunk = self._storage_data[req.storage_index]
@@ -183,7 +185,10 @@ class ShardReader(StorageReader):
             # Where each chunk's bytes are: in the index (format 1) or in the file's table.
             located = [(req, {**by_fqn[c["fqn"]], **c} if "offset" not in c else c)
                        for req, c in reqs]  # fmt: skip
-            ranges = [_byte_range(req, c) for req, c in located]
+            yield name, table, located, [_byte_range(req, c) for req, c in located]
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future[None]:
+        for name, table, located, ranges in self.located(plan):
             views, n = self.store.read_ranges(self.manifest, name, table["blocks"], ranges)
             self.bytes_read += n
             for (req, chunk), byte_range in zip(located, ranges, strict=True):
@@ -237,15 +242,22 @@ def _as_tensor(view: memoryview, req: ReadItem, chunk: dict[str, Any]) -> torch.
     return tensor
 
 
-def read_chunks(reader: ShardReader, targets: dict[str, torch.Tensor]) -> None:
-    """Fill ``targets`` (DTensors at this world size, or whole tensors) from the checkpoint, in
-    place, through DCP's load planner; nothing is collective."""
+def plan_reads(
+    reader: ShardReader, targets: dict[str, torch.Tensor]
+) -> tuple[LoadPlanner, LoadPlan]:
+    """DCP's load planner's requests for ``targets`` (DTensors at this world size, or whole
+    tensors) against the checkpoint; nothing is read or collective."""
     planner = DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
     metadata = reader.index.metadata(targets)
     planner.set_up_planner(targets, metadata, True)
     reader.set_up_storage_reader(metadata, True)
     plan = planner.create_local_plan()
-    plan = planner.finish_plan(planner.create_global_plan([plan])[0])
+    return planner, planner.finish_plan(planner.create_global_plan([plan])[0])
+
+
+def read_chunks(reader: ShardReader, targets: dict[str, torch.Tensor]) -> None:
+    """Fill ``targets`` from the checkpoint, in place, through DCP's load planner."""
+    planner, plan = plan_reads(reader, targets)
     reader.read_data(plan, planner).wait()
 
 

@@ -21,13 +21,14 @@ import torch.distributed as dist
 
 import storage
 from elastictrain import dist as edist
-from elastictrain.checkpoint import shard_reader
+from elastictrain.checkpoint import shard_fetch, shard_reader
 from elastictrain.checkpoint import state as tstate
 from elastictrain.checkpoint.local_tier import LocalTier
+from elastictrain.observe.events import Event, EventLog
 
 logger = logging.getLogger(__name__)
 
-LOCAL, DURABLE = "local", "durable"
+LOCAL, DURABLE, FAST = "local", "durable", shard_fetch.FAST
 
 
 @dataclass(frozen=True)
@@ -196,3 +197,106 @@ def fetch_sharded(
             logger.error("CORRUPT CHECKPOINT: rank %d read a bad shard: %s", rank, error)
         if rank == 0:
             corrupt(step, error or f"another rank read a bad shard of step {step}")
+
+
+def fetch_sharded_best(
+    state: tstate.TrainState,
+    store: storage.CheckpointStore | None,
+    tier_dir: str | None,
+    *,
+    group: dist.ProcessGroup | None,
+    rank: int,
+    local_rank: int,
+    device: torch.device,
+    on_corrupt: Corrupt,
+) -> tuple[dict, int | None, int, dict] | None:
+    """Sharded state from the fast tier's copies when they hold a step at least as new as the
+    durable tier's (``shard_fetch``), else from the durable tier: (payload, saved world size,
+    bytes this rank read, where they came from), or None when neither holds one."""
+    fast = shard_fetch.fetch_fast(
+        state,
+        tier_dir,
+        store,
+        group=group,
+        rank=rank,
+        local_rank=local_rank,
+        device=device,
+        on_corrupt=on_corrupt,
+    )
+    if fast is not None:
+        payload, saved_world, origin = fast
+        tstate.restore(state, payload, model_and_optimizer=False)
+        return payload, saved_world, origin.pop("rank_bytes"), origin
+    found = fetch_sharded(
+        state, store, group=group, rank=rank, device=device, on_corrupt=on_corrupt
+    )
+    if found is None:
+        return None
+    payload, manifest, nbytes = found
+    origin = {"tier": DURABLE, "remote_bytes": nbytes}
+    return payload, manifest.metadata.get("world_size"), nbytes, origin
+
+
+def report_resume(
+    events: EventLog,
+    *,
+    step: int,
+    nbytes: int,
+    seconds: float,
+    saved_world: int | None,
+    world_size: int,
+    generation: int,
+    is_writer: bool,
+    origin: dict,
+) -> None:
+    """Say where the resume's state came from: one INFO line, the ``resume`` event, and on a
+    change of world size the ``membership`` event."""
+    if origin["tier"] == FAST:
+        origin["steps_saved"] = step - (origin["durable_step"] or 0)
+        logger.info(
+            "resumed from the fast tier's copies of step %d (%d bytes from node memory, %d "
+            "from other nodes, 0 from the durable tier; %.2fs; %d steps newer than its)",
+            step,
+            origin["local_bytes"],
+            origin["peer_bytes"],
+            seconds,
+            origin["steps_saved"],
+        )
+    elif origin["tier"] == LOCAL:
+        origin["steps_saved"] = step - (origin["durable_step"] or 0)
+        logger.info(
+            "resumed from the local checkpoint of step %d on rank %d (%d bytes, %.2fs; "
+            "%d steps newer than the durable tier's)",
+            step,
+            origin["source_rank"],
+            nbytes,
+            seconds,
+            origin["steps_saved"],
+        )
+    else:
+        logger.info("resumed from checkpoint step %d (%d bytes, %.2fs)", step, nbytes, seconds)
+    events.emit(
+        Event.RESUME,
+        fresh=False,
+        step=step,
+        bytes=nbytes,
+        seconds=round(seconds, 4),
+        world_size=world_size,
+        saved_world_size=saved_world,
+        generation=generation,
+        **origin,
+    )
+    if is_writer and saved_world is not None and saved_world != world_size:
+        logger.warning(
+            "membership change: world size %s -> %d, resuming from step %d; the global batch "
+            "stays the same, per-rank shares change",
+            saved_world,
+            world_size,
+            step,
+        )
+        events.emit(
+            Event.MEMBERSHIP,
+            old_world_size=saved_world,
+            new_world_size=world_size,
+            step=step,
+        )

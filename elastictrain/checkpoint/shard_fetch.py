@@ -1,0 +1,391 @@
+"""Resume a sharded job from the fast tier: the newest step of which the nodes hold every rank's copy.
+
+Each node's first rank lists the copies on its node's tier folder (``shard_tier``: its ranks' own
+copies and the ones they keep for their buddies); every rank learns every node's list in one
+all-gather. A step is a candidate when a copy of each of its W saved ranks is held somewhere, all
+of a generation the durable location fenced, each cut by the row rule. The newest wins if it is
+at least as new as the durable tier's newest; otherwise the durable tier is read, as before.
+
+Loading takes the durable path's own pieces: DCP's load planner says which saved chunks this rank's
+new shards need, :class:`ShardReader` turns them into byte ranges of saved shard files, and the
+store's block-verified reads read them. Only where the bytes come from changes: a copy on this
+rank's node is read from its folder; one on another node is read, verified, by that node's first
+rank and sent over the process group. Three rounds, all ranks together:
+
+1. the unsharded rest and the index, from rank 0's copy, broadcast;
+2. the tables of the saved shard files this rank's new shards overlap;
+3. the byte ranges of those files this rank needs (at the same world size: its own shard).
+
+A copy that does not verify is reported (``checkpoint_corrupt``, naming its node and tier), left
+out, and the choice is made again: the same step from other copies if they cover it, else an older
+step, else the durable tier. Nothing is loaded into the state until every byte has arrived and
+verified, so a failed choice leaves the state untouched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import socket
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import storage
+from elastictrain import dist as edist
+from elastictrain.checkpoint import shard_reader, sharded
+from elastictrain.checkpoint import state as tstate
+from elastictrain.checkpoint.shard_tier import SHARDS, _tensor
+
+logger = logging.getLogger(__name__)
+
+FAST = "fast"
+"""What the resume event calls this tier's copies (``local`` is the DDP replica)."""
+
+
+@dataclass(frozen=True)
+class Copy:
+    """One committed copy of one saved rank's shards, on one node."""
+
+    generation: int
+    step: int
+    world_size: int
+    rank: int
+    """The saved rank whose shards these are."""
+    regular: bool
+    node: str
+    holder: int
+    """The rank of this attempt that listed it and serves it to other nodes (its node's first)."""
+    folder: str
+    kind: str
+    """``own`` (written on this node by that rank) or ``peer`` (received from it)."""
+
+    @property
+    def where(self) -> str:
+        return f"rank {self.rank}'s {self.kind} copy on the node of rank {self.holder}"
+
+
+def node_id(tier_dir: str) -> str:
+    """Which node a folder is on: the host and the folder (two simulated nodes on one host keep
+    their tiers in different folders)."""
+    return f"{socket.gethostname()}:{os.path.realpath(tier_dir)}"
+
+
+def list_copies(tier_dir: str, holder: int) -> list[Copy]:
+    """Every committed copy on this node's tier folder."""
+    root, found = os.path.join(tier_dir, SHARDS), []
+    names = sorted(os.listdir(root)) if os.path.isdir(root) else []
+    for name in names:
+        kind = name.split("-", 1)[0]
+        folder = os.path.join(root, name)
+        try:
+            manifests = storage.open_store(folder).ranked_manifests()
+        except storage.StorageError as e:
+            logger.warning("fast tier folder %s unreadable, not used for resume: %s", folder, e)
+            continue
+        for m in manifests:
+            found.append(Copy(m.generation, m.step, int(m.metadata.get("world_size") or 0),
+                              int(m.metadata.get("rank", -1)), bool(m.metadata.get("regular")),
+                              node_id(tier_dir), holder, folder, kind))  # fmt: skip
+    return found
+
+
+def complete_steps(
+    copies: list[Copy], fence: int, durable_newest: tuple[int, int] | None
+) -> list[tuple[int, int, int]]:
+    """(generation, step, saved world size) of every step some copy of each saved rank covers,
+    newest first, none older than the durable tier's newest."""
+    covered: dict[tuple[int, int, int], set[int]] = defaultdict(set)
+    irregular = set()
+    for c in copies:
+        if not 0 < c.generation <= fence or c.world_size < 1:
+            continue  # a generation the durable location never fenced: another run's, or wiped
+        key = (c.generation, c.step, c.world_size)
+        covered[key].add(c.rank)
+        if not c.regular:
+            irregular.add(key)
+    good = [k for k, ranks in covered.items()
+            if k not in irregular and ranks >= set(range(k[2]))]  # fmt: skip
+    if durable_newest is not None:
+        good = [k for k in good if (k[0], k[1]) >= durable_newest]
+    return sorted(good, reverse=True)
+
+
+class _Reader:
+    """Reads copies on this node, verified; stores, manifests and tables read once."""
+
+    def __init__(self) -> None:
+        self._stores: dict[str, storage.CheckpointStore] = {}
+        self._manifests: dict[Copy, storage.Manifest] = {}
+        self._tables: dict[Copy, dict[str, Any]] = {}
+
+    def manifest(self, copy: Copy) -> storage.Manifest:
+        if copy not in self._manifests:
+            store = self._stores.setdefault(copy.folder, storage.open_store(copy.folder))
+            manifest = store.read_manifest(copy.step)
+            if manifest is None or manifest.generation != copy.generation:
+                raise storage.CheckpointCorruptError(f"{copy.where} of step {copy.step} is gone")
+            self._manifests[copy] = manifest
+        return self._manifests[copy]
+
+    def read(self, copy: Copy, name: str, ranges: tuple | None) -> bytes | memoryview:
+        manifest = self.manifest(copy)
+        store = self._stores[copy.folder]
+        if ranges is None:
+            return store.read_file(manifest, name)
+        if copy not in self._tables:
+            table = store.read_file(manifest, sharded.part_file(copy.rank, copy.generation))
+            self._tables[copy] = json.loads(bytes(table))
+        views, _ = store.read_ranges(manifest, name, self._tables[copy]["blocks"], list(ranges))
+        return b"".join(views[r] for r in ranges)
+
+
+class _Fetched:
+    """What this rank fetched, as a store to :func:`shard_reader.load_into`."""
+
+    safe_url = "the fast tier"
+
+    def __init__(self) -> None:
+        self.files: dict[str, bytes | bytearray | memoryview] = {}
+        self.ranges: dict[tuple[str, tuple[int, int]], memoryview] = {}
+
+    def read_file(self, manifest: storage.Manifest, name: str) -> bytes | bytearray | memoryview:
+        return self.files[name]
+
+    def read_ranges(self, manifest, name, blocks, ranges):
+        views = {r: self.ranges[(name, r)] for r in ranges}
+        return views, sum(len(v) for v in views.values())
+
+
+@dataclass
+class Tally:
+    """Bytes this rank got from its own node's memory and from other nodes, and who served."""
+
+    local_bytes: int = 0
+    peer_bytes: int = 0
+    served: dict[int, set[int]] = field(default_factory=dict)
+    """Saved ranks by the rank whose node served them."""
+
+    def note(self, copy: Copy, n: int, here: bool) -> None:
+        if here:
+            self.local_bytes += n
+        else:
+            self.peer_bytes += n
+        self.served.setdefault(copy.holder, set()).add(copy.rank)
+
+
+class _Refused(Exception):
+    """Some rank could not read a copy of the chosen step: (copy, why) pairs, on every rank."""
+
+    def __init__(self, bad: list[tuple[Copy, str]]) -> None:
+        super().__init__(f"{len(bad)} copies did not verify")
+        self.bad = bad
+
+
+Need = tuple[Copy, str, "tuple[tuple[int, int], ...] | None"]
+
+
+def _exchange(
+    needs: list[Need], reader: _Reader, tally: Tally, *, my_node: str, rank: int, group
+) -> list[Any]:
+    """Each need's bytes, all ranks together: read here when the copy is on this node, else
+    asked of its holder, which reads it (verified) and sends it. Raises :class:`_Refused` on
+    every rank when any copy failed anywhere."""
+    out: list[Any] = [None] * len(needs)
+    bad: list[tuple[Copy, str]] = []
+    remote = []
+    for i, (copy, name, ranges) in enumerate(needs):
+        if copy.node != my_node:
+            remote.append(i)
+            continue
+        try:
+            out[i] = reader.read(copy, name, ranges)
+            tally.note(copy, len(out[i]), here=True)
+        except storage.StorageError as e:
+            bad.append((copy, str(e)))
+    asks = edist.all_gather_object([needs[i] for i in remote], group)
+    sends, keep = [], []
+    for requester, wanted in enumerate(asks):
+        for copy, name, ranges in wanted:
+            if copy.holder != rank:
+                continue
+            try:
+                data = reader.read(copy, name, ranges)
+            except storage.StorageError as e:
+                data = None
+                bad.append((copy, str(e)))
+            size = torch.tensor([-1 if data is None else len(data)], dtype=torch.int64)
+            keep += [size, data]
+            sends.append(dist.isend(size, requester, group=group))
+            if data:
+                sends.append(dist.isend(_tensor(data), requester, group=group))
+    failed_here = False
+    for i in remote:
+        holder = needs[i][0].holder
+        size = torch.zeros(1, dtype=torch.int64)
+        dist.recv(size, holder, group=group)
+        if int(size.item()) < 0:
+            failed_here = True  # the holder names the copy in its own report
+            continue
+        out[i] = bytearray(int(size.item()))
+        if out[i]:
+            dist.recv(_tensor(out[i]), holder, group=group)
+        tally.note(needs[i][0], len(out[i]), here=False)
+    for work in sends:
+        work.wait()
+    if edist.max_int(int(bool(bad) or failed_here), group):
+        raise _Refused([b for got in edist.all_gather_object(bad, group) for b in got])
+    return out
+
+
+def _pick(copies: list[Copy], my_node: str | None) -> Copy:
+    """The copy to read: one on this node first, then a rank's own copy before a buddy's."""
+    return min(copies, key=lambda c: (c.node != my_node, c.kind != "own", c.holder, c.folder))
+
+
+def _load(
+    state: tstate.TrainState,
+    key: tuple[int, int, int],
+    copies: list[Copy],
+    *,
+    my_node: str,
+    rank: int,
+    group,
+    device: torch.device,
+) -> tuple[dict[str, Any], Tally]:
+    generation, step, world = key
+    by_rank: dict[int, list[Copy]] = defaultdict(list)
+    for c in copies:
+        if (c.generation, c.step, c.world_size) == key:
+            by_rank[c.rank].append(c)
+    reader, tally, fetched = _Reader(), Tally(), _Fetched()
+
+    # 1. The unsharded rest and the index, from rank 0's copy.
+    first = _pick(by_rank[0], None)
+    parts: list[bytes | None] = [None, None, None]
+    if rank == first.holder:
+        with contextlib.suppress(storage.StorageError, ValueError, KeyError):
+            manifest = reader.manifest(first)
+            index_raw = bytes(reader.read(first, manifest.metadata["index_file"], None))
+            common_raw = reader.read(first, json.loads(index_raw)["common"], None)
+            parts = [manifest.to_json(), index_raw, common_raw]
+    manifest_raw, index_raw, common_raw = (
+        edist.broadcast_bytes(part, group, src=first.holder) for part in parts
+    )
+    if not manifest_raw:
+        raise _Refused([(first, "its index or unsharded rest did not verify")])
+    manifest = storage.Manifest.from_json(bytes(manifest_raw), where=first.where)
+    index = shard_reader.Index.parse(index_raw, first.where)
+    fetched.files[manifest.metadata["index_file"]] = index_raw
+    fetched.files[index.doc["common"]] = common_raw
+    common = tstate.from_bytes(bytearray(common_raw), map_location=device)
+    where = f"step {step} (fast tier)"
+    shard_reader.check_fits(state, index, common, where)
+    targets, _ = sharded.split(sharded.capture(state, step=0))
+    rank_of = {sharded.shard_file(q, generation): q for q in range(world)}
+
+    # 2. The tables of the saved shard files this rank's new shards overlap.
+    overlapped = {c["file"]: c["table"] for c in index.metadata(targets).storage_data.values()}
+    sources = {name: _pick(by_rank[rank_of[name]], my_node) for name in overlapped}
+    tables = _exchange([(sources[n], t, None) for n, t in overlapped.items()], reader, tally,
+                       my_node=my_node, rank=rank, group=group)  # fmt: skip
+    fetched.files.update(zip(overlapped.values(), tables, strict=True))
+
+    # 3. The byte ranges of those files this rank needs.
+    planning = shard_reader.ShardReader(fetched, manifest, index)
+    _, plan = shard_reader.plan_reads(planning, targets)
+    wanted = {name: tuple(dict.fromkeys(ranges)) for name, _, _, ranges in planning.located(plan)}
+    got = _exchange([(sources[n], n, r) for n, r in wanted.items()], reader, tally,
+                    my_node=my_node, rank=rank, group=group)  # fmt: skip
+    for (name, ranges), data in zip(wanted.items(), got, strict=True):
+        view, at = memoryview(data), 0
+        for lo, hi in ranges:
+            fetched.ranges[(name, (lo, hi))] = view[at : at + hi - lo]
+            at += hi - lo
+
+    payload, _ = shard_reader.load_into(state, fetched, manifest, device)
+    return payload, tally
+
+
+Corrupt = Callable[[int, "Exception | str", str], None]
+"""Rank 0 reports a copy that did not verify: (step, error, tier)."""
+
+
+def fetch_fast(
+    state: tstate.TrainState,
+    tier_dir: str | None,
+    durable: storage.CheckpointStore | None,
+    *,
+    group: dist.ProcessGroup | None,
+    rank: int,
+    local_rank: int,
+    device: torch.device,
+    on_corrupt: Corrupt,
+) -> tuple[dict[str, Any], int, dict[str, Any]] | None:
+    """Every rank together: the newest step the fast tier holds whole, loaded into ``state``, as
+    (the payload, the saved world size, where its bytes came from); None when no step on it is as
+    new as the durable tier's newest. ``durable``: the store, on rank 0. ``tier_dir``: this node's
+    tier folder (None: the tier is off here, and this node offers nothing)."""
+    if group is None:
+        return None  # one process: no node to lose, and the durable tier is as close
+    mine: dict[str, Any] = {"copies": []}
+    if tier_dir and local_rank == 0:
+        mine["copies"] = list_copies(tier_dir, rank)
+    if rank == 0:
+        try:
+            newest = durable.ranked_manifests()
+            mine["fence"] = durable.read_fence()
+            mine["durable"] = (newest[0].generation, newest[0].step) if newest else None
+        except storage.StorageError:
+            mine["fence"] = None  # the durable path that follows reports it
+    offers = edist.all_gather_object(mine, group)
+    fence, durable_newest = offers[0]["fence"], offers[0].get("durable")
+    copies = [c for offer in offers for c in offer["copies"]]
+    if fence is None or not copies:
+        return None
+    my_node = node_id(tier_dir) if tier_dir else f"no tier on rank {rank}"
+    while True:
+        keys = complete_steps(copies, fence, durable_newest)
+        if not keys:
+            return None
+        try:
+            payload, tally = _load(
+                state, keys[0], copies, my_node=my_node, rank=rank, group=group, device=device
+            )
+        except _Refused as refused:
+            for copy, why in refused.bad:
+                if rank == 0:
+                    logger.error("CORRUPT CHECKPOINT (fast tier) skipped: %s: %s", copy.where, why)
+                    on_corrupt(copy.step, f"{copy.where}: {why}", FAST)
+            refused_copies = {copy for copy, _ in refused.bad}
+            if not refused_copies:
+                return None
+            copies = [c for c in copies if c not in refused_copies]
+            continue
+        return payload, keys[0][2], _origin(tally, durable_newest, group)
+
+
+def _origin(tally: Tally, durable_newest: tuple[int, int] | None, group) -> dict[str, Any]:
+    """The resume event's account: bytes from node memory and from peers, job-wide, and which
+    node served which saved ranks (nodes named by their first rank)."""
+    tallies = edist.all_gather_object(tally, group)
+    served: dict[int, set[int]] = defaultdict(set)
+    for t in tallies:
+        for holder, ranks in t.served.items():
+            served[holder] |= ranks
+    return {
+        "rank_bytes": tally.local_bytes + tally.peer_bytes,
+        "tier": FAST,
+        "remote_bytes": 0,
+        "local_bytes": sum(t.local_bytes for t in tallies),
+        "peer_bytes": sum(t.peer_bytes for t in tallies),
+        "served_by": {str(h): sorted(r) for h, r in sorted(served.items())},
+        "source_rank": min(served, default=0),
+        "durable_step": durable_newest[1] if durable_newest else None,
+    }

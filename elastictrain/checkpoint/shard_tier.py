@@ -1,0 +1,312 @@
+"""The fast tier for sharded (FSDP) state: every rank's shards in its node's memory, and on a peer.
+
+Each rank keeps its own copies, on the node's tier folder (``local_tier``'s, /dev/shm by default):
+
+    <tier>/shards/own-r00003/step-N/    rank 3's shard, its table; rank 0's also the unsharded
+                                        rest and the index. Its own manifest, last.
+    <tier>/shards/peer-r00001/step-N/   the same files of rank 1 (the buddy), as rank 1 sent them
+
+Every rank commits its own copy with the durable tier's rules (payload first, manifest last,
+checksums, the writer's generation, the newest 2 kept): a copy per rank, not per node, so no node
+needs to gather its ranks to commit. Right after, in the same background thread, it sends the copy
+to its buddy, the rank one node further on, ``(rank + L) % W`` for L ranks per node, and receives
+the copy of ``(rank - L) % W``, which it commits into a ``peer-`` folder once every byte matches
+the sender's manifest. A node lost takes its copies with it; the next node holds them. The pairing
+follows the ranks, so it changes with the membership.
+
+Copies are collective in one way: every rank must take them at the same steps, or a buddy would
+wait for a copy that never comes. So the ranks agree at each copy (one all-reduce of two integers)
+on whether every rank can go on (room, no failed write) and on the next interval (``auto``: the
+longest any rank needs to stay under ``--local-overhead``). The transfer runs on a gloo group of
+its own: training's collectives never queue behind it.
+
+Resume (``shard_fetch``) finds the newest step of which some node holds every rank's copy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import shutil
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import storage
+from elastictrain import dist as edist
+from elastictrain.checkpoint import sharded
+from elastictrain.checkpoint import state as tstate
+from elastictrain.checkpoint.layouts import ShardedLayout, ShardSnap
+from elastictrain.checkpoint.local_tier import KEEP, LocalTier, payload_bytes
+from elastictrain.checkpoint.staging import Staging
+from elastictrain.config import CheckpointConfig
+from elastictrain.observe.events import EventLog
+
+logger = logging.getLogger(__name__)
+
+SHARDS = "shards"
+
+
+def own_folder(tier_dir: str, rank: int) -> str:
+    return os.path.join(tier_dir, SHARDS, f"own-r{rank:05d}")
+
+
+def peer_folder(tier_dir: str, rank: int) -> str:
+    return os.path.join(tier_dir, SHARDS, f"peer-r{rank:05d}")
+
+
+def buddies(rank: int, world_size: int, local_world_size: int) -> tuple[int, int] | None:
+    """(the rank this one sends its copy to, the rank whose copy it keeps): one node further on,
+    and one node back. None in a job of one node: there is no other node to hold a copy."""
+    if world_size <= local_world_size:
+        return None
+    return (rank + local_world_size) % world_size, (rank - local_world_size) % world_size
+
+
+class Buddy:
+    """Sends this rank's copy to its buddy and keeps the copy of the rank that sends to it."""
+
+    def __init__(self, tier_dir: str, rank: int, pair: tuple[int, int], group, checksum: str):
+        self.to, self.source = pair
+        self.group = group
+        self.store = storage.open_store(
+            peer_folder(tier_dir, self.source),
+            checksum=checksum,
+            retry=storage.RetryPolicy(deadline_s=5.0),
+        )
+        self.received_bytes = 0
+
+    def exchange(self, manifest: storage.Manifest | None, files: dict[str, Any]) -> None:
+        """Send ours (or word that there is none, so the buddy never waits for it), then receive
+        and commit the source's. Sends are posted first on every rank: nobody waits on a peer
+        that is itself waiting to send."""
+        header = b"" if manifest is None else _header(manifest, files)
+        sizes = torch.tensor([len(header)], dtype=torch.int64)
+        sends = [dist.isend(sizes, self.to, group=self.group)]
+        if header:
+            sends.append(dist.isend(_tensor(header), self.to, group=self.group))
+            sends += [dist.isend(_tensor(data), self.to, group=self.group)
+                      for data in files.values() if len(data)]  # fmt: skip
+        try:
+            self._receive()
+        finally:
+            for work in sends:
+                work.wait()
+
+    def _receive(self) -> None:
+        size = torch.zeros(1, dtype=torch.int64)
+        dist.recv(size, self.source, group=self.group)
+        if not int(size.item()):
+            return  # the source has no copy this time (its write failed)
+        raw = bytearray(int(size.item()))
+        dist.recv(_tensor(raw), self.source, group=self.group)
+        doc = json.loads(bytes(raw))
+        manifest = storage.Manifest.from_json(doc["manifest"].encode(), where="a buddy's copy")
+        # Every message of this copy is taken off the wire before anything can fail, so the next
+        # copy's messages are never read as this one's.
+        received = {}
+        for name in doc["order"]:
+            received[name] = bytearray(manifest.files[name].size)
+            if received[name]:
+                dist.recv(_tensor(received[name]), self.source, group=self.group)
+            self.received_bytes += len(received[name])
+        step, entries = manifest.step, {}
+        for name, data in received.items():
+            entry = manifest.files[name]
+            written, _ = self.store.write_file(step, name, data, entry.block_size)
+            if (written.size, written.checksum) != (entry.size, entry.checksum):
+                raise storage.CheckpointCorruptError(
+                    f"rank {self.source}'s copy of step {step} arrived with {name} changed "
+                    f"({written.checksum[:16]}... against {entry.checksum[:16]}...); not kept"
+                )
+            entries[name] = written
+        if self.store.is_committed(step):
+            self.store.delete(step)  # an older attempt's copy of the same step
+        self.store.commit_written(step, entries, manifest.metadata, manifest.generation)
+        self.store.apply_retention(KEEP, newest_good=step)
+
+
+def _header(manifest: storage.Manifest, files: dict[str, Any]) -> bytes:
+    order = [name for name in files]
+    return json.dumps({"manifest": manifest.to_json().decode(), "order": order}).encode()
+
+
+def _tensor(data: Any) -> torch.Tensor:
+    import warnings
+
+    with warnings.catch_warnings():  # sent buffers are only read
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        return torch.frombuffer(data, dtype=torch.uint8) if len(data) else torch.empty(0)
+
+
+class RankCopyLayout(ShardedLayout):
+    """One rank's copy: its shard and table (and on rank 0 the rest and the index), committed by
+    the rank alone, then handed to its buddy."""
+
+    writes_alone = True
+
+    def __init__(self, rank: int, world_size: int, buddy: Buddy | None) -> None:
+        self.rank, self.world_size, self.buddy = rank, world_size, buddy
+        self.staging = Staging()
+        self.common_staging = Staging() if rank == 0 else None
+        self._plan_cache: dict = {}
+
+    def write_own(self, store, step: int, snap: ShardSnap, generation: int) -> None:
+        """Everything is written in :meth:`commit`: the rank is its own committer."""
+
+    def commit(
+        self, store, step, snap, generation, metadata, *, before_commit, **_: Any
+    ) -> storage.Manifest:
+        manifest, files = None, {}
+        try:
+            manifest, files = self._commit(store, step, snap, generation, metadata, before_commit)
+        finally:
+            if self.buddy is not None:
+                self.buddy.exchange(manifest, files)
+        return manifest
+
+    def _commit(self, store, step, snap, generation, metadata, before_commit):
+        name = sharded.shard_file(self.rank, generation)
+        entry, digest = store.write_file(step, name, snap.shards.data, sharded.BLOCK_BYTES)
+        table = sharded.part_report(snap.local, snap.shards.placement, name, entry, digest.blocks)
+        files: dict[str, Any] = {
+            name: snap.shards.data,
+            sharded.part_file(self.rank, generation): table,
+        }
+        meta = {
+            **metadata,
+            "rank": self.rank,
+            "regular": sharded.follows_row_rule(snap.local.chunks, self.world_size, self.rank),
+        }
+        if snap.common is not None:  # rank 0: what every resume needs besides the shards
+            common = sharded.common_file(generation)
+            files[common] = snap.common.data
+            index = sharded.index_file(generation)
+            files[index] = sharded.build_rule_index(
+                snap.local.chunks, common, self.world_size, generation
+            )
+            meta["index_file"] = index
+        entries = {name: entry}
+        for other, data in files.items():
+            if other != name:
+                entries[other] = store.write_file(step, other, data)[0]
+        manifest = store.commit_written(
+            step, entries, meta, generation=generation, before_commit=before_commit
+        )
+        return manifest, files
+
+
+class ShardTier(LocalTier):
+    """One per rank: this rank's copies, and its buddy's (see the module's docstring)."""
+
+    def __init__(
+        self,
+        config: CheckpointConfig,
+        *,
+        rank: int,
+        local_rank: int,
+        world_size: int,
+        local_world_size: int,
+        generation: Callable[[], int],
+        events: EventLog,
+        attached: Callable[[], bool],
+        group: dist.ProcessGroup | None,
+    ) -> None:
+        self.local_world_size, self.group = local_world_size, group
+        self.buddy: Buddy | None = None
+        pair = buddies(rank, world_size, local_world_size) if group is not None else None
+        self._transfer_group = None
+        if pair is not None and config.local_checkpoint:
+            # Every rank creates it (a collective), whatever its tier decides next.
+            self._transfer_group = dist.new_group(
+                backend="gloo", timeout=timedelta(seconds=config.checkpoint_timeout)
+            )
+        self._pair = pair
+        self.agreed_interval = 1
+        super().__init__(
+            config,
+            rank=rank,
+            local_rank=local_rank,
+            world_size=world_size,
+            generation=generation,
+            events=events,
+            attached=attached,
+        )
+        # Copies are taken by all ranks or none: a rank whose folder is unusable stops them all.
+        if edist.max_int(int(not self.active), group) and self.active:
+            self._off("another rank's local tier is off (see its log)")
+
+    def _folder(self) -> str:
+        return own_folder(self.dir, self.rank)
+
+    def _writes(self) -> bool:
+        return True
+
+    def _layout(self, world_size: int) -> RankCopyLayout:
+        if self._pair is not None and self._transfer_group is not None:
+            self.buddy = Buddy(
+                self.dir, self.rank, self._pair, self._transfer_group, self.config.checksum
+            )
+        return RankCopyLayout(self.rank, world_size, self.buddy)
+
+    def _capture(self, state: tstate.TrainState, step: int) -> dict[str, Any]:
+        return sharded.capture(state, step=step)
+
+    def _copy_bytes(self, captured: dict[str, Any]) -> int:
+        """The node's part of one copy: each of its ranks' shards, and as much again for the
+        buddy's (equal shards), plus the unsharded rest."""
+        shards, rest = sharded.split(captured)
+        own = sum(payload_bytes(t.to_local()) for t in shards.values())
+        return self.local_world_size * 2 * own + payload_bytes(rest)
+
+    # -- save: all ranks at the same steps -----------------------------------------------------
+    def after_step(self, step: int, state: tstate.TrainState, *, durable_saved: bool) -> None:
+        if not self.active:
+            return
+        due = self._due(step) and self.record.last_committed != step
+        writing = self._writing_since or self.writer.writing
+        self.schedule.observe(skip=durable_saved, writing=writing)
+        if due:
+            why = self._why_not(step, state)
+            # One agreement per copy: whether every rank goes on, and the next interval.
+            wanted = self.schedule.interval() if self.schedule.every == "auto" else 1
+            anyone_stops, interval = edist.max_ints([int(why is not None), wanted], self.group)
+            if anyone_stops:
+                self._off(why or "another rank's local tier cannot go on (see its log)")
+                return
+            self.agreed_interval = interval
+            self._sized = True
+            self.save(step, state)
+        self._writing_since = self.active and self.writer.writing
+
+    def _due(self, step: int) -> bool:
+        """The same answer on every rank: from the step count, the agreed interval, and (before
+        the first copy) whether a step time has been measured, which all ranks do at one step."""
+        schedule = self.schedule
+        if schedule.every != "auto":
+            return step % int(schedule.every) == 0
+        if schedule.step_s is None:
+            return False
+        return schedule.last is None or step - schedule.last >= self.agreed_interval
+
+    def _off(self, why: str) -> None:
+        super()._off(why)
+        self.buddy = None
+
+    # -- end -------------------------------------------------------------------------------------
+    def remove(self) -> None:
+        """Every rank has committed the durable tier's final state: each waits for its copy in
+        flight, then the node's first rank removes the node's copies."""
+        if self.writer is not None:
+            self.writer.wait()
+        edist.barrier(self.group)
+        if self.config.local_checkpoint and self.local_rank == 0:
+            with contextlib.suppress(OSError):
+                shutil.rmtree(os.path.join(self.dir, SHARDS))
+        self.writes, self.writer, self.store = False, None, None
+        self.finish()

@@ -1,0 +1,110 @@
+"""The fast tier for sharded state, in one process: who holds whose copy, which steps a set of
+copies covers, and a buddy copy that is committed only once every byte arrived as sent. (Through
+its losses with 4 real ranks: tests/integration/test_shard_tier.py.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import storage
+from elastictrain.checkpoint import shard_tier
+from elastictrain.checkpoint.shard_fetch import Copy, complete_steps, list_copies
+from elastictrain.checkpoint.shard_tier import Buddy, buddies, own_folder, peer_folder
+
+
+def test_each_rank_sends_to_the_same_local_rank_one_node_on_and_a_single_node_has_no_buddy():
+    # 3 nodes of 2: rank 1 sends to rank 3 (node 1) and keeps rank 5's (node 2, wrapping round).
+    assert buddies(1, 6, 2) == (3, 5)
+    assert buddies(4, 6, 2) == (0, 2)
+    pairs = [buddies(r, 6, 2) for r in range(6)]
+    assert sorted(to for to, _ in pairs) == list(range(6))  # every copy is kept exactly once
+    assert all(pairs[to][1] == r for r, (to, _) in enumerate(pairs))
+    assert buddies(0, 4, 4) is None  # one node: nowhere else to keep a copy
+
+
+def _copy(rank, *, step=10, generation=5, world=4, node="a", kind="own", regular=True):
+    return Copy(generation, step, world, rank, regular, node, 0, f"/{node}/{kind}-{rank}", kind)
+
+
+def test_a_step_is_a_candidate_only_when_every_saved_rank_has_a_copy_somewhere():
+    node_a = [_copy(r) for r in (0, 1)] + [_copy(r, kind="peer") for r in (2, 3)]
+    older = [_copy(r, step=5) for r in range(4)]
+    assert complete_steps(node_a + older, fence=5, durable_newest=None) == [(5, 10, 4), (5, 5, 4)]
+    # Rank 3's only copy of step 10 gone: step 10 is incomplete, step 5 is next.
+    assert complete_steps(node_a[:3] + older, fence=5, durable_newest=None) == [(5, 5, 4)]
+    # A generation the durable location never fenced (another run's, or a wiped location).
+    assert complete_steps(node_a, fence=4, durable_newest=None) == []
+    # Not older than the durable tier's newest (an equal step is read from memory).
+    assert complete_steps(node_a + older, fence=5, durable_newest=(5, 10)) == [(5, 10, 4)]
+    assert complete_steps(node_a + older, fence=5, durable_newest=(5, 11)) == []
+    # One copy cut by another rule than the rows: that step is not taken from this tier.
+    irregular = node_a[:3] + [_copy(3, kind="peer", regular=False)]
+    assert complete_steps(irregular, fence=5, durable_newest=None) == []
+
+
+def _sent_copy(tmp_path):
+    """A committed copy of rank 2, as its sender holds it: (manifest, files in sending order)."""
+    sender = storage.open_store(str(tmp_path / "sender"))
+    files = {"shard-r00002-g5.bin": bytes(range(256)) * 600, "part-r00002-g5.json": b'{"x": 1}'}
+    entries = {name: sender.write_file(10, name, data, 64 << 10)[0] for name, data in files.items()}
+    meta = {"world_size": 4, "rank": 2, "regular": True}
+    return sender.commit_written(10, entries, meta, generation=5), files
+
+
+class _Wire:
+    """The sender's side of ``dist.recv``: each message in order, then a dead peer."""
+
+    def __init__(self, messages, dies_after: int):
+        self.messages, self.dies_after, self.taken = list(messages), dies_after, 0
+
+    def recv(self, tensor, src, group=None):
+        if self.taken == self.dies_after:
+            raise RuntimeError("Connection closed by peer (the sender's node is gone)")
+        data = self.messages[self.taken]
+        self.taken += 1
+        tensor.copy_(torch.frombuffer(bytearray(data), dtype=tensor.dtype))
+
+
+def _messages(manifest, files):
+    header = shard_tier._header(manifest, files)
+    return [torch.tensor([len(header)], dtype=torch.int64).numpy().tobytes(), header,
+            *files.values()]  # fmt: skip
+
+
+@pytest.mark.parametrize("dies_after", [1, 2, 3])
+def test_a_buddy_dying_mid_transfer_leaves_no_committed_copy(tmp_path, monkeypatch, dies_after):
+    manifest, files = _sent_copy(tmp_path)
+    wire = _Wire(_messages(manifest, files), dies_after)
+    monkeypatch.setattr(shard_tier.dist, "recv", wire.recv)
+    buddy = Buddy(str(tmp_path / "tier"), 0, (2, 2), group=None, checksum=manifest_algorithm(manifest))
+    with pytest.raises(RuntimeError, match="Connection closed"):
+        buddy._receive()
+    assert buddy.store.committed_steps() == []
+    assert list_copies(str(tmp_path / "tier"), holder=0) == []
+
+
+def test_a_buddy_copy_that_arrives_changed_is_not_kept_and_one_that_arrives_whole_is(
+    tmp_path, monkeypatch
+):
+    manifest, files = _sent_copy(tmp_path)
+    changed = dict(files)
+    shard = bytearray(changed["shard-r00002-g5.bin"])
+    shard[1000] ^= 0xFF
+    changed["shard-r00002-g5.bin"] = bytes(shard)
+    monkeypatch.setattr(shard_tier.dist, "recv", _Wire(_messages(manifest, changed), 99).recv)
+    buddy = Buddy(str(tmp_path / "tier"), 0, (2, 2), group=None, checksum=manifest_algorithm(manifest))
+    with pytest.raises(storage.CheckpointCorruptError, match="arrived with shard-r00002-g5.bin"):
+        buddy._receive()
+    assert buddy.store.committed_steps() == []
+
+    monkeypatch.setattr(shard_tier.dist, "recv", _Wire(_messages(manifest, files), 99).recv)
+    buddy._receive()
+    (copy,) = list_copies(str(tmp_path / "tier"), holder=0)
+    assert (copy.rank, copy.step, copy.generation, copy.kind) == (2, 10, 5, "peer")
+    assert copy.folder == peer_folder(str(tmp_path / "tier"), 2) != own_folder("x", 2)
+    assert bytes(buddy.store.read(10).files["shard-r00002-g5.bin"]) == files["shard-r00002-g5.bin"]
+
+
+def manifest_algorithm(manifest) -> str:
+    return next(iter(manifest.files.values())).algorithm
