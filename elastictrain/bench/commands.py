@@ -63,6 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--remote-mbps", type=float, default=50.0, metavar="MB/S",
         help="the durable tier's link speed (50)",
     )  # fmt: skip
+    benches["tiers"].add_argument(
+        "--parallel", choices=("ddp", "fsdp"), default="ddp",
+        help="ddp: a replica per node; fsdp: each rank's shards and its buddy's (ddp)",
+    )  # fmt: skip
     benches["overhead"].add_argument("--steps", type=int, default=2000, help="steps per run")
     loader = benches["loader"]
     loader.add_argument("--workers", type=int, default=2, help="loader workers (2)")
@@ -117,7 +121,7 @@ def main(argv: list[str]) -> int:
     if args.bench == "recovery":
         return bench.main(args.size, args.json)
     if args.bench == "tiers":
-        return bench.main(args.size, args.remote_mbps, args.repeats, args.json)
+        return bench.main(args.size, args.remote_mbps, args.repeats, args.json, args.parallel)
     if args.bench == "scale" and args.processes:
         from elastictrain.bench import processes
 

@@ -181,8 +181,10 @@ def make_task(options):
     return make_toy_task(options)
 
 
-def bytes_read(log: str, fragment: str = "/state-") -> int:
+def bytes_read(log: str, fragments: tuple[str, ...] = ("/state-",)) -> int:
+    """Bytes read from files whose path holds one of ``fragments``."""
     if not os.path.exists(log):
         return 0
     with open(log) as f:
-        return sum(int(line.split("\t")[1]) for line in f if fragment in line.split("\t")[2])
+        rows = [line.split("\t") for line in f]
+    return sum(int(row[1]) for row in rows if any(frag in row[2] for frag in fragments))

@@ -45,7 +45,13 @@ def _trained(samples: str) -> int:
     return max((e["step"] + 1 for e in rows if e["rank"] == 0), default=0)
 
 
-def measure(workdir: str, mode: str, size: int, remote_bps: float) -> dict[str, Any]:
+STATE_FILES = {"ddp": ("/state-",), "fsdp": ("/shard-", "/common-", "/index-", "/part-")}
+"""The durable tier's files that hold state (manifests left out)."""
+
+
+def measure(
+    workdir: str, mode: str, size: int, remote_bps: float, parallel: str = "ddp"
+) -> dict[str, Any]:
     layers = max(1, round(size / (8 * 1024 * 1024)))  # weights + momentum of 1024x1024 layers
     base = os.path.join(workdir, mode)
     ev, samples, log = base + "-events.jsonl", base + "-samples", base + "-reads.tsv"
@@ -56,7 +62,7 @@ def measure(workdir: str, mode: str, size: int, remote_bps: float) -> dict[str, 
             "--checkpoint-every-steps", str(every), "--keep-last", "2",
             "--task-option", "hidden=1024", "--task-option", f"layers={layers}",
             "--task-option", "batch_size=32", "--task-option", f"step_time={STEP_S}",
-            *MODES[mode]]  # fmt: skip
+            "--parallel", parallel, *MODES[mode]]  # fmt: skip
     env = {**child_env(), "ET_THROTTLE_BPS": str(remote_bps), "ET_THROTTLE_LOG": log}
     job = Torchrun(args, base + "-job.log", env)
     # Halfway between the first two durable checkpoints; with none, early (only the restart counts).
@@ -67,7 +73,7 @@ def measure(workdir: str, mode: str, size: int, remote_bps: float) -> dict[str, 
                   "the first durable checkpoint", job)  # fmt: skip
         wait_for(lambda: _trained(samples) >= kill_at, 600, f"step {kill_at}", job)
         rates = [e["steps_per_s"] for e in events_in(ev) if e["event"] == Event.PROGRESS]
-        reads_before = bytes_read(log)
+        reads_before = bytes_read(log, STATE_FILES[parallel])
         t_kill = time.time()
         os.kill(job.workers()[1], signal.SIGKILL)
         first = wait_for(
@@ -85,7 +91,7 @@ def measure(workdir: str, mode: str, size: int, remote_bps: float) -> dict[str, 
         "tier": resume.get("tier", "none"),
         "steps_redone": killed_at - resumed,
         "kill_to_first_step_s": round(first["time"] - t_kill, 3),
-        "remote_state_bytes_read": bytes_read(log) - reads_before,
+        "remote_state_bytes_read": bytes_read(log, STATE_FILES[parallel]) - reads_before,
         # None when the job reached the kill before its second progress line (a tiny state).
         "step_s_before_kill": round(1 / statistics.median(rates[1:]), 4) if rates[1:] else None,
     }
@@ -98,7 +104,7 @@ def _trained_by_the_killed_attempt(samples: str) -> int:
     return max(e["step"] + 1 for e in rows if e["generation"] == first)
 
 
-def run(size: int, remote_mbps: float, repeats: int) -> dict[str, Any]:
+def run(size: int, remote_mbps: float, repeats: int, parallel: str = "ddp") -> dict[str, Any]:
     """Each mode ``repeats`` times, the modes interleaved (restart times here vary by seconds
     from run to run); each figure is the median."""
     runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in MODES}
@@ -107,13 +113,14 @@ def run(size: int, remote_mbps: float, repeats: int) -> dict[str, Any]:
             for mode in MODES:
                 where = os.path.join(workdir, str(i))
                 os.makedirs(where, exist_ok=True)
-                runs[mode].append(measure(where, mode, size, remote_mbps * 1e6))
+                runs[mode].append(measure(where, mode, size, remote_mbps * 1e6, parallel))
     result: dict[str, Any] = {mode: _medians(runs[mode]) for mode in MODES}
     result["runs"] = runs
     durable, local, empty = result["durable"], result["two_tiers"], result["empty"]
     result["state_mb"] = size / 1e6
     result["remote_mbps"] = remote_mbps
     result["repeats"] = repeats
+    result["parallel"] = parallel
     result["restart_over_empty"] = {
         mode: round(result[mode]["kill_to_first_step_s"] / empty["kill_to_first_step_s"], 3)
         for mode in ("durable", "two_tiers")
@@ -144,7 +151,7 @@ def table(r: dict[str, Any]) -> str:
     ]
     held = max(r[mode]["checkpoint_bytes"] for mode in MODES)
     lines = [
-        f"state {held / 1e6:.0f} MB, durable tier at {r['remote_mbps']:g} MB/s, durable "
+        f"{r.get('parallel', 'ddp')}: state {held / 1e6:.0f} MB, durable tier at {r['remote_mbps']:g} MB/s, durable "
         f"checkpoints every {EVERY} steps, steps sleep {STEP_S * 1e3:.0f} ms on top of their "
         f"compute, SIGKILL at step ~{EVERY + EVERY // 2}; medians of {r['repeats']} runs each",
         f"| {'figure':<44} | {'durable only':>12} | {'two tiers':>12} | {'no checkpoint':>13} |",
@@ -176,7 +183,7 @@ def table(r: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main(size: int, remote_mbps: float, repeats: int, as_json: bool) -> int:
-    result = run(size, remote_mbps, repeats)
+def main(size: int, remote_mbps: float, repeats: int, as_json: bool, parallel: str = "ddp") -> int:
+    result = run(size, remote_mbps, repeats, parallel)
     print(json.dumps(result, indent=1) if as_json else table(result))
     return 0

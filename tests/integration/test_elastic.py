@@ -43,16 +43,23 @@ def app_args(tmp_path, name: str, step_time: float = 0.03, extra=(), steps=STEPS
 
 @pytest.mark.slow
 def test_fsdp_node_loss_reshards_and_trains_every_sample_once(launch, tmp_path):
-    """FSDP under c10d: one of two nodes is lost; the survivor reshards the sharded checkpoint
-    from 2 ranks to 1 and finishes, and the ledger shows every sample trained exactly once."""
+    """FSDP under c10d: one of two nodes is lost; the survivor reshards from 2 ranks to 1 out of
+    the fast tier (its own shards, and the lost node's, which it kept as its buddy) and finishes,
+    reading no state from the durable tier; the ledger shows every sample trained exactly once."""
     steps = 320
     port, run_id = free_port(), f"run-{uuid.uuid4().hex[:8]}"
     env = job_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
     ev = str(tmp_path / "fsdp.jsonl")
     args = app_args(tmp_path, "fsdp", 0.03, ("--parallel", "fsdp"), steps)
-    host = launch(args, torchrun_args=node_args(port, run_id, is_host=True), env=env, name="a")
+
+    def on(node: str) -> list[str]:  # each node's tier in its own folder, as on real hosts
+        return [*args, "--local-checkpoint-dir", str(tmp_path / node), "--local-every-steps", "5"]
+
+    host = launch(on("a"), torchrun_args=node_args(port, run_id, is_host=True), env=env, name="a")
     wait_for_event(ev, lambda e: e["event"] == Event.START, 60, host)  # the store is up
-    node_b = launch(args, torchrun_args=node_args(port, run_id, is_host=False), env=env, name="b")
+    node_b = launch(
+        on("b"), torchrun_args=node_args(port, run_id, is_host=False), env=env, name="b"
+    )
     # A checkpoint committed at world size 2, so the survivor has sharded state to reshard.
     pair = wait_for_event(
         ev, lambda e: e["event"] == Event.START and e["world_size"] == 2, 120, host
@@ -65,6 +72,9 @@ def test_fsdp_node_loss_reshards_and_trains_every_sample_once(launch, tmp_path):
     events = read_events(ev)
     shrunk = [e for e in events if e["event"] == Event.MEMBERSHIP and e["new_world_size"] == 1]
     assert shrunk and shrunk[-1]["old_world_size"] == 2, events
+    # The resume that announced the change (its event comes just before the membership one).
+    alone = [e for e in events[: events.index(shrunk[-1])] if e["event"] == Event.RESUME][-1]
+    assert (alone["tier"], alone["remote_bytes"], alone["world_size"]) == ("fast", 0, 1), alone
     assert events[-1]["event"] == Event.END and events[-1]["step"] == steps
     ledger = assert_exactly_once(
         read_sample_log(str(tmp_path / "fsdp-samples")),

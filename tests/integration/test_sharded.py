@@ -90,8 +90,10 @@ def _kill_while_shards_are_written(job, ckpt: str, after: int, timeout: float) -
 def test_fsdp_sigkilled_twice_once_mid_shard_write_then_preempted_ends_bitwise_equal(
     launch, tmp_path
 ):
-    # ~10 MB of sharded state (weights + AdamW moments), so a shard write takes a moment.
+    # ~10 MB of sharded state (weights + AdamW moments), so a shard write takes a moment; fast
+    # copies at the durable tier's steps, so a kill between checkpoints resumes from node memory.
     extra = (*FSDP, "--task-option", "hidden=512", "--task-option", "layers=3")
+    extra += ("--local-every-steps", "20")
     ref = launch(
         toy_args(
             str(tmp_path / "ref"),
@@ -137,6 +139,9 @@ def test_fsdp_sigkilled_twice_once_mid_shard_write_then_preempted_ends_bitwise_e
     # The step caught mid-write commits only if rank 1's write completed in the instant before the
     # kill; either way resume picked a step that verified, and nothing was found corrupt.
     assert resumes[1]["step"] <= caught and "CORRUPT CHECKPOINT" not in job.log()
+    # The kill between checkpoints: every rank's shards from its node's memory, none from storage.
+    assert (resumes[2]["tier"], resumes[2]["remote_bytes"]) == ("fast", 0), resumes[2]
+    assert resumes[2]["local_bytes"] > 0 and resumes[2]["peer_bytes"] == 0, resumes[2]
     assert_bitwise_equal(final_state(ckpt), final_state(str(tmp_path / "ref")))
 
 

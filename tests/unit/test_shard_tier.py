@@ -77,7 +77,9 @@ def test_a_buddy_dying_mid_transfer_leaves_no_committed_copy(tmp_path, monkeypat
     manifest, files = _sent_copy(tmp_path)
     wire = _Wire(_messages(manifest, files), dies_after)
     monkeypatch.setattr(shard_tier.dist, "recv", wire.recv)
-    buddy = Buddy(str(tmp_path / "tier"), 0, (2, 2), group=None, checksum=manifest_algorithm(manifest))
+    buddy = Buddy(
+        str(tmp_path / "tier"), 0, (2, 2), group=None, checksum=manifest_algorithm(manifest)
+    )
     with pytest.raises(RuntimeError, match="Connection closed"):
         buddy._receive()
     assert buddy.store.committed_steps() == []
@@ -93,7 +95,9 @@ def test_a_buddy_copy_that_arrives_changed_is_not_kept_and_one_that_arrives_whol
     shard[1000] ^= 0xFF
     changed["shard-r00002-g5.bin"] = bytes(shard)
     monkeypatch.setattr(shard_tier.dist, "recv", _Wire(_messages(manifest, changed), 99).recv)
-    buddy = Buddy(str(tmp_path / "tier"), 0, (2, 2), group=None, checksum=manifest_algorithm(manifest))
+    buddy = Buddy(
+        str(tmp_path / "tier"), 0, (2, 2), group=None, checksum=manifest_algorithm(manifest)
+    )
     with pytest.raises(storage.CheckpointCorruptError, match="arrived with shard-r00002-g5.bin"):
         buddy._receive()
     assert buddy.store.committed_steps() == []
