@@ -67,6 +67,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--parallel", choices=("ddp", "fsdp"), default="ddp",
         help="ddp: a replica per node; fsdp: each rank's shards and its buddy's (ddp)",
     )  # fmt: skip
+    benches["tiers"].add_argument(
+        "--every", type=int, default=100, metavar="N",
+        help="durable checkpoint interval in steps; the kill comes at 1.5 N (100)",
+    )  # fmt: skip
     benches["overhead"].add_argument("--steps", type=int, default=2000, help="steps per run")
     loader = benches["loader"]
     loader.add_argument("--workers", type=int, default=2, help="loader workers (2)")
@@ -121,7 +125,9 @@ def main(argv: list[str]) -> int:
     if args.bench == "recovery":
         return bench.main(args.size, args.json)
     if args.bench == "tiers":
-        return bench.main(args.size, args.remote_mbps, args.repeats, args.json, args.parallel)
+        return bench.main(
+            args.size, args.remote_mbps, args.repeats, args.json, args.parallel, args.every
+        )
     if args.bench == "scale" and args.processes:
         from elastictrain.bench import processes
 

@@ -4,7 +4,7 @@ durable tier is slow, side by side in one run.
 The durable tier is ``throttled://`` (``throttled_fs``: a folder reached at ``--remote-mbps``
 through the fsspec path S3 takes). Three real 2-worker ``torchrun --standalone`` jobs of the toy
 task, its state sized by ``--size``, each step sleeping ``STEP_S`` on top of its CPU compute (a
-stand-in for GPU compute, which leaves the CPU free), durable checkpoints every ``EVERY`` steps:
+stand-in for GPU compute, which leaves the CPU free), durable checkpoints every ``--every`` steps:
 
 - ``durable``: ``--no-local-checkpoint``, today's behaviour;
 - ``two_tiers``: the local tier on (``--local-every-steps auto``, under /dev/shm);
@@ -50,12 +50,17 @@ STATE_FILES = {"ddp": ("/state-",), "fsdp": ("/shard-", "/common-", "/index-", "
 
 
 def measure(
-    workdir: str, mode: str, size: int, remote_bps: float, parallel: str = "ddp"
+    workdir: str,
+    mode: str,
+    size: int,
+    remote_bps: float,
+    parallel: str = "ddp",
+    durable_every: int = EVERY,
 ) -> dict[str, Any]:
     layers = max(1, round(size / (8 * 1024 * 1024)))  # weights + momentum of 1024x1024 layers
     base = os.path.join(workdir, mode)
     ev, samples, log = base + "-events.jsonl", base + "-samples", base + "-reads.tsv"
-    every = 10**9 if mode == "empty" else EVERY
+    every = 10**9 if mode == "empty" else durable_every
     args = ["-m", "elastictrain", "--checkpoint-dir", f"throttled://{base}-ckpt",
             "--task", "elastictrain.bench.throttled_fs:make_task", "--event-log", ev,
             "--sample-log", samples, "--max-steps", "1000000", "--log-every-seconds", "0.5",
@@ -66,7 +71,7 @@ def measure(
     env = {**child_env(), "ET_THROTTLE_BPS": str(remote_bps), "ET_THROTTLE_LOG": log}
     job = Torchrun(args, base + "-job.log", env)
     # Halfway between the first two durable checkpoints; with none, early (only the restart counts).
-    kill_at = 20 if mode == "empty" else EVERY + EVERY // 2
+    kill_at = 20 if mode == "empty" else durable_every + durable_every // 2
     try:
         if mode != "empty":
             wait_for(lambda: any(e["event"] == Event.CHECKPOINT for e in events_in(ev)), 600,
@@ -104,7 +109,9 @@ def _trained_by_the_killed_attempt(samples: str) -> int:
     return max(e["step"] + 1 for e in rows if e["generation"] == first)
 
 
-def run(size: int, remote_mbps: float, repeats: int, parallel: str = "ddp") -> dict[str, Any]:
+def run(
+    size: int, remote_mbps: float, repeats: int, parallel: str = "ddp", every: int = EVERY
+) -> dict[str, Any]:
     """Each mode ``repeats`` times, the modes interleaved (restart times here vary by seconds
     from run to run); each figure is the median."""
     runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in MODES}
@@ -113,7 +120,7 @@ def run(size: int, remote_mbps: float, repeats: int, parallel: str = "ddp") -> d
             for mode in MODES:
                 where = os.path.join(workdir, str(i))
                 os.makedirs(where, exist_ok=True)
-                runs[mode].append(measure(where, mode, size, remote_mbps * 1e6, parallel))
+                runs[mode].append(measure(where, mode, size, remote_mbps * 1e6, parallel, every))
     result: dict[str, Any] = {mode: _medians(runs[mode]) for mode in MODES}
     result["runs"] = runs
     durable, local, empty = result["durable"], result["two_tiers"], result["empty"]
@@ -121,6 +128,7 @@ def run(size: int, remote_mbps: float, repeats: int, parallel: str = "ddp") -> d
     result["remote_mbps"] = remote_mbps
     result["repeats"] = repeats
     result["parallel"] = parallel
+    result["every"] = every
     result["restart_over_empty"] = {
         mode: round(result[mode]["kill_to_first_step_s"] / empty["kill_to_first_step_s"], 3)
         for mode in ("durable", "two_tiers")
@@ -152,8 +160,8 @@ def table(r: dict[str, Any]) -> str:
     held = max(r[mode]["checkpoint_bytes"] for mode in MODES)
     lines = [
         f"{r.get('parallel', 'ddp')}: state {held / 1e6:.0f} MB, durable tier at {r['remote_mbps']:g} MB/s, durable "
-        f"checkpoints every {EVERY} steps, steps sleep {STEP_S * 1e3:.0f} ms on top of their "
-        f"compute, SIGKILL at step ~{EVERY + EVERY // 2}; medians of {r['repeats']} runs each",
+        f"checkpoints every {r['every']} steps, steps sleep {STEP_S * 1e3:.0f} ms on top of their "
+        f"compute, SIGKILL at step ~{r['every'] * 3 // 2}; medians of {r['repeats']} runs each",
         f"| {'figure':<44} | {'durable only':>12} | {'two tiers':>12} | {'no checkpoint':>13} |",
         f"|{'-' * 46}|{'-' * 14}|{'-' * 14}|{'-' * 15}|",
     ]
@@ -183,7 +191,14 @@ def table(r: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main(size: int, remote_mbps: float, repeats: int, as_json: bool, parallel: str = "ddp") -> int:
-    result = run(size, remote_mbps, repeats, parallel)
+def main(
+    size: int,
+    remote_mbps: float,
+    repeats: int,
+    as_json: bool,
+    parallel: str = "ddp",
+    every: int = EVERY,
+) -> int:
+    result = run(size, remote_mbps, repeats, parallel, every)
     print(json.dumps(result, indent=1) if as_json else table(result))
     return 0

@@ -78,7 +78,19 @@ def test_bench_recovery_against_a_slow_remote_gives_sane_figures():
     """Three jobs side by side, durable tier at 50 MB/s: with the local tier the restart reads no
     state from the durable tier and redoes fewer steps than with the durable tier alone."""
     out = run_single(
-        ["bench", "tiers", "--remote-mbps", "50", "--size", "8MB", "--repeats", "1", "--json"],
+        [
+            "bench",
+            "tiers",
+            "--remote-mbps",
+            "50",
+            "--size",
+            "8MB",
+            "--repeats",
+            "1",
+            "--json",
+            "--every",
+            "30",
+        ],  # fmt: skip
         REPO_ROOT,
         300,
     )
@@ -88,7 +100,7 @@ def test_bench_recovery_against_a_slow_remote_gives_sane_figures():
     assert (durable["tier"], local["tier"], empty["tier"]) == ("durable", "local", "none"), r
     assert durable["remote_state_bytes_read"] >= durable["checkpoint_bytes"] > 100_000, r
     assert local["remote_state_bytes_read"] == 0 and empty["resumed_step"] == 0, r
-    assert durable["resumed_step"] >= 100 and durable["resumed_step"] % 100 == 0, r
+    assert durable["resumed_step"] >= 30 and durable["resumed_step"] % 30 == 0, r
     assert local["resumed_step"] >= durable["resumed_step"], r
     assert 0 <= local["steps_redone"] <= durable["steps_redone"], r
     assert all(m["kill_to_first_step_s"] > 0 for m in (durable, local, empty)), r
