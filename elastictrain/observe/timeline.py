@@ -198,6 +198,19 @@ def summary(timeline: Timeline) -> str:
 def _resumed_from(e: dict[str, Any]) -> str:
     if e.get("fresh") or "tier" not in e:
         return ""
+    if e["tier"] == "fast":  # sharded: each node's copies, and its buddies'
+        nodes = ", ".join(f"ranks {_span(r)} by rank {h}'s node" for h, r in e["served_by"].items())
+        return (
+            f"fast tier: {nodes}; {e.get('peer_bytes', 0)} bytes from other nodes, "
+            f"{e.get('steps_saved', 0)} steps past the durable one"
+        )
     if e["tier"] != "local":
         return f"{e['tier']} tier"
     return f"local tier of rank {e.get('source_rank')}, {e.get('steps_saved', 0)} steps past the durable one"
+
+
+def _span(ranks: list[int]) -> str:
+    """Saved ranks as ``0-3`` when consecutive, else listed."""
+    if ranks == list(range(ranks[0], ranks[-1] + 1)) and len(ranks) > 1:
+        return f"{ranks[0]}-{ranks[-1]}"
+    return ",".join(map(str, ranks))

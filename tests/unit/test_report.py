@@ -159,3 +159,26 @@ def test_a_silent_peer_is_the_attempt_s_cause_and_names_the_rank_and_host():
     first, second, _ = timeline.build_timeline(events).attempts
     assert first.outcome == Outcome.SILENT and first.detail == f"rank 0: {silent}"
     assert second.outcome == Outcome.MEMBERSHIP and silent in second.detail
+
+
+def test_a_resume_from_the_fast_tier_says_which_nodes_served_which_ranks():
+    events = [*attempt(0, 4, 0, 0), ev(Event.PROGRESS, 3, step=150, loss=1.0)]
+    events += [
+        ev(Event.START, 10, world_size=2, restart_count=1, generation=10, max_steps=400),
+        ev(
+            Event.RESUME,
+            11,
+            step=150,
+            fresh=False,
+            world_size=2,
+            tier="fast",
+            durable_step=100,
+            steps_saved=50,
+            peer_bytes=0,
+            served_by={"0": [0, 1, 2, 3]},
+        ),  # fmt: skip
+        ev(Event.FIRST_STEP, 12, step=151),
+    ]
+    text = timeline.summary(timeline.build_timeline(events))
+    assert "(from the fast tier: ranks 0-3 by rank 0's node; 0 bytes from other nodes, 50 steps " \
+        "past the durable one)" in text, text  # fmt: skip
