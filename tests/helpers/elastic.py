@@ -11,7 +11,13 @@ TEST_RDZV_CONF = "last_call_timeout=1,join_timeout=60,keep_alive_interval=1,keep
 
 
 def node_args(
-    port: int, run_id: str, *, is_host: bool, max_restarts: int = 6, nnodes: str = "1:3"
+    port: int,
+    run_id: str,
+    *,
+    is_host: bool,
+    max_restarts: int = 6,
+    nnodes: str = "1:3",
+    nproc: int = 1,
 ) -> list[str]:
     """torchrun flags for one simulated node.
 
@@ -21,7 +27,7 @@ def node_args(
     """
     return [
         f"--nnodes={nnodes}",
-        "--nproc_per_node=1",
+        f"--nproc_per_node={nproc}",
         "--rdzv-backend=c10d",
         f"--rdzv-endpoint=127.0.0.1:{port}",
         f"--rdzv-id={run_id}",

@@ -43,9 +43,10 @@ def app_args(tmp_path, name: str, step_time: float = 0.03, extra=(), steps=STEPS
 
 @pytest.mark.slow
 def test_fsdp_node_loss_reshards_and_trains_every_sample_once(launch, tmp_path):
-    """FSDP under c10d: one of two nodes is lost; the survivor reshards from 2 ranks to 1 out of
-    the fast tier (its own shards, and the lost node's, which it kept as its buddy) and finishes,
-    reading no state from the durable tier; the ledger shows every sample trained exactly once."""
+    """FSDP under c10d, 2 nodes of 2 ranks: one node is lost; the survivor reshards from 4 ranks
+    to 2 out of the fast tier (its own shards, and the lost node's, which its ranks kept as their
+    buddies') and finishes, reading no state from the durable tier; the ledger shows every sample
+    trained exactly once."""
     steps = 320
     port, run_id = free_port(), f"run-{uuid.uuid4().hex[:8]}"
     env = job_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
@@ -55,14 +56,15 @@ def test_fsdp_node_loss_reshards_and_trains_every_sample_once(launch, tmp_path):
     def on(node: str) -> list[str]:  # each node's tier in its own folder, as on real hosts
         return [*args, "--local-checkpoint-dir", str(tmp_path / node), "--local-every-steps", "5"]
 
-    host = launch(on("a"), torchrun_args=node_args(port, run_id, is_host=True), env=env, name="a")
+    def node(host: bool) -> list[str]:
+        return node_args(port, run_id, is_host=host, nproc=2)
+
+    host = launch(on("a"), torchrun_args=node(True), env=env, name="a")
     wait_for_event(ev, lambda e: e["event"] == Event.START, 60, host)  # the store is up
-    node_b = launch(
-        on("b"), torchrun_args=node_args(port, run_id, is_host=False), env=env, name="b"
-    )
-    # A checkpoint committed at world size 2, so the survivor has sharded state to reshard.
+    node_b = launch(on("b"), torchrun_args=node(False), env=env, name="b")
+    # A checkpoint committed at world size 4, so the survivor has sharded state to reshard.
     pair = wait_for_event(
-        ev, lambda e: e["event"] == Event.START and e["world_size"] == 2, 120, host
+        ev, lambda e: e["event"] == Event.START and e["world_size"] == 4, 120, host
     )
     wait_for_event(
         ev, lambda e: e["event"] == Event.CHECKPOINT and e["time"] > pair["time"], 120, host
@@ -70,11 +72,12 @@ def test_fsdp_node_loss_reshards_and_trains_every_sample_once(launch, tmp_path):
     node_b.kill()  # SIGKILL the agent and every descendant: a lost node
     assert host.wait(240) == 0, host.log()[-3000:]
     events = read_events(ev)
-    shrunk = [e for e in events if e["event"] == Event.MEMBERSHIP and e["new_world_size"] == 1]
-    assert shrunk and shrunk[-1]["old_world_size"] == 2, events
+    shrunk = [e for e in events if e["event"] == Event.MEMBERSHIP and e["new_world_size"] == 2]
+    assert shrunk and shrunk[-1]["old_world_size"] == 4, events
     # The resume that announced the change (its event comes just before the membership one).
     alone = [e for e in events[: events.index(shrunk[-1])] if e["event"] == Event.RESUME][-1]
-    assert (alone["tier"], alone["remote_bytes"], alone["world_size"]) == ("fast", 0, 1), alone
+    assert (alone["tier"], alone["remote_bytes"], alone["world_size"]) == ("fast", 0, 2), alone
+    assert sorted(r for ranks in alone["served_by"].values() for r in ranks) == [0, 1, 2, 3]
     assert events[-1]["event"] == Event.END and events[-1]["step"] == steps
     ledger = assert_exactly_once(
         read_sample_log(str(tmp_path / "fsdp-samples")),
@@ -82,7 +85,7 @@ def test_fsdp_node_loss_reshards_and_trains_every_sample_once(launch, tmp_path):
         batch_size=BATCH,
         max_steps=steps,
     )
-    assert ledger["world_sizes"] == [1, 2], ledger
+    assert ledger["world_sizes"] == [2, 4], ledger
 
 
 @pytest.mark.slow

@@ -73,6 +73,8 @@ def test_close_raises_when_the_last_background_persist_failed(tmp_path, gloo_wor
         on_storage_failure="fail", storage_retry_deadline=0.5,
     )  # fmt: skip
     ses.resume(s, CPU)
+    # The run's history is written beside the checkpoints, on its own thread: let it land first.
+    ses.history.flush(wait_s=10)
     shutil.rmtree(where)
     where.write_text("a file where the folder was: every write fails from here on")
     train(s, 0)
