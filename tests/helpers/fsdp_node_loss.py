@@ -65,8 +65,10 @@ def measure(root: str, mode: str, kill_at: int) -> dict:
     try:
         wait(ev, lambda e: e["event"] == Event.PROGRESS and e.get("world_size") == 4
              and e["step"] >= kill_at, f"step {kill_at} at 4 ranks")  # fmt: skip
-        rates = [e["steps_per_s"] for e in read_events(ev) if e["event"] == Event.PROGRESS]
         t_kill = time.time()
+        before = read_events(ev)
+        rates = [e["steps_per_s"] for e in before if e["event"] == Event.PROGRESS]
+        copies = [e["step"] for e in before if e["event"] == Event.LOCAL_CHECKPOINT]
         os.killpg(nodes[1].pid, signal.SIGKILL)
         first = wait(ev, lambda e: e["event"] == Event.FIRST_STEP and e["time"] > t_kill, "restart")
         resume = wait(ev, lambda e: e["event"] == Event.RESUME and e["time"] > t_kill, "resume")
@@ -86,6 +88,7 @@ def measure(root: str, mode: str, kill_at: int) -> dict:
         "resumed": {k: resume.get(k) for k in ("step", "tier", "world_size", "saved_world_size",
                                                 "local_bytes", "peer_bytes", "remote_bytes")},
         "steps_redone": trained - resume["step"],
+        "fast_copy_interval": copies[-1] - copies[-2] if len(copies) > 1 else None,
         "kill_to_first_step_s": round(first["time"] - t_kill, 2),
         "moved_over_new_shards": round(moved / shards, 4) if shards and moved else None,
         # Progress lines before the kill, the first left out (it holds the start).
