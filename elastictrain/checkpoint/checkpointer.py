@@ -144,8 +144,9 @@ class Checkpointer:
     # -- what the record holds -------------------------------------------------------------------
     @property
     def last_committed(self) -> int | None:
-        """The newest step this attempt resumed from or committed (rank 0: including ones
-        committed in the background)."""
+        """The newest step on the durable tier that this attempt resumed from or committed (rank 0:
+        including ones committed in the background). A resume from node memory leaves the
+        durable tier's newest here."""
         return self.record.last_committed
 
     @property
@@ -238,7 +239,10 @@ class Checkpointer:
                 "remote_bytes": nbytes if copy.tier == tiers.DURABLE else 0,
             }
         step = int(payload["progress"]["step"])
-        self.record.last_committed = step
+        # Committed means durable: a step read from node memory must still be written when a save
+        # comes at it (a preemption right after the resume), before the node's copies go.
+        durable = origin["tier"] == tiers.DURABLE
+        self.record.last_committed = step if durable else origin["durable_step"]
         seconds = time.monotonic() - t0
         edist.barrier(self.group)
         tiers.report_resume(

@@ -150,7 +150,8 @@ class CheckpointManager:
 
     @property
     def last_committed(self) -> int | None:
-        """The newest step resumed from or committed (rank 0 also counts background commits)."""
+        """The newest durable step resumed from or committed (rank 0 also counts background
+        commits); a resume from node memory leaves the durable tier's newest here."""
         return self._session.last_committed
 
     def resume(

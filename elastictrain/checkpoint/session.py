@@ -135,7 +135,8 @@ class CheckpointSession:
 
     @property
     def last_committed(self) -> int | None:
-        """The newest step resumed from or committed (rank 0 also counts background commits)."""
+        """The newest durable step resumed from or committed (rank 0 also counts background
+        commits)."""
         return self._ckpt.last_committed
 
     @property

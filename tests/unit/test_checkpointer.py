@@ -86,7 +86,7 @@ def test_a_corrupt_newest_checkpoint_is_reported_and_the_previous_one_resumed(tm
     assert [(e["step"], e["tier"]) for e in corrupt] == [(2, "durable")]
 
 
-def test_the_local_tier_copies_after_steps_and_a_resume_prefers_the_newer_copy(
+def test_the_local_tier_copies_after_steps_a_resume_prefers_the_newer_copy_and_a_final_save_at_it_still_reaches_the_durable_tier(  # noqa: E501
     tmp_path, gloo_world
 ):
     url, local = memory_url(), str(tmp_path / "local")
@@ -113,4 +113,10 @@ def test_the_local_tier_copies_after_steps_and_a_resume_prefers_the_newer_copy(
     resume = [e for e in read_events(str(tmp_path / "events.jsonl")) if e["event"] == "resume"]
     assert resume[-1]["tier"] == "local" and resume[-1]["remote_bytes"] == 0
     assert (resume[-1]["durable_step"], resume[-1]["steps_saved"]) == (2, 2)
+    # Step 4 is in node memory only: a preemption (or the end) right after the resume must still
+    # write it to the durable tier before the local copies go.
+    assert again.last_committed == 2
+    again.claim()
+    assert again.save(4, fresh, Reason.PREEMPT)
+    assert storage.open_store(url).committed_steps() == [2, 4]
     again.finish()

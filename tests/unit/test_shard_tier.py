@@ -112,3 +112,55 @@ def test_a_buddy_copy_that_arrives_changed_is_not_kept_and_one_that_arrives_whol
 
 def manifest_algorithm(manifest) -> str:
     return next(iter(manifest.files.values())).algorithm
+
+
+def test_the_room_check_counts_every_rank_of_the_node_and_their_buddies_copies(
+    tmp_path, gloo_world, monkeypatch
+):
+    """Room for 3 copies of this rank's shards is not enough: the node's folder holds 3 copies of
+    each of its 4 ranks' shards and of the 4 buddies' it keeps. Without it the tier turns off,
+    saying so; with it, copies are taken."""
+    import collections
+
+    from torch import nn
+
+    from elastictrain.checkpoint import local_tier
+    from elastictrain.checkpoint.shard_tier import ShardTier
+    from elastictrain.checkpoint.state import TrainState
+    from elastictrain.config import CheckpointConfig
+    from elastictrain.observe.events import Event, EventLog, read_events
+    from elastictrain.parallel import shard
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4096), nn.Linear(4096, 1))  # shards well above the slack
+    shard(model, None, torch.device("cpu"), 1)
+    state = TrainState(model, torch.optim.Adam(model.parameters()))
+    state.model(torch.ones(2, 4)).sum().backward()
+    state.optimizer.step()  # Adam's moments: the shards are weights + 2 moments
+    own = 3 * sum(p.numel() * 4 for p in model.parameters())
+    usage = collections.namedtuple("usage", "total used free")
+
+    def tier_with(free: int, name: str) -> ShardTier:
+        monkeypatch.setattr(local_tier.shutil, "disk_usage", lambda _: usage(0, 0, free))
+        config = CheckpointConfig(
+            checkpoint_dir=str(tmp_path / "durable"), local_every_steps=1,
+            local_checkpoint_dir=str(tmp_path / name), event_log=str(tmp_path / f"{name}.jsonl"),
+        )  # fmt: skip
+        return ShardTier(
+            config, rank=0, local_rank=0, world_size=1, local_world_size=4,
+            generation=lambda: 1, events=EventLog(config.event_log, enabled=True),
+            attached=lambda: True, group=gloo_world,
+        )  # fmt: skip
+
+    small = tier_with(10 * own, "small")  # 3 copies of this rank's own shards fit, the node's not
+    small.after_step(1, state, durable_saved=False)
+    assert not small.active
+    (off,) = [
+        e for e in read_events(str(tmp_path / "small.jsonl")) if e["event"] == Event.LOCAL_TIER
+    ]
+    assert "free, and the tier needs" in off["why"], off
+
+    roomy = tier_with(100 * own, "roomy")  # 3 x (4 ranks' shards + 4 buddies'): 24 x, and more
+    roomy.after_step(1, state, durable_saved=False)
+    roomy.finish()
+    assert roomy.active and roomy.newest == 1
