@@ -7,6 +7,7 @@ walking /proc (torchrun starts workers in their own sessions, so a process group
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -19,6 +20,7 @@ import torch
 
 from elastictrain.observe.events import read_events
 from elastictrain.tools.chaos import descendants
+from storage.manifest import MANIFEST_NAME, parse_step_dir, step_dir_name
 from tests.helpers.paths import REPO_ROOT
 
 
@@ -174,6 +176,42 @@ def wait_for_event(
             )
         time.sleep(0.05)
     raise AssertionError(f"event not seen within {timeout}s in {path}")
+
+
+def wait_for_fast_copies(
+    tier_dir: str, copies: list[str], durable_dir: str, at_least: int, timeout: float, job: Job
+) -> int:
+    """Until every copy folder named (``own-r00000``, ``peer-r00002``, ...) under a node's fast
+    tier holds one committed step, at least ``at_least`` and of a generation no older than the
+    durable tier's step ``at_least``; returns the newest such step. A kill timed by this finds a
+    fast step as new as the durable one, whatever pace the background writers kept."""
+    with open(os.path.join(durable_dir, step_dir_name(at_least), MANIFEST_NAME)) as f:
+        generation = json.load(f)["generation"]
+
+    def committed(folder: str) -> set[int]:
+        found = set()
+        for name in os.listdir(folder) if os.path.isdir(folder) else []:
+            manifest = os.path.join(folder, name, MANIFEST_NAME)
+            with contextlib.suppress(OSError, ValueError), open(manifest) as f:
+                if json.load(f)["generation"] >= generation:
+                    found.add(parse_step_dir(name))
+        return found
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        common: set[int] | None = None
+        for name in copies:
+            steps = committed(os.path.join(tier_dir, "shards", name))
+            common = steps if common is None else common & steps
+        ready = [s for s in common or () if s is not None and s >= at_least]
+        if ready:
+            return max(ready)
+        if job is not None and job.proc.poll() is not None:
+            raise AssertionError(
+                f"job exited with {job.proc.returncode}; log:\n{job.log()[-4000:]}"
+            )
+        time.sleep(0.02)
+    raise AssertionError(f"no common fast copy >= step {at_least} of {copies} within {timeout}s")
 
 
 def final_state(url: str, **kw: Any) -> dict[str, Any]:

@@ -11,7 +11,7 @@ import pytest
 
 from elastictrain.observe.events import Event, read_events, read_sample_log
 from tests.helpers.elastic import assert_exactly_once, node_args
-from tests.helpers.launcher import job_env, wait_for_event
+from tests.helpers.launcher import job_env, wait_for_event, wait_for_fast_copies
 from tests.helpers.net import free_port
 
 DATASET, BATCH, STEPS = 2048, 64, 640  # 32 steps per epoch, 20 epochs
@@ -66,9 +66,14 @@ def test_fsdp_node_loss_reshards_and_trains_every_sample_once(launch, tmp_path):
     pair = wait_for_event(
         ev, lambda e: e["event"] == Event.START and e["world_size"] == 4, 120, host
     )
-    wait_for_event(
+    durable = wait_for_event(
         ev, lambda e: e["event"] == Event.CHECKPOINT and e["time"] > pair["time"], 120, host
     )
+    # Node a holds a step at least that new whole: its ranks' own copies and node b's ranks' (its
+    # buddies'), each written and sent in the background at its own pace.
+    copies = ["own-r00000", "own-r00001", "peer-r00002", "peer-r00003"]
+    ckpt = str(tmp_path / "fsdp-ckpt")
+    wait_for_fast_copies(str(tmp_path / "a"), copies, ckpt, durable["step"], 120, host)
     node_b.kill()  # SIGKILL the agent and every descendant: a lost node
     assert host.wait(240) == 0, host.log()[-3000:]
     events = read_events(ev)

@@ -23,6 +23,7 @@ from tests.helpers.launcher import (
     run_single,
     toy_args,
     wait_for_event,
+    wait_for_fast_copies,
 )
 
 FSDP = ("--parallel", "fsdp")
@@ -93,7 +94,7 @@ def test_fsdp_sigkilled_twice_once_mid_shard_write_then_preempted_ends_bitwise_e
     # ~10 MB of sharded state (weights + AdamW moments), so a shard write takes a moment; fast
     # copies at the durable tier's steps, so a kill between checkpoints resumes from node memory.
     extra = (*FSDP, "--task-option", "hidden=512", "--task-option", "layers=3")
-    extra += ("--local-every-steps", "20")
+    extra += ("--local-every-steps", "20", "--local-checkpoint-dir", str(tmp_path / "shm"))
     ref = launch(
         toy_args(
             str(tmp_path / "ref"),
@@ -111,9 +112,13 @@ def test_fsdp_sigkilled_twice_once_mid_shard_write_then_preempted_ends_bitwise_e
     first = wait_for_event(ev, lambda e: e["event"] == Event.CHECKPOINT, 90, job)
     caught = _kill_while_shards_are_written(job, ckpt, first["step"], 90)
     resumed = wait_for_event(ev, lambda e: e["event"] == Event.RESUME and not e["fresh"], 90, job)
-    wait_for_event(
+    durable = wait_for_event(
         ev, lambda e: e["event"] == Event.CHECKPOINT and e["time"] > resumed["time"], 90, job
     )
+    # Both ranks' fast copies of that step are committed too (they are written in the background,
+    # at their own pace): the second kill then has a fast step as new as the durable one.
+    copies = ["own-r00000", "own-r00001"]
+    wait_for_fast_copies(str(tmp_path / "shm"), copies, ckpt, durable["step"], 90, job)
     job.kill_worker(0)  # the second kill: rank 0, between checkpoints
     third = wait_for_event(
         ev, lambda e: e["event"] == Event.RESUME and e["time"] > resumed["time"], 90, job
