@@ -294,10 +294,16 @@ class Checkpointer:
         return reason in MUST_COMMIT or not self.config.async_checkpoint
 
     def _save_flat(self, step: int, state: tstate.TrainState, reason: str) -> bool:
-        if self.last_committed == step:
-            return True
         wait_for_commit = self._waits_for_commit(reason)
-        if not wait_for_commit and not self.is_writer:
+        if not wait_for_commit:  # no collective: each rank may decide alone
+            if self.is_writer and self.last_committed != step:
+                self.writer.save(step, state.epoch_of(step), reason,
+                                 lambda: tstate.capture(state, step=step), background=True)  # fmt: skip
+            return True
+        # Only rank 0 knows whether it committed this step in the background: it decides for all,
+        # or a rank that thinks otherwise waits for an outcome that is never broadcast.
+        if edist.broadcast_int(int(self.last_committed == step), self.group):
+            self.record.last_committed = step
             return True
         outcome, error = SaveOutcome.COMMITTED, None
         if self.is_writer:
@@ -306,10 +312,8 @@ class Checkpointer:
                 state.epoch_of(step),
                 reason,
                 lambda: tstate.capture(state, step=step),
-                background=not wait_for_commit,
+                background=False,
             )
-            if not wait_for_commit:
-                return True
         return self._settle(step, reason, edist.broadcast_int(outcome, self.group), error)
 
     def _save_sharded(self, step: int, state: tstate.TrainState, reason: str) -> bool:

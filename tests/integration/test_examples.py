@@ -218,3 +218,13 @@ def test_library_mode_custom_loop_killed_and_preempted_resumes_exactly(launch, t
     ref_state, got = final_state(ref_dir), final_state(ckpt)
     assert_bitwise_equal(ref_state, got)
     assert got["extra"] == ref_state["extra"]  # the user's own state round-trips too
+
+
+def test_a_final_save_at_a_step_committed_in_the_background_returns_on_every_rank(launch, tmp_path):
+    """Only rank 0 knows it committed a step in the background. When the final save comes at that
+    step, rank 0 decides for every rank: it used to return at once while rank 1 waited for an
+    outcome never broadcast, until rank 0's exit broke the group (an extra restart in CI)."""
+    job = launch([str(tmp_path / "ckpt")], nproc=2, max_restarts=0,
+                 entry=("-m", "tests.helpers.final_after_background"), name="final")  # fmt: skip
+    assert job.wait(120) == 0, job.log()[-3000:]
+    assert job.log().count('"final": true') == 2, job.log()[-3000:]
