@@ -17,7 +17,7 @@ import os
 import threading
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -29,6 +29,7 @@ from elastictrain import knobs
 from elastictrain.env import DistEnv, read_env
 from elastictrain.errors import EXIT_INIT_TIMEOUT
 from elastictrain.handshake import Attempt, handshake
+from elastictrain.job_store import connect
 from elastictrain.liveness import Liveness
 
 logger = logging.getLogger(__name__)
@@ -45,25 +46,6 @@ def pick_device(env: DistEnv, model_devices: Sequence[torch.device] | None = Non
         torch.cuda.set_device(env.local_rank)
         return torch.device("cuda", env.local_rank)
     return torch.device("cpu")
-
-
-def _base_store(env: DistEnv, timeout: float) -> dist.Store:
-    if env.use_agent_store:
-        return dist.TCPStore(
-            env.master_addr, env.master_port, None, False, timedelta(seconds=timeout)
-        )
-    # Not under a sharing torchrun agent: rank 0 hosts the store, like init_method="env://".
-    port = env.master_port
-    if env.world_size == 1 and port == 0:
-        return dist.HashStore()
-    return dist.TCPStore(
-        env.master_addr,
-        port,
-        env.world_size,
-        env.rank == 0,
-        timedelta(seconds=timeout),
-        multi_tenant=True,
-    )
 
 
 class _InitWatchdog:
@@ -106,10 +88,11 @@ def init_process_groups(
     init_timeout: float,
     collective_timeout: float,
     checkpoint_timeout: float,
-    before_barrier: Callable[[dist.Store], None] = lambda store: None,
+    liveness: Liveness,
 ) -> ProcessGroups:
-    """``before_barrier``: called with the attempt's store before the group's first barrier, so
-    what it writes is there for every rank once init returns (liveness's first beats)."""
+    """``liveness`` watches the job's store from the first request on (a frozen store ignores its
+    clients' timeouts) and announces this rank's first beat before the group's first barrier, so
+    it is there for every rank once init returns."""
     backend = "nccl" if device.type == "cuda" else "gloo"
     kwargs = {"device_id": device} if device.type == "cuda" else {}
     if knobs.diagnostic_env_init():
@@ -130,7 +113,10 @@ def init_process_groups(
             attempt=Attempt(nonce="env", generation=time.time_ns()), control=control
         )
     with _InitWatchdog(init_timeout, env.rank):
-        base = _base_store(env, init_timeout)
+        silent_s = liveness.silent_s if liveness.enabled else 0.0
+        job_store = connect(env, timeout_s=init_timeout, silent_s=silent_s)
+        liveness.watch_store(job_store)
+        base = job_store.store
         # 90% of the budget, so a missing rank is reported by name before the hard bound fires.
         attempt = handshake(base, env, 0.9 * init_timeout, flag_value=init_timeout)
         store = dist.PrefixStore(f"elastictrain/{attempt.nonce}/", base)
@@ -143,7 +129,7 @@ def init_process_groups(
             **kwargs,
         )
         control = dist.new_group(backend="gloo", timeout=timedelta(seconds=checkpoint_timeout))
-        before_barrier(store)
+        liveness.announce(store)
         dist.barrier(group=control)
     return ProcessGroups(attempt=attempt, control=control)
 
@@ -259,7 +245,7 @@ def init_distributed(
             init_timeout=init_timeout,
             collective_timeout=timeout,
             checkpoint_timeout=timeout,
-            before_barrier=liveness.announce,
+            liveness=liveness,
         )
         liveness.start(last_words=lambda cause, detail: None)  # a daemon: it ends with the process
     return device

@@ -28,6 +28,8 @@ class DistEnv:
     launched_by_torchrun: bool
     under_agent: bool = False
     """A torchrun agent is this process's parent (it set TORCHELASTIC_RUN_ID)."""
+    agent_pid: int | None = None
+    """That agent's pid, read at start, before anything could reparent this process."""
 
     @property
     def is_rank0(self) -> bool:
@@ -67,4 +69,67 @@ def read_env(environ: Mapping[str, str] | None = None) -> DistEnv:
         use_agent_store=environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
         launched_by_torchrun=launched,
         under_agent="TORCHELASTIC_RUN_ID" in environ,
+        agent_pid=os.getppid() if "TORCHELASTIC_RUN_ID" in environ else None,
     )
+
+
+# torch's c10d rendezvous port when --rdzv-endpoint names none (c10d_rendezvous_backend.DEFAULT_PORT).
+_RDZV_DEFAULT_PORT = 29400
+_LAUNCHERS = ("torchrun", "torch.distributed.run")
+
+
+@dataclass(frozen=True)
+class StoreAddress:
+    host: str
+    port: int
+
+    def __str__(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
+def rendezvous_store(env: DistEnv) -> StoreAddress | None:
+    """torchrun's c10d rendezvous store, as the agent that started this worker was told: its
+    command line (``/proc/<agent>/cmdline``) and ``PET_*`` environment, read by torchrun's own
+    parser.
+
+    Why: the one store every agent must reach to re-form the group is the rendezvous store, while
+    ``MASTER_ADDR``/``MASTER_PORT`` can name a node that left (torch 2.13 caches the shared store's
+    address per node: docs/faults.md). None where there is no such store or it cannot be named
+    for sure: not under a torchrun agent, ``--standalone`` (one node: its address cannot go
+    stale), another backend (static, etcd) or a file store, or an agent whose ``--rdzv-id`` is not
+    this worker's ``TORCHELASTIC_RUN_ID`` (a wrapper process in between).
+    """
+    if env.agent_pid is None:
+        return None
+    try:
+        with open(f"/proc/{env.agent_pid}/cmdline", "rb") as f:
+            argv = [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
+    except OSError:
+        return None
+    return rendezvous_in_command(argv, env.run_id)
+
+
+def rendezvous_in_command(argv: list[str], run_id: str) -> StoreAddress | None:
+    """The c10d rendezvous store a torchrun command line (``argv``, the interpreter first) and
+    this process's ``PET_*`` environment name for the run ``run_id``; see
+    :func:`rendezvous_store`."""
+    starts = [i + 1 for i, a in enumerate(argv) if os.path.basename(a) in _LAUNCHERS]
+    if not starts:
+        return None
+    from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+    from torch.distributed.run import get_args_parser
+
+    try:
+        args, _ = get_args_parser().parse_known_args(argv[starts[0] :])
+    except (SystemExit, ValueError):  # not a command line torchrun would have accepted
+        return None
+    conf = dict(kv.split("=", 1) for kv in (args.rdzv_conf or "").split(",") if "=" in kv)
+    if (
+        args.standalone
+        or args.rdzv_backend != "c10d"
+        or conf.get("store_type", "tcp").strip().lower() != "tcp"
+        or args.rdzv_id != run_id
+    ):
+        return None
+    host, port = parse_rendezvous_endpoint(args.rdzv_endpoint, default_port=_RDZV_DEFAULT_PORT)
+    return StoreAddress(host, port) if port else None

@@ -66,6 +66,12 @@ class InitTimeoutError(ElasticTrainError, TimeoutError):
     exit_code = EXIT_INIT_TIMEOUT
 
 
+class StoreSilentError(ElasticTrainError, TimeoutError):
+    """The job's c10d store accepted a connection and stopped answering: its host is frozen."""
+
+    exit_code = EXIT_PEER_SILENT
+
+
 class CollectiveTimeoutError(ElasticTrainError, TimeoutError):
     """A training collective or checkpoint barrier outlived its timeout (names which one)."""
 
@@ -155,6 +161,7 @@ __all__ = [
     "StorageNotSharedError",
     "StorageNotUsableError",
     "StorageUnavailableError",
+    "StoreSilentError",
     "TaskLoadError",
     "UnsafeCheckpointError",
 ]

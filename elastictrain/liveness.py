@@ -41,6 +41,7 @@ from datetime import timedelta
 from typing import Any
 
 from elastictrain.errors import EXIT_PEER_SILENT
+from elastictrain.job_store import BoundedCalls, JobStore
 from elastictrain.observe.events import Cause
 
 logger = logging.getLogger(__name__)
@@ -84,7 +85,12 @@ class Liveness:
         self._changed: dict[int, float] = {}
         self._last_round: float | None = None
         self._last_ok = clock()
-        self._pending: threading.Event | None = None  # the store request in flight, if any
+        # A frozen store ignores its client's timeout: each request waits one beat at most.
+        self._ask = BoundedCalls(interval_s, name="elastictrain-liveness-store")
+        self._store_name = "the job's store"
+        self._watched_store: Any = None  # before start(): the store, and the probe's connection
+        self._probe_connection: Any = None
+        self._started = threading.Event()
         self._gated: list[int] = []  # rank 0: the ranks its last look found inside a gate
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="elastictrain-liveness", daemon=True)
@@ -99,6 +105,22 @@ class Liveness:
                        step=lambda: watchdog.step, phase=lambda: watchdog.phase_name)  # fmt: skip
         watchdog.excuse = liveness.excuse
         return liveness
+
+    def watch_store(self, job_store: JobStore) -> None:
+        """From the attempt's first store request until :meth:`start`: the beat thread asks the
+        store one ``check`` a beat, so a store that stops answering while the handshake or the
+        process-group init waits on it (their requests ignore their timeouts then) ends the rank
+        in ``--silent-timeout``, naming the store, as a silent peer does later."""
+        if not self.enabled:
+            return
+        self._store_name, self._watched_store = job_store.name, job_store.store
+        self._last_ok = self._clock()
+        self._thread.start()
+
+    def _probe(self) -> None:
+        if self._probe_connection is None:  # made on the asking thread: connecting can block
+            self._probe_connection = self._watched_store.clone()
+        self._probe_connection.check([f"{_PREFIX}probe"])
 
     def announce(self, store: Any) -> None:
         """This rank's first beat (with its host) in the attempt's store (its keys die with the
@@ -120,10 +142,13 @@ class Liveness:
         if not self.enabled or self._store is None:
             return self
         # Its own connection, with the silence as its timeout: a frozen store answers nothing.
-        self._store = self._store.clone()
-        self._store.set_timeout(timedelta(seconds=self.silent_s))
-        self._last_ok = self._clock()
-        self._thread.start()
+        beats = self._store.clone()
+        beats.set_timeout(timedelta(seconds=self.silent_s))
+        self._store = beats
+        self._started.set()  # the thread turns from watching the store to beating
+        if not self._thread.is_alive():  # not watched before (the unit tests)
+            self._last_ok = self._clock()
+            self._thread.start()
         return self
 
     def stop(self) -> None:
@@ -157,30 +182,6 @@ class Liveness:
                 self._on_silent(reason)
                 return
 
-    def _ask(self, request: Callable[[], Any]) -> Any:
-        """``request`` of the store, waited for at most one beat: a TCPStore client whose server
-        is frozen (SIGSTOP) does not honour its own timeout (torch 2.13 blocks for minutes), so the
-        request runs on a daemon thread of its own and a frozen store costs this thread nothing."""
-        if self._pending is not None and not self._pending.is_set():
-            raise TimeoutError("the previous request is still unanswered")
-        answer: dict[str, Any] = {}
-        done = self._pending = threading.Event()
-
-        def call() -> None:
-            try:
-                answer["value"] = request()
-            except BaseException as e:  # handed to the asking thread
-                answer["error"] = e
-            finally:
-                done.set()
-
-        threading.Thread(target=call, name="elastictrain-liveness-store", daemon=True).start()
-        if not done.wait(self.interval_s):
-            raise TimeoutError(f"no answer within {self.interval_s:g}s")
-        if "error" in answer:
-            raise answer["error"]
-        return answer["value"]
-
     def _exchange(self) -> list[str]:
         """Set this rank's beat, read the watched ones'."""
         self._store.set(_beat_key(self.rank), self._beat_value())
@@ -194,17 +195,21 @@ class Liveness:
         away = self._last_round is not None and now - self._last_round > 2 * self.interval_s
         self._last_round = now
         self._seq += 1
+        # Watching the store only, between watch_store() and start(): no beats to judge yet.
+        probing = self._watched_store is not None and not self._started.is_set()
         try:
-            values = self._ask(self._exchange)
+            values = self._ask(self._probe if probing else self._exchange)
         except Exception as e:
             quiet = self._clock() - self._last_ok
             if quiet >= self.silent_s:
                 return (
-                    f"the job's store stopped answering for {quiet:.0f}s ({type(e).__name__}: "
+                    f"{self._store_name} stopped answering for {quiet:.0f}s ({type(e).__name__}: "
                     f"{str(e).splitlines()[0][:120]}); its host is frozen or unreachable"
                 )
             return None
         self._last_ok = now = self._clock()
+        if probing:
+            return None
         for rank, value in zip(self._watched, values, strict=True):
             if away or self._seen.get(rank) != value:
                 self._seen[rank], self._changed[rank] = value, now

@@ -84,7 +84,7 @@ def run(cfg: RunConfig, early_signals: StopSignals | None = None) -> int:
             init_timeout=cfg.init_timeout,
             collective_timeout=cfg.collective_timeout,
             checkpoint_timeout=cfg.checkpoint.checkpoint_timeout,
-            before_barrier=liveness.announce,
+            liveness=liveness,
         )
         attached = (
             (lambda: os.getppid() == agent_pid) if env.launched_by_torchrun else (lambda: True)

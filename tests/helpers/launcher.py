@@ -13,7 +13,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -60,6 +60,45 @@ TWO_NODES = ["bash", os.path.join(REPO_ROOT, "examples", "two_nodes.sh")]
 def node_env(node: int, port: int, run_id: str, ckpt: str, **extra: str) -> dict[str, str]:
     """The environment of node ``node`` of ``TWO_NODES``."""
     return job_env(NODE=str(node), PORT=str(port), RUN_ID=run_id, CKPT=ckpt, **extra)
+
+
+RDZV_TEST_CONF = "last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=3"
+"""The recipe's short demo timings: a lost agent is dropped in about 3 s."""
+
+
+@contextlib.contextmanager
+def store_server(port: int) -> Iterator[subprocess.Popen]:
+    """A TCPStore server in a process of its own on ``port``, up once this yields: torchrun's
+    rendezvous store off every simulated node (a small CPU host beside the job), or any store a
+    test freezes (SIGSTOP keeps its socket open, as a hung host's)."""
+    code = (
+        "import sys, time, torch.distributed as d; "
+        "s = d.TCPStore('127.0.0.1', int(sys.argv[1]), is_master=True, wait_for_workers=False); "
+        "print('up', flush=True); time.sleep(1e9)"
+    )
+    server = subprocess.Popen([sys.executable, "-c", code, str(port)], stdout=subprocess.PIPE)
+    try:
+        assert server.stdout is not None and server.stdout.readline().strip() == b"up"
+        yield server
+    finally:
+        server.kill()
+        server.wait()
+        if server.stdout is not None:
+            server.stdout.close()
+
+
+def off_node_agent(nnodes: str, port: int, run_id: str, nproc: int = 1) -> list[str]:
+    """torchrun's flags for one simulated node of a job whose rendezvous store runs off the
+    nodes, at 127.0.0.1:``port`` (``store_server``), so every agent uses ``is_host=0``."""
+    return [
+        f"--nnodes={nnodes}",
+        f"--nproc_per_node={nproc}",
+        "--max-restarts=3",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{port}",
+        f"--rdzv-id={run_id}",
+        f"--rdzv-conf={RDZV_TEST_CONF},is_host=0",
+    ]
 
 
 class Job:

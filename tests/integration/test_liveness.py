@@ -14,7 +14,13 @@ import pytest
 
 from elastictrain.observe.events import Cause, Event, read_events
 from tests.helpers.launcher import TWO_NODES as SCRIPT
-from tests.helpers.launcher import node_env, wait_for_event
+from tests.helpers.launcher import (
+    job_env,
+    node_env,
+    off_node_agent,
+    store_server,
+    wait_for_event,
+)
 from tests.helpers.net import free_port
 
 
@@ -65,3 +71,62 @@ def test_a_paused_node_is_waited_for_and_a_frozen_node_is_dropped_within_a_minut
     assert any(f"on host {host}" in e["detail"] or "store stopped answering" in e["detail"]
                for e in exits), exits  # fmt: skip
     print(f"frozen node: training again after {took:.1f}s; last words: {exits[0]['detail']}")
+
+
+@pytest.mark.slow
+def test_frozen_nodes_are_dropped_while_two_or_more_survive_whichever_holds_rank_0(
+    launch, tmp_path
+):
+    """Issue 33, on torch's defaults (torchrun shares its agent's store with the workers) with the
+    rendezvous store off the nodes, as docs/multinode.md advises: 4 nodes of 1 rank. A node
+    without rank 0 freezes (4 -> 3), then the node holding rank 0 (3 -> 2): the survivors' agents
+    hand the workers the frozen node's store address (torch caches it), so the restart must not
+    depend on it. Each time the survivors train again at the smaller size within 30 s."""
+    port, run_id = free_port(), f"frozen3-{uuid.uuid4().hex[:6]}"
+    ckpt, ev = str(tmp_path / "shared"), str(tmp_path / "ev.jsonl")
+    env = job_env()
+    env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)  # torch's default: the shared store
+    with store_server(port):
+        nodes = []
+        for node in range(4):
+            home = tmp_path / f"host{node}"
+            home.mkdir()
+            args = ["--checkpoint-dir", ckpt, "--local-checkpoint-dir", str(home / "tier")]
+            args += ["--max-steps", "100000", "--checkpoint-every-steps", "40"]
+            args += ["--event-log", ev, "--log-every-seconds", "0.5"]
+            args += ["--task-option", "step_time=0.05"]
+            targs = off_node_agent("2:4", port, run_id)
+            nodes.append(launch(args, torchrun_args=targs, env=env, cwd=str(home), name=f"n{node}"))
+        wait_for_event(ev, lambda e: e["event"] == Event.START and e["world_size"] == 4, 150)
+        took, first_words = {}, []
+        for size, rank0 in ((3, False), (2, True)):
+            live = [n for n in nodes if n.proc.poll() is None and n.workers()]
+            frozen = next(n for n in live if (0 in n.workers()) == rank0)
+            nodes.remove(frozen)
+            t_freeze = time.time()
+            frozen.signal_node(signal.SIGSTOP)
+            again = wait_for_event(
+                ev, lambda e, t=t_freeze: e["event"] == Event.FIRST_STEP and e["time"] > t, 90
+            )
+            took[size] = again["time"] - t_freeze
+            started = _between(ev, Event.START, t_freeze, again["time"])
+            assert started and started[-1]["world_size"] == size, started
+            # The first to leave is a watcher that found the silence; the others may then see the
+            # connection to it close first (a gloo error), which is no timeout either.
+            exits = sorted(
+                _between(ev, Event.EXIT, t_freeze, again["time"]), key=lambda e: e["time"]
+            )
+            first_words.append(exits[0] if exits else None)
+        for node in nodes:
+            node.kill()
+    assert all(e and e["cause"] == Cause.PEER_SILENT for e in first_words), first_words
+    # With the store off the frozen node, the survivors name the silent rank, not the store.
+    assert "no heartbeat from rank 0" in first_words[1]["detail"], first_words
+    print(
+        f"frozen node -> training again: {took[3]:.1f}s (4 -> 3), {took[2]:.1f}s (3 -> 2, rank 0)"
+    )
+    assert took[3] <= 30 and took[2] <= 30, took
+
+
+def _between(path: str, kind: Event, after: float, before: float) -> list[dict]:
+    return [e for e in read_events(path) if e["event"] == kind and after < e["time"] < before]

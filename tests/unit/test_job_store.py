@@ -1,0 +1,189 @@
+"""The workers' store (elastictrain.job_store): torchrun's rendezvous store is named from the
+agent's command line as torchrun's own parser reads it; connecting waits for a store that is not
+up yet, but a host that accepts the connection and never answers (frozen) ends it within the
+silence, naming the store; liveness watches the store from the first request of init."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from elastictrain.env import DistEnv, StoreAddress, rendezvous_in_command, rendezvous_store
+from elastictrain.errors import InitTimeoutError, StoreSilentError
+from elastictrain.job_store import JobStore, connect
+from elastictrain.liveness import Liveness
+from tests.helpers import launcher
+from tests.helpers.net import free_port
+
+RDZV = ["--rdzv-backend=c10d", "--rdzv-id=job7", "--nnodes=2:3", "--nproc_per_node=8"]
+APP = ["-m", "elastictrain", "--checkpoint-dir", "s3://b/run", "--rdzv-endpoint=evil:1"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (
+            ["python3", "/usr/bin/torchrun", *RDZV, "--rdzv-endpoint=node0:29500", *APP],
+            StoreAddress("node0", 29500),
+        ),
+        (
+            ["python", "-m", "torch.distributed.run", *RDZV, "--rdzv_endpoint", "10.0.0.1", *APP],
+            StoreAddress("10.0.0.1", 29400),
+        ),  # torch's default port
+        (["torchrun", *RDZV, "--rdzv-endpoint=[::1]:29401", *APP], StoreAddress("::1", 29401)),
+        (["torchrun", "--standalone", "--nproc_per_node=2", *APP], None),  # one node
+        (["torchrun", *RDZV[1:], "--rdzv-endpoint=node0:29500", *APP], None),  # static backend
+        (
+            ["torchrun", *RDZV, "--rdzv-endpoint=node0:29500", "--rdzv-conf=store_type=file", *APP],
+            None,
+        ),
+        (["torchrun", "--rdzv-backend=etcd-v2", *RDZV[1:], "--rdzv-endpoint=e:2379", *APP], None),
+        (["torchrun", *RDZV, "--rdzv-id=other", "--rdzv-endpoint=node0:29500", *APP], None),
+        (["bash", "-c", "run.sh"], None),  # not torchrun: a wrapper started this worker
+    ],
+)
+def test_the_rendezvous_store_is_read_from_the_agent_command_line(argv, expected):
+    assert rendezvous_in_command(argv, "job7") == expected
+
+
+def test_the_endpoint_may_come_from_torchrun_environment(monkeypatch):
+    monkeypatch.setenv("PET_RDZV_ENDPOINT", "head:29600")
+    assert rendezvous_in_command(["torchrun", *RDZV, *APP], "job7") == StoreAddress("head", 29600)
+
+
+def _env(*, rank=1, world=2, agent_pid=None, port=0, run_id="job7") -> DistEnv:
+    return DistEnv(
+        rank=rank,
+        world_size=world,
+        local_rank=0,
+        local_world_size=1,
+        master_addr="127.0.0.1",
+        master_port=port,
+        restart_count=0,
+        max_restarts=3,
+        run_id=run_id,
+        use_agent_store=True,
+        launched_by_torchrun=True,
+        under_agent=agent_pid is not None,
+        agent_pid=agent_pid,
+    )
+
+
+def test_a_real_agent_is_read_through_proc():
+    """A process whose command line is torchrun's stands in for the agent."""
+    agent = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import time; time.sleep(60)",
+            "torchrun",
+            *RDZV,
+            "--rdzv-endpoint=127.0.0.1:29555",
+            *APP,
+        ]
+    )
+    try:
+        assert rendezvous_store(_env(agent_pid=agent.pid)) == StoreAddress("127.0.0.1", 29555)
+        assert rendezvous_store(_env(agent_pid=agent.pid, run_id="another")) is None
+        assert rendezvous_store(_env(agent_pid=None)) is None
+    finally:
+        agent.kill()
+        agent.wait()
+
+
+@pytest.fixture
+def store_server():
+    """Start TCPStore servers in processes of their own; all killed at teardown."""
+    with contextlib.ExitStack() as stack:
+        yield lambda port: stack.enter_context(launcher.store_server(port))
+
+
+def test_a_frozen_store_host_ends_the_connection_within_the_silence(store_server):
+    port = free_port()
+    server = store_server(port)
+    os.kill(server.pid, signal.SIGSTOP)  # its kernel still accepts connections; nobody answers
+    t0 = time.monotonic()
+    with pytest.raises(StoreSilentError, match=f"shared store at 127.0.0.1:{port}.*frozen"):
+        connect(_env(port=port), timeout_s=5, silent_s=1.0)
+    assert time.monotonic() - t0 < 3.0  # the silence, not --init-timeout
+
+
+def test_a_store_whose_host_starts_late_is_waited_for(store_server):
+    port = free_port()
+    threading.Timer(1.5, store_server, args=(port,)).start()
+    job = connect(_env(port=port), timeout_s=60, silent_s=1.0)
+    job.store.set("k", "v")
+    assert job.store.get("k") == b"v"
+
+
+def test_nothing_listening_within_the_init_timeout_is_an_init_timeout():
+    port = free_port()
+    with pytest.raises(InitTimeoutError, match=f"127.0.0.1:{port} did not accept.*--init-timeout"):
+        connect(_env(port=port), timeout_s=1.0, silent_s=1.0)
+
+
+def test_under_a_named_rendezvous_the_workers_share_it_under_their_run_id(store_server):
+    port = free_port()
+    store_server(port)
+    agent = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import time; time.sleep(60)",
+            "torchrun",
+            *RDZV,
+            f"--rdzv-endpoint=127.0.0.1:{port}",
+            *APP,
+        ]
+    )
+    try:
+        # MASTER_PORT names a dead port, as a stale agent's would: it must not be used.
+        job = connect(_env(agent_pid=agent.pid, port=free_port()), timeout_s=5, silent_s=1.0)
+    finally:
+        agent.kill()
+        agent.wait()
+    assert job.name == f"torchrun's rendezvous store at 127.0.0.1:{port}"
+    job.store.set("k", "v")
+    raw = dist.TCPStore("127.0.0.1", port, None, False, timedelta(seconds=5))
+    assert raw.check(["elastictrain/run/job7/k"])
+
+
+def test_liveness_watches_the_store_from_the_first_request_of_init():
+    """Between watch_store() and start() (the handshake, process-group init), a store that stops
+    answering ends the rank within the silence, naming the store."""
+    hang, never, reasons = threading.Event(), threading.Event(), []
+
+    class Freezable:
+        def __init__(self, store) -> None:
+            self.store = store
+
+        def clone(self):
+            return self
+
+        def __getattr__(self, name):
+            if hang.is_set():
+                return lambda *a, **k: never.wait(3600)  # a frozen server: nothing comes back
+            return getattr(self.store, name)
+
+    rank = Liveness(1, 2, interval_s=0.05, silent_s=0.4, on_silent=reasons.append)
+    rank.watch_store(JobStore(Freezable(dist.HashStore()), "torchrun's rendezvous store at h:1"))
+    try:
+        time.sleep(0.6)
+        assert reasons == []  # answering: nothing to say
+        hang.set()
+        t0 = time.monotonic()
+        while not reasons and time.monotonic() - t0 < 5:
+            time.sleep(0.02)
+    finally:
+        rank.stop()
+    assert reasons and reasons[0].startswith("torchrun's rendezvous store at h:1 stopped answering")
+    assert time.monotonic() - t0 < 0.4 + 3 * 0.05 + 0.5
