@@ -8,6 +8,7 @@ workers' gloo addresses and fail with "connectFullMesh ... Connection refused" o
 
 Fix: ranks agree on a fresh attempt nonce (``handshake.py``), and the process group is then built
 on ``PrefixStore("elastictrain/<nonce>/", store)``, where no key of an earlier attempt can exist.
+Which store that is, and the bound on a store that stops answering, is ``job_store.py``'s.
 """
 
 from __future__ import annotations
@@ -232,6 +233,8 @@ def init_distributed(
 
     Raises:
         InitTimeoutError: a rank did not join within ``init_timeout``.
+        StoreSilentError: the job's store (torchrun's rendezvous store, ``job_store``) accepted
+            the connection and did not answer within ``silent_timeout``: its host is frozen.
     """
     env = read_env()
     device = pick_device(env)

@@ -14,9 +14,10 @@ slow step, so every rank also shows it is alive from a thread of its own, which 
   re-forms the group without them (its keep-alive drops the frozen agent);
 - every rank watches rank 0's beat the same way, so a frozen rank 0 is found too;
 - a store that stops answering for ``--silent-timeout`` ends the rank the same way, naming the
-  store (when the workers' store lives on the frozen host, in rank 0's process). When torchrun's
-  rendezvous store lives there, torchrun cannot re-form the group at all: the recipe then needs a
-  rendezvous endpoint off the training nodes (docs/faults.md);
+  store, from the attempt's first request on (``watch_store``: the handshake and process-group
+  init wait on the store too). The workers share torchrun's rendezvous store (``job_store``);
+  when that lives on the frozen host, torchrun cannot re-form the group at all: the recipe then
+  needs a rendezvous endpoint off the training nodes (docs/faults.md);
 - the phases in the beats tell the hang watchdog when a peer is inside a gate (``excuse``), so a
   rank waiting for it in a collective is not called hung by its learned step budget;
 - a rank that stops its beats on the way out says so (``done``): it is not silent.

@@ -64,12 +64,11 @@ def test_a_paused_node_is_waited_for_and_a_frozen_node_is_dropped_within_a_minut
     assert took <= 60, f"training again {took:.1f}s after the freeze"
     shrunk = [e for e in read_events(ev) if e["event"] == Event.MEMBERSHIP]
     assert shrunk and shrunk[-1]["new_world_size"] == 1 and shrunk[-1]["time"] <= alone["time"]
-    # The survivor's last words name how it knew and whom: the silent rank and its host, or the
-    # store when the frozen node held it (the workers' store lives in rank 0's process).
+    # The survivor's last words name how it knew and whom: the silent rank and its host (the
+    # workers share torchrun's rendezvous store, in node 0's agent, so it never froze with node 1).
     assert exits and all(e["cause"] == Cause.PEER_SILENT for e in exits), exits
     host = socket.gethostname()
-    assert any(f"on host {host}" in e["detail"] or "store stopped answering" in e["detail"]
-               for e in exits), exits  # fmt: skip
+    assert any(f"on host {host}" in e["detail"] for e in exits), exits
     print(f"frozen node: training again after {took:.1f}s; last words: {exits[0]['detail']}")
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from elastictrain.env import read_env
@@ -26,6 +28,9 @@ def test_env_under_torchrun():
         }
     )
     assert (env.rank, env.local_rank, env.restart_count, env.use_agent_store) == (3, 1, 2, True)
+    assert env.agent_pid is None  # no TORCHELASTIC_RUN_ID: no agent started this process
+    under = read_env({"RANK": "0", "WORLD_SIZE": "2", "TORCHELASTIC_RUN_ID": "job7"})
+    assert under.under_agent and under.agent_pid == os.getppid()
     with pytest.raises(ConfigError, match="RANK=4 is outside WORLD_SIZE=4"):
         read_env({"RANK": "4", "WORLD_SIZE": "4"})
     with pytest.raises(ConfigError, match="MASTER_PORT='x'"):
