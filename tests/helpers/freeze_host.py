@@ -4,6 +4,7 @@ sockets open, as a hung host's) and time the survivors back to training.
     python -m tests.helpers.freeze_host rank0 --nodes 3 --runs 3   # the node holding rank 0
     python -m tests.helpers.freeze_host other --nodes 2 --runs 3   # a node without rank 0
     python -m tests.helpers.freeze_host rank0 --per-round-stores   # TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+    python -m tests.helpers.freeze_host rank0 --kill    # SIGKILL the node instead: a lost node
     python -m tests.helpers.freeze_host rdzv-host   # the two-node recipe's node 0, which hosts
                                                     # torchrun's rendezvous store
     python -m tests.helpers.freeze_host store       # a TCPStore get, 3 s timeout, server frozen
@@ -67,8 +68,9 @@ def frozen_store_get(wait: float) -> None:
     os._exit(0)  # the get's thread is still inside torch: a normal exit would abort on it
 
 
-def freeze_one(what: str, nodes: int, per_round: bool, wait: float) -> float | None:
-    """One job of ``nodes`` nodes; freeze one; seconds to the survivors' first step, or None."""
+def freeze_one(what: str, nodes: int, per_round: bool, wait: float, kill: bool) -> float | None:
+    """One job of ``nodes`` nodes; freeze one (``kill``: SIGKILL it and everything under it, a
+    lost node); seconds to the survivors' first step, or None."""
     with tempfile.TemporaryDirectory() as tmp:
         port, run_id = free_port(), f"freeze-{uuid.uuid4().hex[:6]}"
         ev, shared = os.path.join(tmp, "ev.jsonl"), os.path.join(tmp, "shared")
@@ -96,7 +98,10 @@ def freeze_one(what: str, nodes: int, per_round: bool, wait: float) -> float | N
                 holder = next(i for i, j in enumerate(jobs) if 0 in j.workers())
                 frozen = {"rank0": holder, "other": (holder + 1) % nodes, "rdzv-host": 0}[what]
                 t_freeze = time.time()
-                jobs[frozen].signal_node(signal.SIGSTOP)
+                if kill:
+                    jobs[frozen].kill()
+                else:
+                    jobs[frozen].signal_node(signal.SIGSTOP)
                 again = wait_for(
                     ev, lambda e: e["event"] == Event.FIRST_STEP and e["time"] > t_freeze, wait
                 )
@@ -105,7 +110,8 @@ def freeze_one(what: str, nodes: int, per_round: bool, wait: float) -> float | N
                 took = again["time"] - t_freeze if again else None
                 said = f"{took:.1f}s" if took is not None else f"not within {wait:.0f}s"
                 print(
-                    f"  froze node {frozen} ({what}, rank 0 on node {holder}): training again "
+                    f"  {'killed' if kill else 'froze'} node {frozen} ({what}, rank 0 on node "
+                    f"{holder}): training again "
                     f"{said}; first words: {words[0]}"
                 )
                 return took
@@ -135,6 +141,7 @@ def main() -> None:
         help="export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 to every agent",
     )
     parser.add_argument("--wait", type=float, default=120.0)
+    parser.add_argument("--kill", action="store_true", help="SIGKILL the node instead (lost)")
     args = parser.parse_args()
     if args.what == "store":
         frozen_store_get(args.wait)
@@ -143,9 +150,10 @@ def main() -> None:
     stores = "per-round stores" if args.per_round_stores else "torch defaults (shared store)"
     if args.what == "rdzv-host":
         stores = "the two-node recipe (per-round stores, node 0 hosts the rendezvous)"
-    print(f"{nodes} nodes, freeze {args.what}, {stores}:")
+    print(f"{nodes} nodes, {'kill' if args.kill else 'freeze'} {args.what}, {stores}:")
     times = [
-        freeze_one(args.what, nodes, args.per_round_stores, args.wait) for _ in range(args.runs)
+        freeze_one(args.what, nodes, args.per_round_stores, args.wait, args.kill)
+        for _ in range(args.runs)
     ]
     done = [t for t in times if t is not None]
     if done:
