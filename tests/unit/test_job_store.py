@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from datetime import timedelta
 
 import pytest
@@ -78,26 +79,30 @@ def _env(*, rank=1, world=2, agent_pid=None, port=0, run_id="job7") -> DistEnv:
     )
 
 
-def test_a_real_agent_is_read_through_proc():
-    """A process whose command line is torchrun's stands in for the agent."""
-    agent = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            "import time; time.sleep(60)",
-            "torchrun",
-            *RDZV,
-            "--rdzv-endpoint=127.0.0.1:29555",
-            *APP,
-        ]
-    )
+@contextlib.contextmanager
+def fake_agent(endpoint: str) -> Iterator[int]:
+    """A process whose command line is torchrun's stands in for the agent; its pid, once it has
+    exec'd (until then /proc shows the forking parent's command line)."""
+    argv = ["torchrun", *RDZV, endpoint, *APP]
+    agent = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", *argv])
     try:
-        assert rendezvous_store(_env(agent_pid=agent.pid)) == StoreAddress("127.0.0.1", 29555)
-        assert rendezvous_store(_env(agent_pid=agent.pid, run_id="another")) is None
-        assert rendezvous_store(_env(agent_pid=None)) is None
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            with open(f"/proc/{agent.pid}/cmdline", "rb") as f:
+                if b"torchrun" in f.read():
+                    break
+            time.sleep(0.01)
+        yield agent.pid
     finally:
         agent.kill()
         agent.wait()
+
+
+def test_a_real_agent_is_read_through_proc():
+    with fake_agent("--rdzv-endpoint=127.0.0.1:29555") as agent:
+        assert rendezvous_store(_env(agent_pid=agent)) == StoreAddress("127.0.0.1", 29555)
+        assert rendezvous_store(_env(agent_pid=agent, run_id="another")) is None
+        assert rendezvous_store(_env(agent_pid=None)) is None
 
 
 @pytest.fixture
@@ -134,23 +139,9 @@ def test_nothing_listening_within_the_init_timeout_is_an_init_timeout():
 def test_under_a_named_rendezvous_the_workers_share_it_under_their_run_id(store_server):
     port = free_port()
     store_server(port)
-    agent = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            "import time; time.sleep(60)",
-            "torchrun",
-            *RDZV,
-            f"--rdzv-endpoint=127.0.0.1:{port}",
-            *APP,
-        ]
-    )
-    try:
+    with fake_agent(f"--rdzv-endpoint=127.0.0.1:{port}") as agent:
         # MASTER_PORT names a dead port, as a stale agent's would: it must not be used.
-        job = connect(_env(agent_pid=agent.pid, port=free_port()), timeout_s=5, silent_s=1.0)
-    finally:
-        agent.kill()
-        agent.wait()
+        job = connect(_env(agent_pid=agent, port=free_port()), timeout_s=5, silent_s=1.0)
     assert job.name == f"torchrun's rendezvous store at 127.0.0.1:{port}"
     job.store.set("k", "v")
     raw = dist.TCPStore("127.0.0.1", port, None, False, timedelta(seconds=5))
