@@ -3,7 +3,7 @@
 Exit codes (errors.py): 0 finished; 75 stopped by a signal with a checkpoint committed; 130 a
 second Ctrl-C; 2 bad input; 3 init timeout; 4 hang detected; 5 a collective or checkpoint barrier
 timed out; 6 the torchrun agent died (orphaned worker); 7 storage stayed down past
---storage-retry-deadline; 1 a crash.
+--storage-retry-deadline; 8 a peer or the job's store went silent (liveness); 1 a crash.
 """
 
 from __future__ import annotations
