@@ -71,6 +71,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--every", type=int, default=100, metavar="N",
         help="durable checkpoint interval in steps; the kill comes at 1.5 N (100)",
     )  # fmt: skip
+    benches["tiers"].add_argument(
+        "--local-every", default="auto", metavar="N|auto",
+        help="the two-tier job's --local-every-steps (auto): a fixed N takes auto's "
+        "load-dependent interval out of a comparison on a busy host",
+    )  # fmt: skip
     benches["overhead"].add_argument("--steps", type=int, default=2000, help="steps per run")
     loader = benches["loader"]
     loader.add_argument("--workers", type=int, default=2, help="loader workers (2)")
@@ -126,7 +131,13 @@ def main(argv: list[str]) -> int:
         return bench.main(args.size, args.json)
     if args.bench == "tiers":
         return bench.main(
-            args.size, args.remote_mbps, args.repeats, args.json, args.parallel, args.every
+            args.size,
+            args.remote_mbps,
+            args.repeats,
+            args.json,
+            args.parallel,
+            args.every,
+            args.local_every,
         )
     if args.bench == "scale" and args.processes:
         from elastictrain.bench import processes

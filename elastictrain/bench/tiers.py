@@ -7,7 +7,8 @@ task, its state sized by ``--size``, each step sleeping ``STEP_S`` on top of its
 stand-in for GPU compute, which leaves the CPU free), durable checkpoints every ``--every`` steps:
 
 - ``durable``: ``--no-local-checkpoint``, today's behaviour;
-- ``two_tiers``: the local tier on (``--local-every-steps auto``, under /dev/shm);
+- ``two_tiers``: the local tier on (``--local-every-steps`` from ``--local-every``, ``auto`` by
+  default, under /dev/shm);
 - ``empty``: nothing to resume from (no checkpoint before the kill): the floor of a restart.
 
 Each is SIGKILLed (worker 1) halfway between two durable checkpoints, and reports: steps redone
@@ -56,6 +57,7 @@ def measure(
     remote_bps: float,
     parallel: str = "ddp",
     durable_every: int = EVERY,
+    local_every: str = "auto",
 ) -> dict[str, Any]:
     layers = max(1, round(size / (8 * 1024 * 1024)))  # weights + momentum of 1024x1024 layers
     base = os.path.join(workdir, mode)
@@ -68,6 +70,8 @@ def measure(
             "--task-option", "hidden=1024", "--task-option", f"layers={layers}",
             "--task-option", "batch_size=32", "--task-option", f"step_time={STEP_S}",
             "--parallel", parallel, *MODES[mode]]  # fmt: skip
+    if mode == "two_tiers":
+        args += ["--local-every-steps", local_every]
     env = {**child_env(), "ET_THROTTLE_BPS": str(remote_bps), "ET_THROTTLE_LOG": log}
     job = Torchrun(args, base + "-job.log", env)
     # Halfway between the first two durable checkpoints; with none, early (only the restart counts).
@@ -110,7 +114,12 @@ def _trained_by_the_killed_attempt(samples: str) -> int:
 
 
 def run(
-    size: int, remote_mbps: float, repeats: int, parallel: str = "ddp", every: int = EVERY
+    size: int,
+    remote_mbps: float,
+    repeats: int,
+    parallel: str = "ddp",
+    every: int = EVERY,
+    local_every: str = "auto",
 ) -> dict[str, Any]:
     """Each mode ``repeats`` times, the modes interleaved (restart times here vary by seconds
     from run to run); each figure is the median."""
@@ -120,7 +129,9 @@ def run(
             for mode in MODES:
                 where = os.path.join(workdir, str(i))
                 os.makedirs(where, exist_ok=True)
-                runs[mode].append(measure(where, mode, size, remote_mbps * 1e6, parallel, every))
+                runs[mode].append(
+                    measure(where, mode, size, remote_mbps * 1e6, parallel, every, local_every)
+                )
     result: dict[str, Any] = {mode: _medians(runs[mode]) for mode in MODES}
     result["runs"] = runs
     durable, local, empty = result["durable"], result["two_tiers"], result["empty"]
@@ -129,6 +140,7 @@ def run(
     result["repeats"] = repeats
     result["parallel"] = parallel
     result["every"] = every
+    result["local_every"] = local_every
     result["restart_over_empty"] = {
         mode: round(result[mode]["kill_to_first_step_s"] / empty["kill_to_first_step_s"], 3)
         for mode in ("durable", "two_tiers")
@@ -185,7 +197,8 @@ def table(r: dict[str, Any]) -> str:
     )
     if r["local_step_overhead"] is not None:
         lines.append(
-            f"step-time overhead of the local tier (auto): {r['local_step_overhead'] * 100:+.1f}%"
+            f"step-time overhead of the local tier ({r.get('local_every', 'auto')}): "
+            f"{r['local_step_overhead'] * 100:+.1f}%"
             " (target <= 2%; median of the progress lines before the kill, noisy here)"
         )
     return "\n".join(lines)
@@ -198,7 +211,8 @@ def main(
     as_json: bool,
     parallel: str = "ddp",
     every: int = EVERY,
+    local_every: str = "auto",
 ) -> int:
-    result = run(size, remote_mbps, repeats, parallel, every)
+    result = run(size, remote_mbps, repeats, parallel, every, local_every)
     print(json.dumps(result, indent=1) if as_json else table(result))
     return 0

@@ -90,6 +90,10 @@ def test_bench_recovery_against_a_slow_remote_gives_sane_figures():
             "--json",
             "--every",
             "30",
+            # Copies at fixed steps: auto measures the copies' cost, and under the suite's load it
+            # stretched the interval past the kill (one copy at step 2, none after: CI, 2026-12-05).
+            "--local-every",
+            "10",
         ],  # fmt: skip
         REPO_ROOT,
         300,

@@ -88,6 +88,8 @@ def test_each_bench_is_a_subcommand_with_its_own_defaults_and_old_flags_still_wo
     parse = build_parser().parse_args
     assert parse(["recovery"]).size == parse_size("64MB")
     assert parse(["tiers"]).size == parse_size("256MB") and parse(["tiers"]).remote_mbps == 50
+    assert parse(["tiers"]).local_every == "auto"
+    assert parse(["tiers", "--local-every", "10"]).local_every == "10"
     assert parse(["persist", "--size=2GB"]).size == parse_size("2GB")  # = form: no argv sniffing
     assert parse(["overhead"]).steps == 2000 and parse(["loader"]).steps == 60
     with pytest.raises(SystemExit):
