@@ -90,8 +90,9 @@ def test_bench_recovery_against_a_slow_remote_gives_sane_figures():
             "--json",
             "--every",
             "30",
-            # Copies at fixed steps: auto measures the copies' cost, and under the suite's load it
-            # stretched the interval past the kill (one copy at step 2, none after: CI, 2026-12-05).
+            # Copies at fixed steps: auto prices a copy by how it slows the steps around it, so
+            # under the suite's load its interval can pass the kill. A CI run (2026-12-05) resumed
+            # the two-tier job from the durable tier; that is the likely cause, not reproduced.
             "--local-every",
             "10",
         ],  # fmt: skip
