@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any
 from elastictrain.version import __version__
 
 if TYPE_CHECKING:
-    from elastictrain.checkpoint.inspection import load_checkpoint
     from elastictrain.checkpoint.manager import CheckpointManager
+    from elastictrain.checkpoint.readers.load import load_checkpoint
     from elastictrain.dist import init_distributed
     from elastictrain.errors import Preempted
     from elastictrain.task import Task, eval_shard
@@ -26,7 +26,7 @@ _LAZY = {
     "Task": "elastictrain.task",
     "eval_shard": "elastictrain.task",
     "init_distributed": "elastictrain.dist",
-    "load_checkpoint": "elastictrain.checkpoint.inspection",
+    "load_checkpoint": "elastictrain.checkpoint.readers.load",
 }
 
 

@@ -38,8 +38,8 @@ import storage
 from elastictrain.bench.child import drop_cache
 from elastictrain.bench.state import _tensors, _to, synthetic_state
 from elastictrain.bench.timing import median_of, paired, timed
-from elastictrain.checkpoint import staging
-from elastictrain.checkpoint.state import from_bytes
+from elastictrain.checkpoint.state import flat as staging
+from elastictrain.checkpoint.state.train_state import from_bytes
 
 
 class Bench:

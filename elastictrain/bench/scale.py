@@ -44,11 +44,11 @@ import torch
 
 import storage
 from elastictrain.bench import throttled_fs
-from elastictrain.checkpoint import sharded
-from elastictrain.checkpoint.layouts import ShardedLayout, ShardSnap
-from elastictrain.checkpoint.receipts import StoreReceipts
-from elastictrain.checkpoint.shard_reader import Index
-from elastictrain.checkpoint.staging import Staging
+from elastictrain.checkpoint.sharded import format as sharded
+from elastictrain.checkpoint.sharded.reader import Index
+from elastictrain.checkpoint.state.flat import Staging
+from elastictrain.checkpoint.write.layouts import ShardedLayout, ShardSnap
+from elastictrain.checkpoint.write.receipts import StoreReceipts
 from elastictrain.env import DistEnv
 from elastictrain.handshake import handshake
 

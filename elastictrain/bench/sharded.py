@@ -40,7 +40,7 @@ WIDTH = 2048  # 16 MB weights: tensors the size of a small transformer's
 
 def _build(size: int) -> Any:
     from elastictrain import parallel
-    from elastictrain.checkpoint.state import TrainState
+    from elastictrain.checkpoint.state.train_state import TrainState
 
     torch.manual_seed(0)
     layers = max(1, size // 12 // (WIDTH * WIDTH))  # fp32 weights + AdamW's two moments
@@ -53,7 +53,7 @@ def _build(size: int) -> Any:
 
 
 def _local_bytes(state: Any) -> int:
-    from elastictrain.checkpoint import sharded
+    from elastictrain.checkpoint.sharded import format as sharded
 
     tensors = sharded.local_shards(sharded.split(sharded.capture(state, step=0))[0]).tensors
     return sum(t.numel() * t.element_size() for t in tensors.values())
@@ -116,8 +116,8 @@ def save_worker(url: str, size: int, repeats: int, out: str) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    from elastictrain.checkpoint import sharded
     from elastictrain.checkpoint.outcomes import Reason
+    from elastictrain.checkpoint.sharded import format as sharded
 
     state, ckpt = _build(size), _checkpointer(url)
     shard = _local_bytes(state)
@@ -169,7 +169,8 @@ def save_worker(url: str, size: int, repeats: int, out: str) -> None:
 
 def resume_worker(url: str, size: int, out: str) -> None:
     import storage
-    from elastictrain.checkpoint import shard_reader, sharded
+    from elastictrain.checkpoint.sharded import format as sharded
+    from elastictrain.checkpoint.sharded import reader as shard_reader
 
     state = _build(size)
     store = storage.open_store(url)

@@ -18,10 +18,6 @@ import torch.distributed as dist
 
 import storage
 from elastictrain import dist as edist
-from elastictrain.checkpoint import node_check, sharded, tiers
-from elastictrain.checkpoint import state as tstate
-from elastictrain.checkpoint.layouts import FlatLayout, ShardedLayout
-from elastictrain.checkpoint.local_tier import LocalTier
 from elastictrain.checkpoint.outcomes import (
     MUST_COMMIT,
     Failure,
@@ -29,8 +25,14 @@ from elastictrain.checkpoint.outcomes import (
     SaveRecord,
     StopTheRun,
 )
-from elastictrain.checkpoint.persist import Persister
-from elastictrain.checkpoint.shard_tier import ShardTier
+from elastictrain.checkpoint.resume import ranking as tiers
+from elastictrain.checkpoint.sharded import format as sharded
+from elastictrain.checkpoint.state import train_state as tstate
+from elastictrain.checkpoint.tiers.local import LocalTier
+from elastictrain.checkpoint.tiers.shards import ShardTier
+from elastictrain.checkpoint.write import node_check as node_check
+from elastictrain.checkpoint.write.layouts import FlatLayout, ShardedLayout
+from elastictrain.checkpoint.write.persist import Persister
 from elastictrain.config import CheckpointConfig
 from elastictrain.errors import CheckpointFailedError
 from elastictrain.observe.events import Event, EventLog

@@ -36,7 +36,7 @@ from torch import nn
 
 from elastictrain.checkpoint.outcomes import Reason
 from elastictrain.checkpoint.session import CheckpointSession, install_stop_signals
-from elastictrain.checkpoint.state import TrainState, unwrap
+from elastictrain.checkpoint.state.train_state import TrainState, unwrap
 from elastictrain.config import CheckpointConfig, settings
 from elastictrain.env import read_env
 from elastictrain.errors import ConfigError, Preempted

@@ -32,7 +32,7 @@ from elastictrain import knobs
 from elastictrain.checkpoint.checkpointer import Checkpointer, Resumed
 from elastictrain.checkpoint.outcomes import Reason
 from elastictrain.checkpoint.schedule import CheckpointSchedule
-from elastictrain.checkpoint.state import TrainState
+from elastictrain.checkpoint.state.train_state import TrainState
 from elastictrain.config import CheckpointConfig
 from elastictrain.control import Control
 from elastictrain.env import DistEnv

@@ -125,8 +125,9 @@ def _sharded_tensors(store: storage.CheckpointStore, manifest: storage.Manifest)
     rest from the common file's headers: no tensor data is read."""
     import torch
 
-    from elastictrain.checkpoint import shard_reader, sharded
-    from elastictrain.checkpoint import state as tstate
+    from elastictrain.checkpoint.sharded import format as sharded
+    from elastictrain.checkpoint.sharded import reader as shard_reader
+    from elastictrain.checkpoint.state import train_state as tstate
 
     where = f"step {manifest.step}"
     index = shard_reader.Index.parse(
@@ -157,8 +158,10 @@ def inspect(argv: list[str]) -> int:
         raise storage.CheckpointNotFoundError(
             f"No committed checkpoint {step} under {store.safe_url!r}."
         )
-    from elastictrain.checkpoint import sharded  # torch: this command reads a payload
-    from elastictrain.checkpoint import state as tstate
+    from elastictrain.checkpoint.sharded import (
+        format as sharded,  # torch: this command reads a payload
+    )
+    from elastictrain.checkpoint.state import train_state as tstate
 
     if sharded.is_sharded_checkpoint(manifest.metadata):
         tensors = _sharded_tensors(store, manifest)

@@ -295,7 +295,7 @@ def main(argv: list[str]) -> int:
         raise ConfigError(f"--config {args.config!r} goes with a folder -o, not {args.output!r}.")
     if args.config is not None and not os.path.isfile(args.config):
         raise ConfigError(f"--config {args.config!r}: no such file.")
-    from elastictrain.checkpoint.model_reader import open_model
+    from elastictrain.checkpoint.readers.model import open_model
 
     options = dict(storage.parse_option(kv) for kv in args.storage_option)
     model = open_model(args.url, step=args.step, storage_options=options)

@@ -59,7 +59,7 @@ def test_one_process_on_cuda_killed_and_resumed_bitwise(launch, tmp_path, parall
 
 
 def test_pinned_side_stream_snapshot_blocks_only_for_the_device_to_host_copy():
-    from elastictrain.checkpoint.staging import Staging, load
+    from elastictrain.checkpoint.state.flat import Staging, load
 
     torch.manual_seed(0)
     state = {f"w{i}": torch.randn(32 << 20, device="cuda") for i in range(4)}  # 512 MiB

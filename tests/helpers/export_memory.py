@@ -54,7 +54,7 @@ def make(url: str, megabytes: int) -> None:
 def export(url: str, out: str) -> None:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from elastictrain.checkpoint.model_reader import open_model
+    from elastictrain.checkpoint.readers.model import open_model
     from elastictrain.tools import export as tool
 
     with FakeTensorMode():  # .pt's writer: its first use costs ~70 MB of code, whatever the model

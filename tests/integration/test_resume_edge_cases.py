@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import storage
-from elastictrain.checkpoint import staging
-from elastictrain.checkpoint.state import from_bytes, state_file_of
+from elastictrain.checkpoint.state import flat as staging
+from elastictrain.checkpoint.state.train_state import from_bytes, state_file_of
 from elastictrain.observe.events import Event, read_events
 from tests.helpers.launcher import (
     REPO_ROOT,

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from elastictrain.__main__ import main as cli_main
-from elastictrain.checkpoint import sharded
+from elastictrain.checkpoint.sharded import format as sharded
 from elastictrain.observe.events import Event, read_events
 from storage.manifest import MANIFEST_NAME, parse_step_dir, step_dir_name
 from tests.helpers.launcher import (

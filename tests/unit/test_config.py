@@ -211,8 +211,8 @@ def test_each_setting_is_declared_once():
                "reports_timeout_s", "async_persist", "read_mode", "on_failure", "keep_every",
                "retry_deadline"}  # fmt: skip
     found = []
-    layers = ["runner", "checkpoint/session", "checkpoint/checkpointer", "checkpoint/persist",
-              "checkpoint/local_tier", "checkpoint/tiers", "checkpoint/layouts"]  # fmt: skip
+    layers = ["runner", "checkpoint/session", "checkpoint/checkpointer", "checkpoint/write/persist",
+              "checkpoint/tiers/local", "checkpoint/resume/ranking", "checkpoint/write/layouts"]  # fmt: skip
     for layer in layers:
         path = pathlib.Path(REPO_ROOT, "elastictrain", f"{layer}.py")
         for node in ast.walk(ast.parse(path.read_text())):

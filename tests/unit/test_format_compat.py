@@ -75,7 +75,7 @@ def test_a_checkpoint_in_a_newer_format_stops_the_run_and_is_left_as_it_was(tmp_
 
 
 def test_a_sharded_index_of_a_newer_format_is_refused_as_newer_not_as_corrupt():
-    from elastictrain.checkpoint.shard_reader import Index
+    from elastictrain.checkpoint.sharded.reader import Index
     from storage import CheckpointCorruptError
 
     newer = json.dumps({"format": "elastictrain-sharded/3", "tensors": {}}).encode()

@@ -8,7 +8,7 @@ import threading
 import time
 
 import storage
-from elastictrain.checkpoint import node_check
+from elastictrain.checkpoint.write import node_check as node_check
 from elastictrain.observe import report
 from elastictrain.observe.events import Event, EventLog, LastWords
 from elastictrain.observe.history import RunHistory, merge_lines

@@ -1,4 +1,4 @@
-"""elastictrain.checkpoint.layouts: rank 0's commit gate for sharded checkpoints commits only with
+"""elastictrain.checkpoint.write.layouts: rank 0's commit gate for sharded checkpoints commits only with
 every rank's receipt, and a rank that gave up (or never reports) leaves the step uncommitted
 instead of hanging."""
 
@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import storage
-from elastictrain.checkpoint import sharded
-from elastictrain.checkpoint.layouts import ShardedLayout
+from elastictrain.checkpoint.sharded import format as sharded
+from elastictrain.checkpoint.write.layouts import ShardedLayout
 
 
 # -- the index: by the row rule when every rank follows it, else every chunk listed -------------
@@ -21,8 +21,8 @@ def _save(store, world: int, *, step: int = 5, generation: int = 9, irregular: b
     rows hold 100 r + tensor number), each rank's write, then rank 0's commit. ``irregular``
     moves one row of the first tensor from the last rank to the one before: a complete split
     that is not the rule's."""
-    from elastictrain.checkpoint.layouts import ShardSnap
-    from elastictrain.checkpoint.staging import Staging
+    from elastictrain.checkpoint.state.flat import Staging
+    from elastictrain.checkpoint.write.layouts import ShardSnap
 
     sizes = {f"model/w{i}": [100 + i, 3] for i in range(4)}
     snaps = []
@@ -49,7 +49,7 @@ def _save(store, world: int, *, step: int = 5, generation: int = 9, irregular: b
 
 def _whole(store, manifest) -> dict[str, torch.Tensor]:
     """Every saved tensor, whole, read through the reader the runner uses (ranges, verified)."""
-    from elastictrain.checkpoint import shard_reader
+    from elastictrain.checkpoint.sharded import reader as shard_reader
 
     index, _ = shard_reader.read_common(store, manifest, "cpu")
     targets = {f[len("model/") :]: torch.empty(t["size"]) for f, t in index.doc["tensors"].items()}
@@ -81,7 +81,7 @@ def test_a_regular_split_commits_an_index_that_does_not_grow_with_w_and_reads_ba
 
 
 def test_a_rank_resuming_at_another_world_size_plans_only_the_chunks_its_rows_overlap(tmp_path):
-    from elastictrain.checkpoint import shard_reader
+    from elastictrain.checkpoint.sharded import reader as shard_reader
 
     store = storage.open_store(str(tmp_path / "c"))
     manifest = _save(store, 32)

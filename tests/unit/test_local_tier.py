@@ -1,4 +1,4 @@
-"""elastictrain.checkpoint.local_tier: the node-local tier's folder, schedule and sizing."""
+"""elastictrain.checkpoint.tiers.local: the node-local tier's folder, schedule and sizing."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import os
 
 import torch
 
-from elastictrain.checkpoint.local_tier import LocalSchedule, default_dir, payload_bytes
+from elastictrain.checkpoint.tiers.local import LocalSchedule, default_dir, payload_bytes
 
 
 def test_one_folder_per_durable_location_without_its_credentials(tmp_path, monkeypatch):
@@ -37,7 +37,7 @@ def test_auto_interval_keeps_the_copies_within_the_overhead_budget():
 
 def test_a_copy_costs_its_blocking_plus_the_slowdown_of_the_steps_it_overlaps(monkeypatch):
     clock = iter([0.0, 0.1, 0.2, 0.34, 0.49, 0.59, 0.7, 5.0])
-    monkeypatch.setattr("elastictrain.checkpoint.local_tier.time.monotonic", lambda: next(clock))
+    monkeypatch.setattr("elastictrain.checkpoint.tiers.local.time.monotonic", lambda: next(clock))
     schedule = LocalSchedule("auto", overhead=0.02)
     schedule.observe(skip=False, writing=False)  # 0.0
     schedule.observe(skip=False, writing=False)  # 0.1: start-up, left out

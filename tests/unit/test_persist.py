@@ -1,4 +1,4 @@
-"""elastictrain.checkpoint.persist: one writer, its record, and what a failure does (the policy),
+"""elastictrain.checkpoint.write.persist: one writer, its record, and what a failure does (the policy),
 on memory:// without any process group."""
 
 from __future__ import annotations
@@ -9,7 +9,6 @@ import pytest
 import torch
 
 import storage
-from elastictrain.checkpoint.layouts import FlatLayout
 from elastictrain.checkpoint.outcomes import (
     Reason,
     SaveOutcome,
@@ -17,7 +16,8 @@ from elastictrain.checkpoint.outcomes import (
     StopTheRun,
     TurnTierOff,
 )
-from elastictrain.checkpoint.persist import Persister
+from elastictrain.checkpoint.write.layouts import FlatLayout
+from elastictrain.checkpoint.write.persist import Persister
 from elastictrain.config import CheckpointConfig
 from elastictrain.errors import OrphanedError
 from elastictrain.observe.events import Event, EventLog, read_events

@@ -1,4 +1,4 @@
-"""elastictrain.checkpoint.receipts: rank 0 commits a sharded step only with every rank's receipt
+"""elastictrain.checkpoint.write.receipts: rank 0 commits a sharded step only with every rank's receipt
 of that step and generation, through either carrier (a real TCPStore, or files on storage); a rank
 that gave up or never posts leaves the step uncommitted instead of hanging; through the store,
 rank 0's requests do not grow with W and old receipts do not pile up."""
@@ -16,7 +16,11 @@ import torch.distributed as dist
 
 import storage
 from elastictrain.bench.scale import CountingStore
-from elastictrain.checkpoint.receipts import ShardsMissingError, StorageReceipts, StoreReceipts
+from elastictrain.checkpoint.write.receipts import (
+    ShardsMissingError,
+    StorageReceipts,
+    StoreReceipts,
+)
 
 
 @pytest.fixture

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 import storage
-from elastictrain.checkpoint import shard_tier
-from elastictrain.checkpoint.shard_fetch import Copy, complete_steps, list_copies
-from elastictrain.checkpoint.shard_tier import Buddy, buddies, own_folder, peer_folder
+from elastictrain.checkpoint.resume.shard_fetch import Copy, complete_steps, list_copies
+from elastictrain.checkpoint.tiers import shards as shard_tier
+from elastictrain.checkpoint.tiers.shards import Buddy, buddies, own_folder, peer_folder
 
 
 def test_each_rank_sends_to_the_same_local_rank_one_node_on_and_a_single_node_has_no_buddy():
@@ -124,9 +124,9 @@ def test_the_room_check_counts_every_rank_of_the_node_and_their_buddies_copies(
 
     from torch import nn
 
-    from elastictrain.checkpoint import local_tier
-    from elastictrain.checkpoint.shard_tier import ShardTier
-    from elastictrain.checkpoint.state import TrainState
+    from elastictrain.checkpoint.state.train_state import TrainState
+    from elastictrain.checkpoint.tiers import local as local_tier
+    from elastictrain.checkpoint.tiers.shards import ShardTier
     from elastictrain.config import CheckpointConfig
     from elastictrain.observe.events import Event, EventLog, read_events
     from elastictrain.parallel import shard

@@ -11,8 +11,8 @@ from collections import OrderedDict
 import pytest
 import torch
 
-from elastictrain.checkpoint import staging
-from elastictrain.checkpoint.state import from_bytes, from_bytes_file
+from elastictrain.checkpoint.state import flat as staging
+from elastictrain.checkpoint.state.train_state import from_bytes, from_bytes_file
 from elastictrain.errors import UnsafeCheckpointError
 
 

@@ -1,4 +1,4 @@
-"""elastictrain.checkpoint.state: what a checkpoint carries, and what it refuses to load."""
+"""elastictrain.checkpoint.state.train_state: what a checkpoint carries, and what it refuses to load."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from elastictrain.checkpoint.state import (
+from elastictrain.checkpoint.state.train_state import (
     DataFingerprint,
     TrainState,
     capture,

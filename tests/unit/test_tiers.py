@@ -1,8 +1,8 @@
-"""elastictrain.checkpoint.tiers: which copy a resume picks."""
+"""elastictrain.checkpoint.resume.ranking: which copy a resume picks."""
 
 from __future__ import annotations
 
-from elastictrain.checkpoint.tiers import DURABLE, LOCAL, candidates
+from elastictrain.checkpoint.resume.ranking import DURABLE, LOCAL, candidates
 
 
 def test_resume_ranks_by_generation_then_step_and_prefers_a_local_copy():

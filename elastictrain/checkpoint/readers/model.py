@@ -20,9 +20,10 @@ from typing import Any
 import torch
 
 import storage
-from elastictrain.checkpoint import shard_reader, sharded
-from elastictrain.checkpoint import staging as flat
-from elastictrain.checkpoint import state as tstate
+from elastictrain.checkpoint.sharded import format as sharded
+from elastictrain.checkpoint.sharded import reader as shard_reader
+from elastictrain.checkpoint.state import flat
+from elastictrain.checkpoint.state import train_state as tstate
 
 logger = logging.getLogger(__name__)
 

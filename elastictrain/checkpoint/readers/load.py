@@ -7,8 +7,9 @@ from collections.abc import Mapping
 from typing import Any
 
 import storage
-from elastictrain.checkpoint import shard_reader, sharded
-from elastictrain.checkpoint import state as tstate
+from elastictrain.checkpoint.sharded import format as sharded
+from elastictrain.checkpoint.sharded import reader as shard_reader
+from elastictrain.checkpoint.state import train_state as tstate
 
 logger = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ DCP's ``DefaultLoadPlanner`` works out from the index (DCP's ``Metadata``, kept 
 of which saved chunk each of this rank's tensors needs; :class:`ShardReader`, a DCP
 ``StorageReader``, turns each into a byte range of a shard file and reads it through the store,
 block-verified. Also: the consolidated whole state in one process, for ``load_checkpoint`` and
-``export``. The format is described in :mod:`elastictrain.checkpoint.sharded`.
+``export``. The format is described in :mod:`elastictrain.checkpoint.sharded.format`.
 """
 
 from __future__ import annotations
@@ -27,8 +27,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 
 import storage
-from elastictrain.checkpoint import state as tstate
-from elastictrain.checkpoint.sharded import (
+from elastictrain.checkpoint.sharded.format import (
     INDEX_FORMAT,
     RULE_INDEX_FORMAT,
     capture,
@@ -38,6 +37,7 @@ from elastictrain.checkpoint.sharded import (
     shard_file,
     split,
 )
+from elastictrain.checkpoint.state import train_state as tstate
 from elastictrain.errors import CheckpointMismatchError
 
 

@@ -19,11 +19,11 @@ from typing import Any, Protocol
 import torch
 
 import storage
-from elastictrain.checkpoint import sharded
-from elastictrain.checkpoint import state as tstate
-from elastictrain.checkpoint.receipts import Receipts, for_job, read_all
-from elastictrain.checkpoint.receipts import ShardsMissingError as ShardsMissingError
-from elastictrain.checkpoint.staging import Snapshot, Staging
+from elastictrain.checkpoint.sharded import format as sharded
+from elastictrain.checkpoint.state import train_state as tstate
+from elastictrain.checkpoint.state.flat import Snapshot, Staging
+from elastictrain.checkpoint.write.receipts import Receipts, for_job, read_all
+from elastictrain.checkpoint.write.receipts import ShardsMissingError as ShardsMissingError
 from storage.hashing import hex_digest
 
 

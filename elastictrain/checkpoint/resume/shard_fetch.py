@@ -39,9 +39,10 @@ import torch.distributed as dist
 
 import storage
 from elastictrain import dist as edist
-from elastictrain.checkpoint import shard_reader, sharded
-from elastictrain.checkpoint import state as tstate
-from elastictrain.checkpoint.shard_tier import SHARDS, _tensor
+from elastictrain.checkpoint.sharded import format as sharded
+from elastictrain.checkpoint.sharded import reader as shard_reader
+from elastictrain.checkpoint.state import train_state as tstate
+from elastictrain.checkpoint.tiers.shards import SHARDS, _tensor
 
 logger = logging.getLogger(__name__)
 

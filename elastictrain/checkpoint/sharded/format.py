@@ -42,7 +42,7 @@ import torch
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.tensor import DTensor
 
-from elastictrain.checkpoint import state as tstate
+from elastictrain.checkpoint.state import train_state as tstate
 
 logger = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from elastictrain.checkpoint import staging
+from elastictrain.checkpoint.state import flat as staging
 from elastictrain.errors import CheckpointMismatchError, ConfigError, UnsafeCheckpointError
 
 logger = logging.getLogger(__name__)

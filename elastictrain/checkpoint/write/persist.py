@@ -29,8 +29,8 @@ from typing import Any
 import torch
 
 import storage
-from elastictrain.checkpoint.layouts import Layout, Snap
 from elastictrain.checkpoint.outcomes import Failure, FailurePolicy, SaveOutcome, SaveRecord
+from elastictrain.checkpoint.write.layouts import Layout, Snap
 from elastictrain.config import CheckpointConfig
 from elastictrain.errors import OrphanedError
 from elastictrain.observe.events import EventLog

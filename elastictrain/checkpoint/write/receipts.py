@@ -31,7 +31,7 @@ from typing import Any, Protocol
 import torch.distributed as dist
 
 import storage
-from elastictrain.checkpoint import sharded
+from elastictrain.checkpoint.sharded import format as sharded
 
 _READ_LANES = 256  # concurrent receipt reads from storage: 32 rounds at W = 8,192
 _POLL_S = (0.005, 0.5)  # the wait for other ranks' receipts: first and longest poll interval

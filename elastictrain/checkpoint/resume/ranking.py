@@ -21,9 +21,10 @@ import torch.distributed as dist
 
 import storage
 from elastictrain import dist as edist
-from elastictrain.checkpoint import shard_fetch, shard_reader
-from elastictrain.checkpoint import state as tstate
-from elastictrain.checkpoint.local_tier import LocalTier
+from elastictrain.checkpoint.resume import shard_fetch as shard_fetch
+from elastictrain.checkpoint.sharded import reader as shard_reader
+from elastictrain.checkpoint.state import train_state as tstate
+from elastictrain.checkpoint.tiers.local import LocalTier
 from elastictrain.observe.events import Event, EventLog
 
 logger = logging.getLogger(__name__)

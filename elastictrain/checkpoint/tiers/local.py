@@ -31,10 +31,10 @@ import torch
 
 import storage
 from elastictrain import knobs
-from elastictrain.checkpoint import state as tstate
-from elastictrain.checkpoint.layouts import FlatLayout, Layout
 from elastictrain.checkpoint.outcomes import Reason, SaveRecord, TurnTierOff
-from elastictrain.checkpoint.persist import Persister
+from elastictrain.checkpoint.state import train_state as tstate
+from elastictrain.checkpoint.write.layouts import FlatLayout, Layout
+from elastictrain.checkpoint.write.persist import Persister
 from elastictrain.config import CheckpointConfig
 from elastictrain.observe.events import Event, EventLog
 from storage.urls import is_local, redact_url

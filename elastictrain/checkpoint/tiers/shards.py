@@ -39,11 +39,11 @@ import torch.distributed as dist
 
 import storage
 from elastictrain import dist as edist
-from elastictrain.checkpoint import sharded
-from elastictrain.checkpoint import state as tstate
-from elastictrain.checkpoint.layouts import ShardedLayout, ShardSnap
-from elastictrain.checkpoint.local_tier import KEEP, LocalTier, payload_bytes
-from elastictrain.checkpoint.staging import Staging
+from elastictrain.checkpoint.sharded import format as sharded
+from elastictrain.checkpoint.state import train_state as tstate
+from elastictrain.checkpoint.state.flat import Staging
+from elastictrain.checkpoint.tiers.local import KEEP, LocalTier, payload_bytes
+from elastictrain.checkpoint.write.layouts import ShardedLayout, ShardSnap
 from elastictrain.config import CheckpointConfig
 from elastictrain.observe.events import EventLog
 
