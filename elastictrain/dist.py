@@ -167,6 +167,16 @@ def broadcast_bytes(
     return out
 
 
+def as_bytes_tensor(data: Any) -> torch.Tensor:
+    """``data``'s buffer as a uint8 tensor, not copied: what point-to-point sends and receives
+    move (a received buffer must be writable)."""
+    import warnings
+
+    with warnings.catch_warnings():  # sent buffers are only read
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        return torch.frombuffer(data, dtype=torch.uint8) if len(data) else torch.empty(0)
+
+
 def broadcast_int(value: int, group: dist.ProcessGroup | None, src: int = 0) -> int:
     if group is None:
         return value

@@ -19,8 +19,8 @@ import torch.distributed as dist
 
 from elastictrain import dist as edist
 from elastictrain import parallel, streams
+from elastictrain.checkpoint.api import Reason
 from elastictrain.checkpoint.checkpointer import Resumed
-from elastictrain.checkpoint.outcomes import Reason
 from elastictrain.checkpoint.session import CheckpointSession, install_stop_signals
 from elastictrain.checkpoint.state import DataFingerprint, TrainState, check_plain, unwrap
 from elastictrain.config import RunConfig

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from storage.api import Store, VerifiedFiles
 from storage.errors import (
     CheckpointCorruptError,
     CheckpointNotFoundError,
@@ -56,6 +57,8 @@ __all__ = [
     "StorageFullError",
     "StorageNotUsableError",
     "StorageUnavailableError",
+    "Store",
+    "VerifiedFiles",
     "is_transient",
     "open_store",
     "parse_option",

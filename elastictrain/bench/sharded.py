@@ -116,7 +116,7 @@ def save_worker(url: str, size: int, repeats: int, out: str) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    from elastictrain.checkpoint.outcomes import Reason
+    from elastictrain.checkpoint.api import Reason
     from elastictrain.checkpoint.sharded import format as sharded
 
     state, ckpt = _build(size), _checkpointer(url)

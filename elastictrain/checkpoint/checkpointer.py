@@ -1,9 +1,6 @@
-"""The save/resume protocol across ranks.
-
-Replicated state (DDP): rank 0 saves, and every rank resumes from one storage read. Sharded state
-(FSDP2, found from the model's DTensor parameters): every rank saves its own shards and reads only
-the byte ranges it needs at any world size; rank 0 commits (``sharded``, ``layouts``).
-"""
+"""The save/resume protocol across ranks, whatever the layout: the claim (fencing), the
+agreement on a save's outcome, the record of what is committed, the resume report. What differs
+between replicated (DDP) and sharded (FSDP2) state is the run's mode (``modes``)."""
 
 from __future__ import annotations
 
@@ -18,20 +15,14 @@ import torch.distributed as dist
 
 import storage
 from elastictrain import dist as edist
-from elastictrain.checkpoint.outcomes import (
-    MUST_COMMIT,
-    Failure,
-    SaveOutcome,
-    SaveRecord,
-    StopTheRun,
-)
-from elastictrain.checkpoint.resume import ranking as tiers
-from elastictrain.checkpoint.sharded import format as sharded
+from elastictrain.checkpoint.api import MUST_COMMIT, Reason, SaveOutcome, Tier
+from elastictrain.checkpoint.modes import Mode, mode_for
+from elastictrain.checkpoint.policies import StopTheRun
+from elastictrain.checkpoint.record import Failure, SaveRecord
+from elastictrain.checkpoint.resume.report import report_resume
 from elastictrain.checkpoint.state import train_state as tstate
 from elastictrain.checkpoint.tiers.local import LocalTier
-from elastictrain.checkpoint.tiers.shards import ShardTier
-from elastictrain.checkpoint.write import node_check as node_check
-from elastictrain.checkpoint.write.layouts import FlatLayout, ShardedLayout
+from elastictrain.checkpoint.write import node_check
 from elastictrain.checkpoint.write.persist import Persister
 from elastictrain.config import CheckpointConfig
 from elastictrain.errors import CheckpointFailedError
@@ -80,8 +71,8 @@ class Checkpointer:
         self.record = SaveRecord()
         self.store: storage.CheckpointStore | None = None
         self.writer: Persister | None = None
-        self.sharded: bool | None = None
-        """Known from the state at the first resume or save."""
+        self.mode: Mode | None = None
+        """How the state is laid out: known from the state at the first resume or save."""
         self.local: LocalTier | None = None
         """The node-local tier (a replica; or each rank's shards and its buddy's), set up with
         the layout."""
@@ -98,18 +89,17 @@ class Checkpointer:
         )
 
     def _setup(self, state: tstate.TrainState) -> None:
-        """Pick the layout from the state: sharded parameters are saved by every rank."""
-        if self.sharded is not None:
+        """Pick the mode from the state, once (``modes.mode_for``)."""
+        if self.mode is not None:
             return
         config = self.config
-        self.sharded = sharded.is_sharded(state.model)
-        if self.sharded and self.store is None:
+        self.mode = mode_for(state.model)
+        if self.mode.every_rank_writes and self.store is None:
             self.store = self.open_store()
-        if self.is_writer or self.sharded:
-            layout = ShardedLayout(self.rank, self.world_size) if self.sharded else FlatLayout()
+        if self.is_writer or self.mode.every_rank_writes:
             self.writer = Persister(
                 store=self.store,
-                layout=layout,
+                layout=self.mode.layout(self.rank, self.world_size),
                 config=config,
                 record=self.record,
                 policy=StopTheRun(config, self.events),
@@ -128,7 +118,8 @@ class Checkpointer:
                     "durable checkpoints only, so resume reads the durable tier"
                 )
             return
-        tier = dict(
+        self.local = self.mode.node_tier(
+            self,
             rank=self.rank,
             local_rank=self.local_rank,
             world_size=self.world_size,
@@ -136,12 +127,6 @@ class Checkpointer:
             events=self.events,
             attached=self.attached,
         )
-        if self.sharded:
-            self.local = ShardTier(
-                config, local_world_size=self.local_world_size, group=self.group, **tier
-            )
-        else:
-            self.local = LocalTier(config, **tier)
 
     # -- what the record holds -------------------------------------------------------------------
     @property
@@ -205,58 +190,22 @@ class Checkpointer:
         shards."""
         self._setup(state)
         t0 = time.monotonic()
-        if self.sharded:
-            found = tiers.fetch_sharded_best(
-                state,
-                self.store,
-                self.local.dir if self.local is not None else None,
-                group=self.group,
-                rank=self.rank,
-                local_rank=self.local_rank,
-                device=device,
-                on_corrupt=self._report_corrupt,
-            )
-            if found is None:
-                return self._fresh()
-            payload, saved_world, nbytes, origin = found
-        else:
-            copy = tiers.fetch_best(
-                self.store,
-                self.local,
-                group=self.group,
-                rank=self.rank,
-                read_all=self.config.resume_read == "all",
-                on_corrupt=self._report_corrupt,
-            )
-            if copy is None:
-                return self._fresh()
-            payload = tstate.from_bytes(copy.data, map_location=device)
-            tstate.check_compatible(state, payload, where=copy.where)
-            tstate.restore(state, payload)
-            nbytes, saved_world = len(copy.data), copy.saved_world_size
-            origin = {
-                "tier": copy.tier,
-                "source_rank": copy.source_rank,
-                "durable_step": copy.durable_step,
-                "remote_bytes": nbytes if copy.tier == tiers.DURABLE else 0,
-            }
+        restored = self.mode.fetch(self, state, device)
+        if restored is None:
+            return self._fresh()
+        payload = restored.payload
         step = int(payload["progress"]["step"])
-        # Committed means durable: a step read from node memory must still be written when a save
-        # comes at it (a preemption right after the resume), before the node's copies go.
-        durable = origin["tier"] == tiers.DURABLE
-        self.record.last_committed = step if durable else origin["durable_step"]
+        self.record.committed(restored.origin.committed_step(step))
         seconds = time.monotonic() - t0
         edist.barrier(self.group)
-        tiers.report_resume(
+        report_resume(
             self.events,
             step=step,
-            nbytes=nbytes,
             seconds=seconds,
-            saved_world=saved_world,
+            restored=restored,
             world_size=self.world_size,
             generation=self.generation,
             is_writer=self.is_writer,
-            origin=origin,
         )
         return Resumed(step=step, checkpoint_step=step, extra=payload.get("extra"))
 
@@ -266,11 +215,11 @@ class Checkpointer:
         self.events.emit(Event.RESUME, fresh=True, step=0, world_size=self.world_size)
         return Resumed(step=0, checkpoint_step=None)
 
-    def _report_corrupt(self, step: int, error: Exception | str, tier: str) -> None:
+    def report_corrupt(self, step: int, error: Exception | str, tier: Tier) -> None:
         self.events.emit(Event.CORRUPT, step=step, tier=tier, error=str(error)[:500])
 
     # -- save ----------------------------------------------------------------------------------
-    def save(self, step: int, state: tstate.TrainState, reason: str) -> bool:
+    def save(self, step: int, state: tstate.TrainState, reason: Reason) -> bool:
         """Checkpoint ``step``. Rank 0 snapshots the state; other ranks do not wait for it.
 
         A scheduled checkpoint with ``async_checkpoint`` is persisted in the background: this
@@ -283,64 +232,24 @@ class Checkpointer:
         go on.
         """
         self._setup(state)
-        committed = (
-            self._save_sharded(step, state, reason)
-            if self.sharded
-            else self._save_flat(step, state, reason)
-        )
+        committed = self.mode.save(self, step, state, reason)
         if committed and reason in MUST_COMMIT and self.local is not None:
             self.local.remove()
         return committed
 
-    def _waits_for_commit(self, reason: str) -> bool:
+    def waits_for_commit(self, reason: Reason) -> bool:
+        """A save the caller must see committed: final, preemption, or any without
+        ``async_checkpoint``."""
         return reason in MUST_COMMIT or not self.config.async_checkpoint
 
-    def _save_flat(self, step: int, state: tstate.TrainState, reason: str) -> bool:
-        wait_for_commit = self._waits_for_commit(reason)
-        if not wait_for_commit:  # no collective: each rank may decide alone
-            if self.is_writer and self.last_committed != step:
-                self.writer.save(step, state.epoch_of(step), reason,
-                                 lambda: tstate.capture(state, step=step), background=True)  # fmt: skip
-            return True
-        # Only rank 0 knows whether it committed this step in the background: it decides for all,
-        # or a rank that thinks otherwise waits for an outcome that is never broadcast.
+    def agree_already_committed(self, step: int) -> bool:
+        """Every rank: rank 0 says whether it already committed ``step`` (in the background)."""
         if edist.broadcast_int(int(self.last_committed == step), self.group):
-            self.record.last_committed = step
+            self.record.committed(step)
             return True
-        outcome, error = SaveOutcome.COMMITTED, None
-        if self.is_writer:
-            outcome, error = self.writer.save(
-                step,
-                state.epoch_of(step),
-                reason,
-                lambda: tstate.capture(state, step=step),
-                background=False,
-            )
-        return self._settle(step, reason, edist.broadcast_int(outcome, self.group), error)
+        return False
 
-    def _save_sharded(self, step: int, state: tstate.TrainState, reason: str) -> bool:
-        """Every rank writes its shards; rank 0 commits once all are durable. In the background,
-        rank 0 learns that from the ranks' reports in storage; in the foreground (final,
-        preemption), from one all-reduce of every rank's outcome."""
-        epoch, capture = state.epoch_of(step), lambda: sharded.capture(state, step=step)
-        if not self._waits_for_commit(reason):
-            self.writer.save(step, epoch, reason, capture, background=True)
-            return True
-        # A background commit of this very step may be in flight: settle it first, so nobody
-        # rewrites files a committed manifest already lists.
-        self.writer.wait()
-        if edist.broadcast_int(int(self.last_committed == step), self.group):
-            self.record.last_committed = step
-            return True
-        local, error = self.writer.save(
-            step, epoch, reason, capture, background=False, commit=False
-        )
-        outcome = edist.max_int(local, self.group)
-        if outcome == SaveOutcome.COMMITTED and self.is_writer:
-            outcome, error = self.writer.commit_pending()
-        return self._settle(step, reason, edist.broadcast_int(outcome, self.group), error)
-
-    def _settle(self, step: int, reason: str, outcome: int, error: BaseException | None) -> bool:
+    def settle(self, step: int, reason: Reason, outcome: int, error: BaseException | None) -> bool:
         """Every rank acts on the agreed outcome of a foreground save."""
         outcome = SaveOutcome(outcome)
         if outcome is SaveOutcome.FAILED:
@@ -349,7 +258,7 @@ class Checkpointer:
                 f"the {reason} checkpoint at step {step} could not be committed{detail}"
             ) from error
         if outcome is SaveOutcome.COMMITTED:
-            self.record.last_committed = step
+            self.record.committed(step)
         return outcome is SaveOutcome.COMMITTED
 
     def after_step(self, step: int, state: tstate.TrainState, *, durable_saved: bool) -> None:

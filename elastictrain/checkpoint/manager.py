@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from elastictrain.checkpoint.outcomes import Reason
+from elastictrain.checkpoint.api import Reason
 from elastictrain.checkpoint.session import CheckpointSession, install_stop_signals
 from elastictrain.checkpoint.state.train_state import TrainState, unwrap
 from elastictrain.config import CheckpointConfig, settings

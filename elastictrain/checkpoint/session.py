@@ -29,8 +29,8 @@ import torch.distributed as dist
 
 from elastictrain import dist as edist
 from elastictrain import knobs
+from elastictrain.checkpoint.api import Reason
 from elastictrain.checkpoint.checkpointer import Checkpointer, Resumed
-from elastictrain.checkpoint.outcomes import Reason
 from elastictrain.checkpoint.schedule import CheckpointSchedule
 from elastictrain.checkpoint.state.train_state import TrainState
 from elastictrain.config import CheckpointConfig

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from elastictrain.checkpoint.outcomes import Reason
+from elastictrain.checkpoint.api import Reason
 from elastictrain.observe.events import Cause, Event, read_events
 from elastictrain.observe.timeline import Outcome, build_timeline
 from tests.helpers.launcher import assert_bitwise_equal, final_state, toy_args, wait_for_event

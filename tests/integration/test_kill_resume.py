@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from elastictrain.checkpoint.outcomes import Reason
+from elastictrain.checkpoint.api import Reason
 from elastictrain.observe.events import Event, read_events, read_sample_log
 from tests.helpers.launcher import (
     assert_bitwise_equal,

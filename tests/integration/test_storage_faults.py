@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import storage
-from elastictrain.checkpoint.outcomes import Reason
+from elastictrain.checkpoint.api import Reason
 from elastictrain.observe.events import Event, read_events
 from elastictrain.observe.history import merge_lines
 from tests.helpers.fault_proxy import KINDS, FaultProxy

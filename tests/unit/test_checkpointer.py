@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import storage
+from elastictrain.checkpoint.api import Reason
 from elastictrain.checkpoint.checkpointer import Checkpointer
-from elastictrain.checkpoint.outcomes import Reason
 from elastictrain.config import CheckpointConfig
 from elastictrain.errors import CheckpointFailedError
 from elastictrain.observe.events import Event, EventLog, read_events

@@ -9,13 +9,9 @@ import pytest
 import torch
 
 import storage
-from elastictrain.checkpoint.outcomes import (
-    Reason,
-    SaveOutcome,
-    SaveRecord,
-    StopTheRun,
-    TurnTierOff,
-)
+from elastictrain.checkpoint.api import Reason, SaveOutcome
+from elastictrain.checkpoint.policies import StopTheRun, TurnTierOff
+from elastictrain.checkpoint.record import SaveRecord
 from elastictrain.checkpoint.write.layouts import FlatLayout
 from elastictrain.checkpoint.write.persist import Persister
 from elastictrain.config import CheckpointConfig
@@ -124,7 +120,7 @@ def test_a_committed_step_that_verifies_is_kept_not_written_again(tmp_path):
     w, record, store = writer(tmp_path)
     w.save(10, 0, Reason.STEPS, lambda: payload(10), background=False)
     before = store.read_manifest(10)
-    record.last_committed = None  # a new attempt reaching step 10 again
+    record.committed(None)  # a new attempt reaching step 10 again
     w.save(10, 0, Reason.STEPS, lambda: payload(99), background=False)
     assert store.read_manifest(10) == before and record.last_committed == 10
 

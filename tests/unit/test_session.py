@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import storage
-from elastictrain.checkpoint.outcomes import Reason
+from elastictrain.checkpoint.api import Reason
 from elastictrain.checkpoint.session import CheckpointSession
 from elastictrain.config import CheckpointConfig, flag
 from elastictrain.errors import CheckpointFailedError, CollectiveTimeoutError, Preempted

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from elastictrain.checkpoint.resume.ranking import DURABLE, LOCAL, candidates
+from elastictrain.checkpoint.api import Tier
+from elastictrain.checkpoint.resume.ranking import candidates
 
 
 def test_resume_ranks_by_generation_then_step_and_prefers_a_local_copy():
@@ -12,9 +13,9 @@ def test_resume_ranks_by_generation_then_step_and_prefers_a_local_copy():
     ]
     ranked = [(c.generation, c.step, c.tier, c.rank) for c in candidates(offers)]
     assert ranked == [
-        (30, 45, LOCAL, 1),  # a peer's newer copy; (31, 99) was never fenced: not offered
-        (30, 40, LOCAL, 0),  # the same step locally before durably
-        (30, 40, DURABLE, 0),
-        (30, 35, LOCAL, 0),
-        (20, 90, DURABLE, 0),  # an older generation, whatever its step
+        (30, 45, Tier.LOCAL, 1),  # a peer's newer copy; (31, 99) was never fenced: not offered
+        (30, 40, Tier.LOCAL, 0),  # the same step locally before durably
+        (30, 40, Tier.DURABLE, 0),
+        (30, 35, Tier.LOCAL, 0),
+        (20, 90, Tier.DURABLE, 0),  # an older generation, whatever its step
     ]

@@ -30,7 +30,6 @@ import logging
 import os
 import socket
 from collections import defaultdict
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,14 +38,14 @@ import torch.distributed as dist
 
 import storage
 from elastictrain import dist as edist
+from elastictrain.checkpoint.api import Corrupt, Restored, ResumeOrigin, Tier
 from elastictrain.checkpoint.sharded import format as sharded
 from elastictrain.checkpoint.sharded import reader as shard_reader
 from elastictrain.checkpoint.state import train_state as tstate
-from elastictrain.checkpoint.tiers.shards import SHARDS, _tensor
+from elastictrain.checkpoint.tiers.shards import SHARDS
 
 logger = logging.getLogger(__name__)
 
-FAST = "fast"
 """What the resume event calls this tier's copies (``local`` is the DDP replica)."""
 
 
@@ -122,7 +121,7 @@ class _Reader:
     """Reads copies on this node, verified; stores, manifests and tables read once."""
 
     def __init__(self) -> None:
-        self._stores: dict[str, storage.CheckpointStore] = {}
+        self._stores: dict[str, storage.Store] = {}
         self._manifests: dict[Copy, storage.Manifest] = {}
         self._tables: dict[Copy, dict[str, Any]] = {}
 
@@ -147,7 +146,7 @@ class _Reader:
         return b"".join(views[r] for r in ranges)
 
 
-class _Fetched:
+class FetchedFiles:
     """What this rank fetched, as a store to :func:`shard_reader.load_into`."""
 
     safe_url = "the fast tier"
@@ -225,7 +224,7 @@ def _exchange(
             keep += [size, data]
             sends.append(dist.isend(size, requester, group=group))
             if data:
-                sends.append(dist.isend(_tensor(data), requester, group=group))
+                sends.append(dist.isend(edist.as_bytes_tensor(data), requester, group=group))
     failed_here = False
     for i in remote:
         holder = needs[i][0].holder
@@ -236,7 +235,7 @@ def _exchange(
             continue
         out[i] = bytearray(int(size.item()))
         if out[i]:
-            dist.recv(_tensor(out[i]), holder, group=group)
+            dist.recv(edist.as_bytes_tensor(out[i]), holder, group=group)
         tally.note(needs[i][0], len(out[i]), here=False)
     for work in sends:
         work.wait()
@@ -265,7 +264,7 @@ def _load(
     for c in copies:
         if (c.generation, c.step, c.world_size) == key:
             by_rank[c.rank].append(c)
-    reader, tally, fetched = _Reader(), Tally(), _Fetched()
+    reader, tally, fetched = _Reader(), Tally(), FetchedFiles()
 
     # 1. The unsharded rest and the index, from rank 0's copy.
     first = _pick(by_rank[0], None)
@@ -314,24 +313,19 @@ def _load(
     return payload, tally
 
 
-Corrupt = Callable[[int, "Exception | str", str], None]
-"""Rank 0 reports a copy that did not verify: (step, error, tier)."""
-
-
 def fetch_fast(
     state: tstate.TrainState,
     tier_dir: str | None,
-    durable: storage.CheckpointStore | None,
+    durable: storage.Store | None,
     *,
     group: dist.ProcessGroup | None,
     rank: int,
     local_rank: int,
     device: torch.device,
     on_corrupt: Corrupt,
-) -> tuple[dict[str, Any], int, dict[str, Any]] | None:
-    """Every rank together: the newest step the fast tier holds whole, loaded into ``state``, as
-    (the payload, the saved world size, where its bytes came from); None when no step on it is as
-    new as the durable tier's newest. ``durable``: the store, on rank 0. ``tier_dir``: this node's
+) -> Restored | None:
+    """Every rank together: the newest step the fast tier holds whole, loaded into ``state``;
+    None when no step on it is as new as the durable tier's newest. ``durable``: the store, on rank 0. ``tier_dir``: this node's
     tier folder (None: the tier is off here, and this node offers nothing)."""
     if group is None:
         return None  # one process: no node to lose, and the durable tier is as close
@@ -363,16 +357,17 @@ def fetch_fast(
             for copy, why in refused.bad:
                 if rank == 0:
                     logger.error("CORRUPT CHECKPOINT (fast tier) skipped: %s: %s", copy.where, why)
-                    on_corrupt(copy.step, f"{copy.where}: {why}", FAST)
+                    on_corrupt(copy.step, f"{copy.where}: {why}", Tier.FAST)
             refused_copies = {copy for copy, _ in refused.bad}
             if not refused_copies:
                 return None
             copies = [c for c in copies if c not in refused_copies]
             continue
-        return payload, keys[0][2], _origin(tally, durable_newest, group)
+        origin = _origin(tally, durable_newest, group)
+        return Restored(payload, keys[0][2], tally.local_bytes + tally.peer_bytes, origin)
 
 
-def _origin(tally: Tally, durable_newest: tuple[int, int] | None, group) -> dict[str, Any]:
+def _origin(tally: Tally, durable_newest: tuple[int, int] | None, group) -> ResumeOrigin:
     """The resume event's account: bytes from node memory and from peers, job-wide, and which
     node served which saved ranks (nodes named by their first rank)."""
     tallies = edist.all_gather_object(tally, group)
@@ -380,13 +375,12 @@ def _origin(tally: Tally, durable_newest: tuple[int, int] | None, group) -> dict
     for t in tallies:
         for holder, ranks in t.served.items():
             served[holder] |= ranks
-    return {
-        "rank_bytes": tally.local_bytes + tally.peer_bytes,
-        "tier": FAST,
-        "remote_bytes": 0,
-        "local_bytes": sum(t.local_bytes for t in tallies),
-        "peer_bytes": sum(t.peer_bytes for t in tallies),
-        "served_by": {str(h): sorted(r) for h, r in sorted(served.items())},
-        "source_rank": min(served, default=0),
-        "durable_step": durable_newest[1] if durable_newest else None,
-    }
+    return ResumeOrigin(
+        Tier.FAST,
+        remote_bytes=0,
+        durable_step=durable_newest[1] if durable_newest else None,
+        source_rank=min(served, default=0),
+        local_bytes=sum(t.local_bytes for t in tallies),
+        peer_bytes=sum(t.peer_bytes for t in tallies),
+        served_by={str(h): sorted(r) for h, r in sorted(served.items())},
+    )

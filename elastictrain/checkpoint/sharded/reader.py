@@ -147,7 +147,7 @@ def _rows_wanted(target: torch.Tensor | None, saved: dict[str, Any]) -> tuple[in
 class ShardReader(StorageReader):
     """DCP's storage side for a committed sharded checkpoint: byte ranges, verified by block."""
 
-    def __init__(self, store: storage.CheckpointStore, manifest: storage.Manifest, index: Index):
+    def __init__(self, store: storage.VerifiedFiles, manifest: storage.Manifest, index: Index):
         super().__init__()
         self.store, self.manifest, self.index = store, manifest, index
         self.bytes_read = 0
@@ -261,7 +261,7 @@ def read_chunks(reader: ShardReader, targets: dict[str, torch.Tensor]) -> None:
     reader.read_data(plan, planner).wait()
 
 
-def read_common(store: storage.CheckpointStore, manifest: storage.Manifest, map_location: Any):
+def read_common(store: storage.VerifiedFiles, manifest: storage.Manifest, map_location: Any):
     """(the index, the unsharded rest of the state) of a committed sharded checkpoint, verified."""
     where = f"step {manifest.step} under {store.safe_url}"
     index = Index.parse(store.read_file(manifest, manifest.metadata["index_file"]), where)
@@ -279,7 +279,7 @@ def check_fits(state: tstate.TrainState, index: Index, common: dict[str, Any], w
 
 def load_into(
     state: tstate.TrainState,
-    store: storage.CheckpointStore,
+    store: storage.VerifiedFiles,
     manifest: storage.Manifest,
     device: torch.device,
 ) -> tuple[dict[str, Any], int]:

@@ -31,9 +31,11 @@ import torch
 
 import storage
 from elastictrain import knobs
-from elastictrain.checkpoint.outcomes import Reason, SaveRecord, TurnTierOff
+from elastictrain.checkpoint.api import Layout, Reason
+from elastictrain.checkpoint.policies import TurnTierOff
+from elastictrain.checkpoint.record import SaveRecord
 from elastictrain.checkpoint.state import train_state as tstate
-from elastictrain.checkpoint.write.layouts import FlatLayout, Layout
+from elastictrain.checkpoint.write.layouts import FlatLayout
 from elastictrain.checkpoint.write.persist import Persister
 from elastictrain.config import CheckpointConfig
 from elastictrain.observe.events import Event, EventLog

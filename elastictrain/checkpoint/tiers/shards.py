@@ -89,8 +89,8 @@ class Buddy:
         sizes = torch.tensor([len(header)], dtype=torch.int64)
         sends = [dist.isend(sizes, self.to, group=self.group)]
         if header:
-            sends.append(dist.isend(_tensor(header), self.to, group=self.group))
-            sends += [dist.isend(_tensor(data), self.to, group=self.group)
+            sends.append(dist.isend(edist.as_bytes_tensor(header), self.to, group=self.group))
+            sends += [dist.isend(edist.as_bytes_tensor(data), self.to, group=self.group)
                       for data in files.values() if len(data)]  # fmt: skip
         try:
             self._receive()
@@ -104,7 +104,7 @@ class Buddy:
         if not int(size.item()):
             return  # the source has no copy this time (its write failed)
         raw = bytearray(int(size.item()))
-        dist.recv(_tensor(raw), self.source, group=self.group)
+        dist.recv(edist.as_bytes_tensor(raw), self.source, group=self.group)
         doc = json.loads(bytes(raw))
         manifest = storage.Manifest.from_json(doc["manifest"].encode(), where="a buddy's copy")
         # Every message of this copy is taken off the wire before anything can fail, so the next
@@ -113,7 +113,7 @@ class Buddy:
         for name in doc["order"]:
             received[name] = bytearray(manifest.files[name].size)
             if received[name]:
-                dist.recv(_tensor(received[name]), self.source, group=self.group)
+                dist.recv(edist.as_bytes_tensor(received[name]), self.source, group=self.group)
             self.received_bytes += len(received[name])
         step, entries = manifest.step, {}
         for name, data in received.items():
@@ -134,14 +134,6 @@ class Buddy:
 def _header(manifest: storage.Manifest, files: dict[str, Any]) -> bytes:
     order = [name for name in files]
     return json.dumps({"manifest": manifest.to_json().decode(), "order": order}).encode()
-
-
-def _tensor(data: Any) -> torch.Tensor:
-    import warnings
-
-    with warnings.catch_warnings():  # sent buffers are only read
-        warnings.filterwarnings("ignore", message="The given buffer is not writable")
-        return torch.frombuffer(data, dtype=torch.uint8) if len(data) else torch.empty(0)
 
 
 class RankCopyLayout(ShardedLayout):

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
@@ -25,42 +25,6 @@ from elastictrain.checkpoint.state.flat import Snapshot, Staging
 from elastictrain.checkpoint.write.receipts import Receipts, for_job, read_all
 from elastictrain.checkpoint.write.receipts import ShardsMissingError as ShardsMissingError
 from storage.hashing import hex_digest
-
-
-class Snap(Protocol):
-    """A layout's snapshot of one checkpoint, in host memory."""
-
-    def wait(self) -> None:
-        """Until the device-to-host copies have landed (CUDA); at once on the CPU."""
-
-
-class Layout(Protocol):
-    """What one rank puts on storage for a checkpoint, and how rank 0 commits it."""
-
-    writes_alone: bool
-    """True: rank 0 writes every file of a step (a stale step may be deleted whole)."""
-
-    def snapshot(self, payload: Any) -> Snap:
-        """Copy the captured state into reused host memory: the only part that blocks training."""
-
-    def write_own(
-        self, store: storage.CheckpointStore, step: int, snap: Snap, generation: int
-    ) -> None:
-        """This rank's files of ``step``, before the commit."""
-
-    def commit(
-        self,
-        store: storage.CheckpointStore,
-        step: int,
-        snap: Snap,
-        generation: int,
-        metadata: dict[str, Any],
-        *,
-        before_commit: Callable[[], None],
-        abandoned: Callable[[int], bool],
-        deadline_s: float,
-    ) -> storage.Manifest:
-        """Rank 0: the rest of the files, then the manifest, last."""
 
 
 class FlatLayout:
@@ -74,14 +38,12 @@ class FlatLayout:
     def snapshot(self, payload: Any) -> Snapshot:
         return self.staging.snapshot(payload)
 
-    def write_own(
-        self, store: storage.CheckpointStore, step: int, snap: Snapshot, generation: int
-    ) -> None:
+    def write_own(self, store: storage.Store, step: int, snap: Snapshot, generation: int) -> None:
         """Nothing before the commit: rank 0 writes the one file in it."""
 
     def commit(
         self,
-        store: storage.CheckpointStore,
+        store: storage.Store,
         step: int,
         snap: Snapshot,
         generation: int,
@@ -138,9 +100,7 @@ class ShardedLayout:
         common_snap = self.common_staging.snapshot(common) if self.common_staging else None
         return ShardSnap(local, shards, common_snap)
 
-    def write_own(
-        self, store: storage.CheckpointStore, step: int, snap: ShardSnap, generation: int
-    ) -> None:
+    def write_own(self, store: storage.Store, step: int, snap: ShardSnap, generation: int) -> None:
         """This rank's shard file, its table, then its receipt: the receipt means "durable"."""
         name = sharded.shard_file(self.rank, generation)
         entry, digest = store.write_file(step, name, snap.shards.data, sharded.BLOCK_BYTES)
@@ -155,7 +115,7 @@ class ShardedLayout:
 
     def commit(
         self,
-        store: storage.CheckpointStore,
+        store: storage.Store,
         step: int,
         snap: ShardSnap,
         generation: int,

@@ -29,8 +29,9 @@ from typing import Any
 import torch
 
 import storage
-from elastictrain.checkpoint.outcomes import Failure, FailurePolicy, SaveOutcome, SaveRecord
-from elastictrain.checkpoint.write.layouts import Layout, Snap
+from elastictrain.checkpoint.api import Layout, SaveOutcome, Snap
+from elastictrain.checkpoint.policies import FailurePolicy
+from elastictrain.checkpoint.record import Failure, SaveRecord
 from elastictrain.config import CheckpointConfig
 from elastictrain.errors import OrphanedError
 from elastictrain.observe.events import EventLog
@@ -64,7 +65,7 @@ class Persister:
     def __init__(
         self,
         *,
-        store: storage.CheckpointStore,
+        store: storage.Store,
         layout: Layout,
         config: CheckpointConfig,
         record: SaveRecord,
@@ -145,9 +146,9 @@ class Persister:
         def run() -> None:
             outcome, error = self._persist(job)
             if outcome is SaveOutcome.FAILED:
-                self.record.failure = Failure(step, reason, error)
+                self.record.failed(Failure(step, reason, error))
             elif outcome is SaveOutcome.SKIPPED:
-                self.record.skipped_step = step
+                self.record.gave_up(step)
 
         self._in_flight = step
         self._thread = threading.Thread(target=run, name=f"persist-step-{step}", daemon=True)
@@ -175,7 +176,7 @@ class Persister:
         t0 = time.monotonic()
         job.snap.wait()  # CUDA: the device-to-host copies have landed
         if write and self.is_committer and self._already_committed(step):
-            self.record.last_committed = step
+            self.record.committed(step)
             return
         self._check_attached(step)  # before writing anything, and again right before the commit
         generation = self.generation()
@@ -193,7 +194,7 @@ class Persister:
             abandoned=lambda s: s in self.abandoned,
             deadline_s=self.config.checkpoint_timeout,
         )
-        self.record.last_committed = step
+        self.record.committed(step)
         persist = time.monotonic() - t0
         deleted = self.store.apply_retention(
             self.config.keep_last, newest_good=step, keep_every=self.config.keep_every_steps

@@ -52,13 +52,13 @@ def _missing(step: int, missing: list[int], gave_up: bool, deadline_s: float) ->
 
 class Receipts(Protocol):
     def post(
-        self, store: storage.CheckpointStore, step: int, generation: int, rank: int, receipt: bytes
+        self, store: storage.Store, step: int, generation: int, rank: int, receipt: bytes
     ) -> None:
         """This rank's receipt: call only once its shard and table are durable."""
 
     def gather(
         self,
-        store: storage.CheckpointStore,
+        store: storage.Store,
         step: int,
         generation: int,
         abandoned: Callable[[int], bool],
@@ -92,7 +92,7 @@ class StoreReceipts:
         return f"elastictrain/receipts/g{generation}/s{step}/"
 
     def post(
-        self, store: storage.CheckpointStore, step: int, generation: int, rank: int, receipt: bytes
+        self, store: storage.Store, step: int, generation: int, rank: int, receipt: bytes
     ) -> None:
         prefix = self._prefix(step, generation)
         self.store.set(f"{prefix}r{rank}", receipt)
@@ -106,7 +106,7 @@ class StoreReceipts:
 
     def gather(
         self,
-        store: storage.CheckpointStore,
+        store: storage.Store,
         step: int,
         generation: int,
         abandoned: Callable[[int], bool],
@@ -152,13 +152,13 @@ class StorageReceipts:
         self.world_size = world_size
 
     def post(
-        self, store: storage.CheckpointStore, step: int, generation: int, rank: int, receipt: bytes
+        self, store: storage.Store, step: int, generation: int, rank: int, receipt: bytes
     ) -> None:
         store.write_note(step, sharded.receipt_file(rank, generation), receipt)
 
     def gather(
         self,
-        store: storage.CheckpointStore,
+        store: storage.Store,
         step: int,
         generation: int,
         abandoned: Callable[[int], bool],

@@ -1,0 +1,69 @@
+"""Sharded state from the durable tier, every rank together: the newest step whose files all
+exist at their recorded sizes and whose every byte range some rank reads verifies."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+
+import storage
+from elastictrain import dist as edist
+from elastictrain.checkpoint.api import Corrupt, Restored, ResumeOrigin, Tier
+from elastictrain.checkpoint.resume.ranking import durable_listing, logged
+from elastictrain.checkpoint.sharded import reader as shard_reader
+from elastictrain.checkpoint.state import train_state as tstate
+
+logger = logging.getLogger(__name__)
+
+
+def fetch_durable_shards(
+    state: tstate.TrainState,
+    store: storage.Store,
+    *,
+    group: dist.ProcessGroup | None,
+    rank: int,
+    device: torch.device,
+    on_corrupt: Corrupt,
+) -> Restored | None:
+    """Sharded state, every rank together: the newest durable step whose files all exist at their
+    recorded sizes and whose every byte range some rank reads verifies, loaded into ``state``.
+    Rank 0 proposes, all read, all agree; a bad step (any rank) makes everyone fall back to the
+    next older one. None when there is none."""
+    corrupt = logged(on_corrupt)
+    candidates = iter(durable_listing(store, group=group, rank=rank, on_corrupt=on_corrupt))
+    touched = False
+    while True:
+        step = -1
+        for manifest in candidates:
+            try:
+                store.check_sizes(manifest)
+                step = manifest.step
+                break
+            except storage.CheckpointCorruptError as e:
+                corrupt(manifest.step, e)
+        step = edist.broadcast_int(step, group)
+        if step < 0:
+            if touched:
+                raise storage.CheckpointCorruptError(
+                    f"No sharded checkpoint under {store.safe_url!r} verified, and the failed "
+                    "attempts overwrote part of this process's state; refusing to train from it. "
+                    "Move the checkpoints aside to start fresh."
+                )
+            return None
+        manifest = store.read_manifest(step)
+        error = None
+        try:
+            payload, nbytes = shard_reader.load_into(state, store, manifest, device)
+        except storage.CheckpointCorruptError as e:
+            error = e
+        touched = True
+        if edist.max_int(int(error is not None), group) == 0:
+            tstate.restore(state, payload, model_and_optimizer=False)
+            origin = ResumeOrigin(Tier.DURABLE, remote_bytes=nbytes)
+            return Restored(payload, manifest.metadata.get("world_size"), nbytes, origin)
+        if error is not None:
+            logger.error("CORRUPT CHECKPOINT: rank %d read a bad shard: %s", rank, error)
+        if rank == 0:
+            corrupt(step, error or f"another rank read a bad shard of step {step}")
