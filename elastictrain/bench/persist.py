@@ -36,7 +36,7 @@ import torch
 
 import storage
 from elastictrain.bench.child import drop_cache
-from elastictrain.bench.state import _tensors, _to, synthetic_state
+from elastictrain.bench.state import moved_to, synthetic_state, tensors_in
 from elastictrain.bench.timing import median_of, paired, timed
 from elastictrain.checkpoint.state import flat as staging
 from elastictrain.checkpoint.state.train_state import from_bytes
@@ -55,8 +55,8 @@ class Bench:
         self.device = torch.device(device)
         # On a GPU the state lives in device memory, as a model's does: every figure then
         # includes the device-to-host copy (into pinned memory for elastictrain).
-        self.state = _to(synthetic_state(size), self.device)
-        self.nbytes = sum(t.numel() * t.element_size() for t in _tensors(self.state))
+        self.state = moved_to(synthetic_state(size), self.device)
+        self.nbytes = sum(t.numel() * t.element_size() for t in tensors_in(self.state))
         if self.local:
             os.makedirs(self.fs_root, exist_ok=True)
 
@@ -222,7 +222,7 @@ class Bench:
     def _warm_copy(self) -> Callable[[], float]:
         """The floor of a snapshot: every tensor copied into warm, preallocated host buffers
         (pinned, from a GPU), and nothing else."""
-        src = _tensors(self.state)
+        src = tensors_in(self.state)
         on_gpu = self.device.type == "cuda"
         dst = [torch.empty(t.shape, dtype=t.dtype, pin_memory=on_gpu) for t in src]
         for d in dst:

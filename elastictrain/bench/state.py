@@ -23,17 +23,17 @@ def synthetic_state(nbytes: int, tensor_bytes: int = 64 << 20) -> dict[str, Any]
     return {"model": model, "optimizer": {"state": moments, "param_groups": [{"lr": 1e-3}]}}
 
 
-def _tensors(tree: Any) -> list[torch.Tensor]:
+def tensors_in(tree: Any) -> list[torch.Tensor]:
     if isinstance(tree, torch.Tensor):
         return [tree]
     if isinstance(tree, dict):
-        return [t for v in tree.values() for t in _tensors(v)]
+        return [t for v in tree.values() for t in tensors_in(v)]
     return []
 
 
-def _to(tree: Any, device: torch.device) -> Any:
+def moved_to(tree: Any, device: torch.device) -> Any:
     if isinstance(tree, torch.Tensor):
         return tree.to(device)
     if isinstance(tree, dict):
-        return {k: _to(v, device) for k, v in tree.items()}
+        return {k: moved_to(v, device) for k, v in tree.items()}
     return tree

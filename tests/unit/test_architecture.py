@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -141,3 +142,39 @@ def test_no_file_grows_past_what_a_reader_can_hold():
         if (n := len(p.read_text().splitlines())) > MAX_LINES
     }
     assert not long, f"over {MAX_LINES} lines: {long}"
+
+
+def _code_map() -> str:
+    text = pathlib.Path(REPO_ROOT, "CONTRIBUTING.md").read_text()
+    return text.split("## The code", 1)[1].split("```", 2)[1]
+
+
+def test_the_code_map_names_every_module_and_package():
+    """CONTRIBUTING's code map is how a new maintainer finds a concern: a module it does not name
+    is one nobody will find. Every module's name and every package's ``name/`` appear in it."""
+    code_map = _code_map()
+    words = set(re.findall(r"[A-Za-z_][A-Za-z0-9_]*/?", code_map))
+    missing = []
+    for path in _modules().values():
+        if path.name == "__init__.py":
+            if f"{path.parent.name}/" not in words:
+                missing.append(f"{path.parent.relative_to(REPO_ROOT)}/")
+        elif path.stem not in {w.rstrip("/") for w in words} and path.stem != "__main__":
+            missing.append(str(path.relative_to(REPO_ROOT)))
+    assert not missing, f"CONTRIBUTING.md's code map does not name: {missing}"
+
+
+def test_no_module_imports_another_modules_private_name():
+    """A leading underscore is a module's own business: another module that imports it couples
+    to what its owner may change without notice. Make the name public where it is shared."""
+    found = []
+    for name, path in _modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in PACKAGES:
+                private = [
+                    a.name
+                    for a in node.names
+                    if a.name.startswith("_") and not a.name.endswith("__")
+                ]
+                found += [f"{name} imports {node.module}.{p}" for p in private]
+    assert not found, found
