@@ -126,6 +126,64 @@ def exit_code(error: BaseException | type[BaseException]) -> int:
     return EXIT_CRASH
 
 
+EXIT_CODES: dict[int, tuple[str, str]] = {
+    0: ("`FINISHED N steps`", "done, final checkpoint committed"),
+    EXIT_PREEMPTED: (
+        "`PREEMPTED (SIGTERM) at step N: checkpoint committed`",
+        "stopped by a signal or Ctrl-C with zero lost steps; relaunch to continue",
+    ),
+    130: (
+        "`ABORTED: SIGINT after Ctrl-C; exiting 130 now`",
+        "a second Ctrl-C: stopped at once, the last committed checkpoint is kept",
+    ),
+    EXIT_USER_ERROR: (
+        "`FAILED (exit 2): <error>: ...`",
+        "bad input, a checkpoint of another model or of a newer release, an unusable checkpoint "
+        "location, or nodes that do not share it; nothing was changed",
+    ),
+    EXIT_INIT_TIMEOUT: ("`... did not join within --init-timeout (900s)`", "a rank never arrived"),
+    EXIT_HUNG: (
+        "`HANG DETECTED: no progress for 600.0s in phase 'training' after step N`",
+        "hang watchdog, stacks above it",
+    ),
+    EXIT_TIMEOUT: (
+        "`FAILED (exit 5): CollectiveTimeoutError: training step N did not complete within "
+        "--collective-timeout=600s`",
+        "a skew beyond the budget",
+    ),
+    EXIT_ORPHANED: (
+        "`ORPHANED: the torchrun agent (pid N) is gone`",
+        "the agent died alone; the worker exits instead of training on as a zombie writer",
+    ),
+    EXIT_STORAGE: (
+        "`FAILED (exit 7): CheckpointFailedError: the final checkpoint at step N could not be "
+        "committed: ...`",
+        "storage stayed down past `--storage-retry-deadline` for a checkpoint the run cannot skip "
+        "(see `--on-storage-failure`); committed checkpoints are untouched",
+    ),
+    EXIT_PEER_SILENT: (
+        "`PEER SILENT: no heartbeat from rank N on host H for 16.0s ...`, or `FAILED (exit 8): "
+        "StoreSilentError: torchrun's rendezvous store at H:P accepted the connection but did "
+        "not answer ...`",
+        "a frozen peer, or a frozen host serving the job's store, found by liveness in "
+        "`--silent-timeout`; torchrun re-forms the group without it",
+    ),
+    EXIT_CRASH: ("a traceback", "a crash; torchrun restarts the group"),
+}
+"""Every exit code the runner ends with: (its final log line, what it means). docs/troubleshooting.md
+shows them as ``python -m elastictrain.errors`` prints them."""
+
+
+def markdown() -> str:
+    """The exit-code table of docs/troubleshooting.md, with the errors that end with each code."""
+    rows = ["| code | errors | final line | meaning |", "|---|---|---|---|"]
+    for code, (line, meaning) in EXIT_CODES.items():
+        names = [n for n in __all__ if exit_code(globals()[n]) == code]
+        errors = ", ".join(f"`{n}`" for n in names) or "-"
+        rows.append(f"| {code} | {errors} | {line} | {meaning} |")
+    return "\n".join(rows)
+
+
 @contextlib.contextmanager
 def named_timeout(setting: str, value: float, what: str) -> Iterator[None]:
     """Turn a backend timeout (gloo/nccl raise RuntimeError) into an error that names the setting
@@ -165,3 +223,7 @@ __all__ = [
     "TaskLoadError",
     "UnsafeCheckpointError",
 ]
+
+
+if __name__ == "__main__":
+    print(markdown())

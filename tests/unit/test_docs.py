@@ -76,6 +76,19 @@ def test_every_error_the_manual_names_is_importable_from_errors_with_its_exit_co
         assert re.search(rf"^\| {code} \|", codes, re.M), f"{name}: exit {code} undocumented"
 
 
+def test_the_exit_code_table_is_generated_from_errors_py():
+    """docs/troubleshooting.md's exit codes are what ``python -m elastictrain.errors`` prints:
+    a code, an error or an exit code moved without regenerating the table fails here."""
+    from elastictrain import errors
+
+    doc = _read("docs/troubleshooting.md")
+    start = doc.index("-->\n", doc.index("<!-- exit codes:")) + len("-->\n")
+    generated = doc[start : doc.index("<!-- end of exit codes -->")].strip()
+    assert generated == errors.markdown().strip(), "regenerate: python -m elastictrain.errors"
+    constants = {v for k, v in vars(errors).items() if k.startswith("EXIT_") and k != "EXIT_CODES"}
+    assert constants <= set(errors.EXIT_CODES), constants - set(errors.EXIT_CODES)
+
+
 def test_the_top_level_exports_what_a_user_calls_and_old_error_imports_still_work():
     import warnings
 
