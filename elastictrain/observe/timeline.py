@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from elastictrain.checkpoint.api import Tier
 from elastictrain.observe.events import Cause, Event, Name
 
 
@@ -198,13 +199,13 @@ def summary(timeline: Timeline) -> str:
 def _resumed_from(e: dict[str, Any]) -> str:
     if e.get("fresh") or "tier" not in e:
         return ""
-    if e["tier"] == "fast":  # sharded: each node's copies, and its buddies'
+    if e["tier"] == Tier.FAST:  # sharded: each node's copies, and its buddies'
         nodes = ", ".join(f"ranks {_span(r)} by rank {h}'s node" for h, r in e["served_by"].items())
         return (
             f"fast tier: {nodes}; {e.get('peer_bytes', 0)} bytes from other nodes, "
             f"{e.get('steps_saved', 0)} steps past the durable one"
         )
-    if e["tier"] != "local":
+    if e["tier"] != Tier.LOCAL:
         return f"{e['tier']} tier"
     return f"local tier of rank {e.get('source_rank')}, {e.get('steps_saved', 0)} steps past the durable one"
 
