@@ -24,6 +24,38 @@ from elastictrain.errors import ConfigError
 MODES = ("ddp", "fsdp")
 
 
+class Replicate:
+    """``--parallel ddp``: the whole model on every rank, wrapped after the resume loaded it."""
+
+    name = "ddp"
+    primes_buckets = True
+    """DDP's gradient buckets are built at the first backward: prime them before the loop."""
+
+    def place(self, model: nn.Module, task_shard: Any, device: torch.device, world: int) -> None:
+        """Before the optimizer is built: nothing to do."""
+
+    def wrap(self, model: nn.Module, device: torch.device, model_devices: Any) -> nn.Module:
+        return wrap_ddp(model, device, model_devices)
+
+
+class Shard:
+    """``--parallel fsdp``: FSDP2 applied in place before the optimizer, which steps the shards."""
+
+    name = "fsdp"
+    primes_buckets = False
+
+    def place(self, model: nn.Module, task_shard: Any, device: torch.device, world: int) -> None:
+        shard(model, task_shard, device, world)
+
+    def wrap(self, model: nn.Module, device: torch.device, model_devices: Any) -> nn.Module:
+        return model  # sharded in place by ``place``
+
+
+def for_setting(parallel: str) -> Replicate | Shard:
+    """The one place the runner reads ``--parallel``."""
+    return {"ddp": Replicate, "fsdp": Shard}[parallel]()
+
+
 def shard(model: nn.Module, task_shard: Any, device: torch.device, world_size: int) -> None:
     """Apply FSDP2 in place: the task's ``shard(model, mesh)``, else the default units (see
     :func:`default_units`), then the root.

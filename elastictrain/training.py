@@ -1,0 +1,195 @@
+"""One attempt's training loop: resume, step, report, checkpoint, and the final save.
+
+The step itself is ``loop.Trainer``'s; what the attempt trains with is ``attempt.Attempt``'s;
+what every rank agrees on after each step (stop, save, report) is the checkpoint session's.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from elastictrain.attempt import Attempt
+from elastictrain.checkpoint.api import Reason
+from elastictrain.checkpoint.checkpointer import Resumed
+from elastictrain.checkpoint.state import TrainState
+from elastictrain.errors import named_timeout
+from elastictrain.loop import Trainer
+from elastictrain.observe import stragglers
+from elastictrain.observe.events import Event, SampleLog
+from elastictrain.observe.logs import CONTEXT
+from elastictrain.observe.progress import Progress
+from elastictrain.observe.tensorboard import Scalars
+from elastictrain.observe.terminal import live_terminal
+from elastictrain.precision import Precision
+
+logger = logging.getLogger(__name__)
+
+
+def train(attempt: Attempt) -> int:
+    """Every rank: resume, train to ``--max-steps``, commit the final checkpoint; 0 when done."""
+    cfg, env, session = attempt.cfg, attempt.env, attempt.session
+    t0 = time.monotonic()
+    precision = Precision(cfg.precision, attempt.device)
+    # Before the preflight's first write: a task that cannot run (tied weights split over
+    # FSDP groups, Task.state a checkpoint cannot carry) leaves the location untouched.
+    state = attempt.build_state(precision)
+    t1 = time.monotonic()
+    session.preflight()
+    t2 = time.monotonic()
+    resumed = session.resume(state, attempt.device)
+    t3 = time.monotonic()
+    # Where a (re)start's time goes, for the first_step event. ddp_s (DDP wrap, loader,
+    # bucket priming) runs from here to the loop's start, which adds its own clock to it.
+    startup = {"build_s": t1 - t0, "probe_s": t2 - t1, "resume_s": t3 - t2, "ddp_s": -t3}
+    model = attempt.parallelism.wrap(state.model, attempt.device, attempt.task.model_devices)
+    sample_log = SampleLog(
+        cfg.sample_log,
+        rank=env.rank,
+        world_size=env.world_size,
+        generation=session.generation,  # fenced: strictly above every earlier attempt
+    )
+    scalars = Scalars(cfg.tensorboard, resume_step=resumed.step, enabled=env.is_rank0)
+    loader = attempt.loader(resumed.step)
+    trainer = Trainer(
+        task=attempt.task,
+        model=model,
+        optimizer=state.optimizer,
+        scheduler=state.scheduler,
+        loader=loader,
+        precision=precision,
+        device=attempt.device,
+        rank=env.rank,
+        seed=cfg.seed,
+        clip_grad_norm=cfg.clip_grad_norm,
+        on_share=sample_log.record,
+    )
+    run = _Run(attempt, state, trainer, resumed, scalars)
+    try:
+        return run.loop(startup)
+    finally:
+        loader.close()
+        scalars.close()
+
+
+@dataclass
+class _Run:
+    """The loop's shared parts: who reports, what is trained, from where."""
+
+    attempt: Attempt
+    state: TrainState
+    trainer: Trainer
+    resumed: Resumed
+    scalars: Scalars
+
+    def __post_init__(self) -> None:
+        cfg, env = self.attempt.cfg, self.attempt.env
+        self.progress = Progress(
+            world_size=env.world_size,
+            start_step=self.resumed.step,
+            max_steps=cfg.max_steps,
+            every_s=cfg.log_every_seconds,
+            events=self.attempt.events,
+            enabled=env.is_rank0,
+            restarts=env.restart_count,
+            live=live_terminal(cfg.progress, sys.stderr),
+        )
+        self.progress.last_checkpoint = self.resumed.checkpoint_step
+        self.loss = torch.zeros(())
+
+    def report(self, step: int, slow=None) -> None:
+        """Every rank (the means are one all-reduce); rank 0 logs and records."""
+        means, fields = self.trainer.summary(dist.group.WORLD)
+        metrics = {k: v for k, v in means.items() if k != "loss"}
+        self.progress.report(step, means.get("loss", self.loss), slow, metrics=metrics, **fields)
+        self.scalars.write(step, "train", {**means, **fields})
+
+    def _checkpoints_shown(self) -> None:
+        session = self.attempt.session
+        self.progress.last_checkpoint = session.last_committed
+        self.progress.last_local = session.last_local
+
+    def loop(self, startup: dict[str, float]) -> int:
+        attempt, trainer, resumed = self.attempt, self.trainer, self.resumed
+        cfg, env, session = attempt.cfg, attempt.env, attempt.session
+        if resumed.step < cfg.max_steps and attempt.parallelism.primes_buckets:
+            with named_timeout(
+                "--collective-timeout", cfg.collective_timeout, "the first step's all-reduce"
+            ):
+                trainer.prime_buckets(resumed.step)
+        t_loop = time.monotonic()
+        startup["ddp_s"] += t_loop
+        t_first = t_done = t_loop
+        for step in range(resumed.step, cfg.max_steps):
+            CONTEXT.step = step
+            with named_timeout(
+                "--collective-timeout", cfg.collective_timeout, f"training step {step}"
+            ):
+                self.loss = trainer.step(step)
+                done = step + 1
+                CONTEXT.step = done
+                if self.progress.live:
+                    self._checkpoints_shown()
+                    self.progress.tick(done, self.loss)
+                t_done = time.monotonic()
+                if step == resumed.step:  # how long a (re)start took to get back to training
+                    t_first = t_done
+                    startup["step_s"] = t_done - t_loop
+                    attempt.events.emit(
+                        Event.FIRST_STEP,
+                        step=done,
+                        loss=float(self.loss.item()) if env.is_rank0 else None,
+                        **{k: round(v, 4) for k, v in startup.items()},
+                    )
+                if attempt.eval_due(done):
+                    attempt.evaluate(done, trainer.model, trainer.precision, self.scalars)
+                outcome = session.step(
+                    done, self.state, report=self.progress.due(), may_save=done < cfg.max_steps
+                )
+                # The last step's report comes after the final checkpoint, once: a report agreed
+                # at the last step too would record the final step twice.
+                if outcome.report and done < cfg.max_steps:
+                    self._checkpoints_shown()
+                    self.report(done, stragglers.gather(trainer.timer, attempt.groups.control))
+        return self._finish(t_loop, t_first, t_done)
+
+    def _finish(self, t_loop: float, t_first: float, t_done: float) -> int:
+        """The final checkpoint, the last report and evaluation, the end of the attempt."""
+        attempt, trainer, resumed = self.attempt, self.trainer, self.resumed
+        cfg, session = attempt.cfg, attempt.session
+        if resumed.step > cfg.max_steps:
+            # Never label step-k state as an earlier step: there is nothing to train or save.
+            logger.warning(
+                "checkpoint is at step %d, past --max-steps %d; nothing to do",
+                resumed.step,
+                cfg.max_steps,
+            )
+        else:
+            session.save(cfg.max_steps, self.state, Reason.FINAL)
+        self.progress.last_checkpoint = session.last_committed
+        if resumed.step < cfg.max_steps:
+            self.report(cfg.max_steps)
+            if attempt.task.evaluate is not None:  # the final score
+                attempt.evaluate(cfg.max_steps, trainer.model, trainer.precision, self.scalars)
+        self.progress.close()
+        session.close()
+        elapsed = time.monotonic() - t_loop
+        trained = max(cfg.max_steps - resumed.step, 0)
+        logger.info(
+            "FINISHED %d steps (%d this attempt in %.1fs); exit 0", cfg.max_steps, trained, elapsed
+        )
+        session.emit_end(
+            max(cfg.max_steps, resumed.step),
+            steps_this_attempt=trained,
+            seconds=round(elapsed, 3),
+            # Steady-state training time: from the first step's end to the last step's end.
+            after_first_step_s=round(t_done - t_first, 6) if trained > 1 else None,
+            skipped_checkpoints=session.skipped_checkpoints,
+            **({"overflow_skips": trainer.overflow_skips} if trainer.precision.scaler else {}),
+        )
+        return 0
