@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -41,14 +42,17 @@ class Control:
         interval_s: float = 0.2,
         group: dist.ProcessGroup | None = None,
         alone: bool = False,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """``group``: the process group to agree in (None: the default one); ``alone``: a single
-        process without torch.distributed, whose opinions are already the decisions."""
+        process without torch.distributed, whose opinions are already the decisions; ``clock``:
+        rank 0's step time is measured on it."""
         self.device = device
         self.group = group
         self.alone = alone
         self.is_rank0 = is_rank0
         self.interval_s = interval_s
+        self.clock = clock
         self._next = 0  # the first completed step agrees at once
         self._last: tuple[int, float] | None = None
 
@@ -68,7 +72,7 @@ class Control:
         if done < self._next:
             return Decisions()
         proposal = 1
-        now = time.monotonic()
+        now = self.clock()
         if self.is_rank0 and self._last is not None and done > self._last[0]:
             per_step = (now - self._last[1]) / (done - self._last[0])
             proposal = min(max(math.ceil(self.interval_s / max(per_step, 1e-6)), 1), 1000)

@@ -35,10 +35,9 @@ def test_auto_interval_keeps_the_copies_within_the_overhead_budget():
     assert [s for s in range(1, 31) if fixed.due(s)] == [10, 20, 30]
 
 
-def test_a_copy_costs_its_blocking_plus_the_slowdown_of_the_steps_it_overlaps(monkeypatch):
+def test_a_copy_costs_its_blocking_plus_the_slowdown_of_the_steps_it_overlaps():
     clock = iter([0.0, 0.1, 0.2, 0.34, 0.49, 0.59, 0.7, 5.0])
-    monkeypatch.setattr("elastictrain.checkpoint.tiers.local.time.monotonic", lambda: next(clock))
-    schedule = LocalSchedule("auto", overhead=0.02)
+    schedule = LocalSchedule("auto", overhead=0.02, clock=lambda: next(clock))
     schedule.observe(skip=False, writing=False)  # 0.0
     schedule.observe(skip=False, writing=False)  # 0.1: start-up, left out
     schedule.observe(skip=False, writing=False)  # 0.2: a 0.1 s step

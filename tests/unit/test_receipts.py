@@ -109,3 +109,22 @@ def test_the_last_rank_to_post_completes_the_step_even_out_of_order(server):
     for t in threads:
         t.join()
     assert [g["rank"] for g in got] == list(range(world))
+
+
+def test_polling_backs_off_to_its_ceiling_and_gives_up_at_the_deadline_on_the_given_clock(tmp_path):
+    """The clock and the sleep are parameters: an hour-long deadline is checked in no real time,
+    and the polls double from 5 ms to 0.5 s instead of hammering storage."""
+    ckpt = storage.open_store(str(tmp_path / "c"))
+    now, slept = [0.0], []
+
+    def sleep(s: float) -> None:
+        slept.append(s)
+        now[0] += s
+
+    receipts = StorageReceipts(2, clock=lambda: now[0], sleep=sleep)
+    _post([receipts], ckpt, 0)
+    t0 = time.monotonic()
+    with pytest.raises(ShardsMissingError, match="1"):
+        receipts.gather(ckpt, 3, 7, lambda s: False, deadline_s=3600)
+    assert time.monotonic() - t0 < 30 and now[0] > 3600
+    assert slept[:3] == [0.005, 0.01, 0.02] and max(slept) == 0.5 and slept[-1] == 0.5

@@ -76,8 +76,10 @@ class LocalSchedule:
     step time without one: the background write is free on a GPU node whose CPU idles, and not
     on a CPU-bound one."""
 
-    def __init__(self, every: int | str, overhead: float) -> None:
-        self.every, self.overhead = every, overhead
+    def __init__(
+        self, every: int | str, overhead: float, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.every, self.overhead, self.clock = every, overhead, clock
         self.step_s: float | None = None
         """Step time while no copy is being written (EMA); steps that took a copy left out."""
         self.cost_s = 0.0
@@ -91,7 +93,7 @@ class LocalSchedule:
     def observe(self, *, skip: bool, writing: bool) -> None:
         """Called once per step. ``skip``: the step took a durable checkpoint (not a normal step,
         and not this tier's cost). ``writing``: a local copy's write overlapped it."""
-        now = time.monotonic()
+        now = self.clock()
         if self._t_last is not None and not self._skip_next:
             # The gap after a local copy holds its snapshot, already counted as blocked.
             dt = now - self._t_last - self._blocked_in_gap
@@ -248,7 +250,7 @@ class LocalTier:
             self._off(why)
             return
         self._sized = True
-        t0 = time.monotonic()
+        t0 = self.schedule.clock()
         self.writer.save(
             step,
             state.epoch_of(step),
@@ -257,7 +259,7 @@ class LocalTier:
             background=True,
         )
         # The previous copy's slowdown of the steps since, plus this one's blocking.
-        self.schedule.took_copy(step, time.monotonic() - t0)
+        self.schedule.took_copy(step, self.schedule.clock() - t0)
 
     def _why_not(self, step: int, state: tstate.TrainState) -> str | None:
         """Why the tier cannot take this copy: the previous copy's background write failed, or

@@ -82,8 +82,10 @@ class StoreReceipts:
     """Receipts in the job's c10d store, keyed by generation and step (so a stale writer's never
     count), one key per rank, a counter, and a key the last rank to post sets."""
 
-    def __init__(self, store: dist.Store, world_size: int) -> None:
-        self.store, self.world_size = store, world_size
+    def __init__(
+        self, store: dist.Store, world_size: int, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.store, self.world_size, self.clock = store, world_size, clock
         self._waiter: dist.Store | None = None  # rank 0's own connection: its waits block nobody
         self._posted: str | None = None  # this rank's last step prefix, deleted once gathered
 
@@ -115,9 +117,9 @@ class StoreReceipts:
         if self._waiter is None:
             self._waiter = self.store.clone()
         waiter, prefix = self._waiter, self._prefix(step, generation)
-        deadline = time.monotonic() + deadline_s
+        deadline = self.clock() + deadline_s
         while True:
-            left = deadline - time.monotonic()
+            left = deadline - self.clock()
             try:
                 waiter.wait(
                     [f"{prefix}all"], timedelta(seconds=max(0.001, min(_WAIT_SLICE_S, left)))
@@ -125,7 +127,7 @@ class StoreReceipts:
                 break
             except dist.DistStoreError:  # this slice timed out
                 gave_up = abandoned(step)
-                if gave_up or time.monotonic() >= deadline:
+                if gave_up or self.clock() >= deadline:
                     raise _missing(
                         step, self._absent(waiter, prefix), gave_up, deadline_s
                     ) from None
@@ -148,8 +150,14 @@ class StoreReceipts:
 class StorageReceipts:
     """Receipts as files beside the shards, polled by rank 0."""
 
-    def __init__(self, world_size: int) -> None:
-        self.world_size = world_size
+    def __init__(
+        self,
+        world_size: int,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        """``clock`` and ``sleep``: the deadline's and the polling's (a test passes fakes)."""
+        self.world_size, self.clock, self.sleep = world_size, clock, sleep
 
     def post(
         self, store: storage.Store, step: int, generation: int, rank: int, receipt: bytes
@@ -168,7 +176,7 @@ class StorageReceipts:
         then after each listing the ones it shows."""
         wanted = {sharded.receipt_file(r, generation): r for r in range(self.world_size)}
         got: dict[int, dict[str, Any]] = {}
-        deadline = time.monotonic() + deadline_s
+        deadline = self.clock() + deadline_s
         pause = _POLL_S[0]
         first = True
         while True:
@@ -182,10 +190,10 @@ class StorageReceipts:
             if len(got) == len(wanted):
                 return [got[r] for r in range(self.world_size)]
             gave_up = abandoned(step)
-            if gave_up or time.monotonic() > deadline:
+            if gave_up or self.clock() > deadline:
                 missing = sorted(set(range(self.world_size)) - set(got))
                 raise _missing(step, missing, gave_up, deadline_s)
-            time.sleep(pause)
+            self.sleep(pause)
             pause = min(pause * 2, _POLL_S[1])
 
 
