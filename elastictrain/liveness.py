@@ -1,8 +1,8 @@
 """Liveness, apart from progress: a frozen peer is found in seconds, not at --collective-timeout.
 
 A host that freezes (SIGSTOP, a wedged NIC or GPU, a hung kernel) keeps its sockets open, so its
-peers wait in their collectives until the collective timeout: 600 s in the recipes (issue 27
-measured 606 s from the freeze to training again). Step progress cannot tell a frozen peer from a
+peers wait in their collectives until the collective timeout (600 s in the recipes;
+docs/measurements.md). Step progress cannot tell a frozen peer from a
 slow step, so every rank also shows it is alive from a thread of its own, which needs no progress:
 
 - every ``--heartbeat-seconds`` each rank sets its beat key in the attempt's c10d store (a counter,

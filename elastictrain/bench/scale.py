@@ -141,7 +141,7 @@ def run_handshake(world: int) -> Row:
 
     previous = threading.stack_size(256 << 10)  # 8,192 threads at the default 8 MB is 64 GB
     # Thousands of threads woken at once queue for the GIL, 5 ms a hand-off by default: that
-    # measured this harness (43 s at W = 8,192), not the protocol (9 s with 0.1 ms).
+    # measures this harness, not the protocol (docs/measurements.md).
     switch = sys.getswitchinterval()
     sys.setswitchinterval(1e-4)
     threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]

@@ -165,7 +165,7 @@ def _sharded(store: storage.CheckpointStore, manifest: storage.Manifest) -> Mode
 
     def read(key: str) -> torch.Tensor:
         """Valid until the next read: one buffer, grown to the largest tensor, serves them all
-        (a fresh allocation per tensor fragments the heap: 3x the memory, measured)."""
+        (a fresh allocation per tensor fragments the heap: docs/measurements.md)."""
         nonlocal buffer
         t = saved[prefix + key]
         dtype = getattr(torch, t["dtype"])

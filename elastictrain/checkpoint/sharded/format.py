@@ -136,8 +136,8 @@ class LocalShards:
 
 
 def local_shards(dtensors: dict[str, DTensor], cache: dict | None = None) -> LocalShards:
-    """``cache``: a dict kept across checkpoints; DCP's plan (7 ms for 30 tensors, on the
-    training thread) is reused while every tensor keeps its shape and placement."""
+    """``cache``: a dict kept across checkpoints; DCP's plan (it runs on the training thread:
+    docs/measurements.md) is reused while every tensor keeps its shape and placement."""
     key = tuple(
         (path, tuple(dt.shape), tuple(dt.placements), tuple(dt.to_local().shape), dt.dtype)
         for path, dt in dtensors.items()

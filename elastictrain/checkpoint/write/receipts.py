@@ -10,9 +10,8 @@ carry them, with the same meaning:
   (the attempt's own prefix, so a receipt never outlives its rendezvous). The rank that completes
   the count marks the step complete, and rank 0 blocks on that one key and fetches all W receipts
   with one ``multi_get``: 4 store requests for the gather and 3 to 5 for each post, whatever W. The
-  storage way made rank 0 issue W GETs, which at W = 8,192 cost 2.6 s of one Python process's CPU
-  however many threads (312 µs a read under contention, ``bench scale``): per-request CPU, not
-  latency, was the commit's floor.
+  storage way made rank 0 issue W GETs, whose per-request CPU, not their latency, was the
+  commit's floor at large W (docs/measurements.md).
 - :class:`StorageReceipts`, without a c10d store (one process, the unit tests): a file
   ``step-N/done-r*-g*.json`` per rank, which rank 0 reads 256 at a time.
 
