@@ -9,6 +9,7 @@ import uuid
 
 import pytest
 
+from elastictrain.checkpoint.api import Tier
 from elastictrain.observe.events import Event, read_events, read_sample_log
 from tests.helpers.elastic import assert_exactly_once, node_args
 from tests.helpers.launcher import job_env, wait_for_event, wait_for_fast_copies
@@ -81,7 +82,7 @@ def test_fsdp_node_loss_reshards_and_trains_every_sample_once(launch, tmp_path):
     assert shrunk and shrunk[-1]["old_world_size"] == 4, events
     # The resume that announced the change (its event comes just before the membership one).
     alone = [e for e in events[: events.index(shrunk[-1])] if e["event"] == Event.RESUME][-1]
-    assert (alone["tier"], alone["remote_bytes"], alone["world_size"]) == ("fast", 0, 2), alone
+    assert (alone["tier"], alone["remote_bytes"], alone["world_size"]) == (Tier.FAST, 0, 2), alone
     assert sorted(r for ranks in alone["served_by"].values() for r in ranks) == [0, 1, 2, 3]
     assert events[-1]["event"] == Event.END and events[-1]["step"] == steps
     ledger = assert_exactly_once(
@@ -132,7 +133,7 @@ def test_losing_the_rendezvous_host_ends_the_job_and_a_relaunch_resumes(launch, 
     # node that survived (the local tier's interval depends on load).
     first = relaunched[0]
     assert not first["fresh"] and first["step"] >= last, relaunched
-    assert (first["step"] if first.get("tier") != "local" else first["durable_step"]) == last
+    assert (first["step"] if first.get("tier") != Tier.LOCAL else first["durable_step"]) == last
     assert_exactly_once(
         read_sample_log(str(tmp_path / "elastic-samples")),
         dataset_size=DATASET,

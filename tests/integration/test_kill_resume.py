@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from elastictrain.checkpoint.api import Reason
+from elastictrain.checkpoint.api import Reason, Tier
 from elastictrain.observe.events import Event, read_events, read_sample_log
 from tests.helpers.launcher import (
     assert_bitwise_equal,
@@ -137,7 +137,7 @@ def test_worker_sigkill_resumes_from_the_local_tier_reading_no_state_from_s3(
     resumes = [e for e in read_events(ev) if e["event"] == Event.RESUME]
     assert resumes[0]["fresh"]
     resumed = resumes[1]
-    assert (resumed["tier"], resumed["remote_bytes"], resumed["source_rank"]) == ("local", 0, 0)
+    assert (resumed["tier"], resumed["remote_bytes"], resumed["source_rank"]) == (Tier.LOCAL, 0, 0)
     assert resumed["step"] >= resumed["durable_step"] >= 40 and resumed["step"] % 10 == 0
     # Redone: what the killed attempt had trained past the copy it resumed from.
     history = read_sample_log(samples)

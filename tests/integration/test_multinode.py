@@ -12,6 +12,7 @@ import uuid
 
 import pytest
 
+from elastictrain.checkpoint.api import Tier
 from elastictrain.observe import report
 from elastictrain.observe.events import Event, read_events, read_sample_log
 from tests.helpers.elastic import assert_exactly_once
@@ -142,10 +143,14 @@ def test_two_node_recipe_loses_a_node_and_rejoins_and_the_report_from_storage_sh
     # node 1's old local copies by generation) from the durable tier.
     resumes = [e for e in events if e["event"] == Event.RESUME and not e["fresh"]]
     survivor = next(e for e in resumes if e["time"] > t_kill)
-    assert (survivor["tier"], survivor["remote_bytes"], survivor["source_rank"]) == ("local", 0, 0)
+    assert (survivor["tier"], survivor["remote_bytes"], survivor["source_rank"]) == (
+        Tier.LOCAL,
+        0,
+        0,
+    )
     assert survivor["step"] >= survivor["durable_step"], survivor
     rejoined = next(e for e in resumes if e["time"] > t_join)
-    assert rejoined["tier"] == "durable" and rejoined["world_size"] == 2, rejoined
+    assert rejoined["tier"] == Tier.DURABLE and rejoined["world_size"] == 2, rejoined
     # The agent stops a healthy group with SIGTERM for the rejoin: it saved the exact step first.
     assert grown["step"] in [e["step"] for e in events if e["event"] == Event.PREEMPTED]
     ledger = assert_exactly_once(

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 
+from elastictrain.checkpoint.api import Tier
+
 PROBE = ("-m", "tests.helpers.shard_tier_probe")
 
 
@@ -20,8 +22,8 @@ def test_a_lost_node_resumes_from_its_buddy_skips_a_bad_copy_and_falls_back_when
     # Fresh; node 1 replaced (step 10); then also a flipped byte (step 20 skipped: 15); then both
     # copies of ranks 2 and 3 lost (the durable tier's step 13).
     assert seen["resumed"] == [0, 10, 15, 13], seen
-    assert seen["tiers"] == ["fast", "fast", "durable"], seen
+    assert seen["tiers"] == [Tier.FAST, Tier.FAST, Tier.DURABLE], seen
     # Node 1's shards came over the process group from node 0; nothing from the durable tier.
     assert seen["peer_bytes"][0] > 0 and seen["durable_bytes"][:2] == [0, 0], seen
     assert seen["durable_bytes"][2] > 0, seen
-    assert seen["corrupt"] == [[20, "fast", True]], seen  # the buddy copy, named, at step 20
+    assert seen["corrupt"] == [[20, Tier.FAST, True]], seen  # the buddy copy, named, at step 20

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from elastictrain.__main__ import main as cli_main
+from elastictrain.checkpoint.api import Tier
 from elastictrain.checkpoint.sharded import format as sharded
 from elastictrain.observe.events import Event, read_events
 from storage.manifest import MANIFEST_NAME, parse_step_dir, step_dir_name
@@ -145,7 +146,7 @@ def test_fsdp_sigkilled_twice_once_mid_shard_write_then_preempted_ends_bitwise_e
     # kill; either way resume picked a step that verified, and nothing was found corrupt.
     assert resumes[1]["step"] <= caught and "CORRUPT CHECKPOINT" not in job.log()
     # The kill between checkpoints: every rank's shards from its node's memory, none from storage.
-    assert (resumes[2]["tier"], resumes[2]["remote_bytes"]) == ("fast", 0), resumes[2]
+    assert (resumes[2]["tier"], resumes[2]["remote_bytes"]) == (Tier.FAST, 0), resumes[2]
     assert resumes[2]["local_bytes"] > 0 and resumes[2]["peer_bytes"] == 0, resumes[2]
     assert_bitwise_equal(final_state(ckpt), final_state(str(tmp_path / "ref")))
 

@@ -8,6 +8,7 @@ import re
 
 import pytest
 
+from elastictrain.checkpoint.api import Tier
 from tests.helpers.launcher import REPO_ROOT, final_state, run_single
 
 
@@ -102,7 +103,7 @@ def test_bench_recovery_against_a_slow_remote_gives_sane_figures():
     assert out.returncode == 0, out.stderr[-3000:]
     r = json.loads(out.stdout)
     durable, local, empty = r["durable"], r["two_tiers"], r["empty"]
-    assert (durable["tier"], local["tier"], empty["tier"]) == ("durable", "local", "none"), r
+    assert (durable["tier"], local["tier"], empty["tier"]) == (Tier.DURABLE, Tier.LOCAL, "none"), r
     assert durable["remote_state_bytes_read"] >= durable["checkpoint_bytes"] > 100_000, r
     assert local["remote_state_bytes_read"] == 0 and empty["resumed_step"] == 0, r
     assert durable["resumed_step"] >= 30 and durable["resumed_step"] % 30 == 0, r

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import storage
-from elastictrain.checkpoint.api import Reason
+from elastictrain.checkpoint.api import Reason, Tier
 from elastictrain.checkpoint.checkpointer import Checkpointer
 from elastictrain.config import CheckpointConfig
 from elastictrain.errors import CheckpointFailedError
@@ -83,7 +83,7 @@ def test_a_corrupt_newest_checkpoint_is_reported_and_the_previous_one_resumed(tm
     corrupt = [
         e for e in read_events(str(tmp_path / "events.jsonl")) if e["event"] == Event.CORRUPT
     ]
-    assert [(e["step"], e["tier"]) for e in corrupt] == [(2, "durable")]
+    assert [(e["step"], e["tier"]) for e in corrupt] == [(2, Tier.DURABLE)]
 
 
 def test_the_local_tier_copies_after_steps_a_resume_prefers_the_newer_copy_and_a_final_save_at_it_still_reaches_the_durable_tier(  # noqa: E501
@@ -111,7 +111,7 @@ def test_the_local_tier_copies_after_steps_a_resume_prefers_the_newer_copy_and_a
     fresh = state(seed=1)
     assert again.resume(fresh, CPU).step == 4
     resume = [e for e in read_events(str(tmp_path / "events.jsonl")) if e["event"] == "resume"]
-    assert resume[-1]["tier"] == "local" and resume[-1]["remote_bytes"] == 0
+    assert resume[-1]["tier"] == Tier.LOCAL and resume[-1]["remote_bytes"] == 0
     assert (resume[-1]["durable_step"], resume[-1]["steps_saved"]) == (2, 2)
     # Step 4 is in node memory only: a preemption (or the end) right after the resume must still
     # write it to the durable tier before the local copies go.

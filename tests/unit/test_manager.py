@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from elastictrain import CheckpointManager, Preempted, load_checkpoint
+from elastictrain.checkpoint.api import Tier
 from elastictrain.errors import CheckpointMismatchError, ConfigError
 from elastictrain.observe.events import Event, read_events
 from tests.helpers.launcher import job_env
@@ -93,12 +94,12 @@ def test_crashes_resume_from_the_newest_local_copy_past_a_corrupt_one_and_end_eq
         assert torch.equal(a, b)
     resumes = [e for e in read_events(ev) if e["event"] == Event.RESUME and not e["fresh"]]
     assert [(e["step"], e["tier"], e["remote_bytes"], e["durable_step"]) for e in resumes] == [
-        (9, "local", 0, 8),
-        (12, "local", 0, 12),
+        (9, Tier.LOCAL, 0, 8),
+        (12, Tier.LOCAL, 0, 12),
     ]
     assert resumes[0]["steps_saved"] == 1
     corrupt = [e for e in read_events(ev) if e["event"] == Event.CORRUPT]
-    assert [(e["step"], e["tier"]) for e in corrupt] == [(15, "local")]
+    assert [(e["step"], e["tier"]) for e in corrupt] == [(15, Tier.LOCAL)]
     assert not local.exists()  # the finished run removed its local tier
 
 

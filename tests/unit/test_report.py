@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+from elastictrain.checkpoint.api import Tier
 from elastictrain.observe import report, timeline
 from elastictrain.observe.events import Cause, Event
 from elastictrain.observe.timeline import Outcome
@@ -171,7 +172,7 @@ def test_a_resume_from_the_fast_tier_says_which_nodes_served_which_ranks():
             step=150,
             fresh=False,
             world_size=2,
-            tier="fast",
+            tier=Tier.FAST,
             durable_step=100,
             steps_saved=50,
             peer_bytes=0,
