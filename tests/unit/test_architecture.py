@@ -178,3 +178,16 @@ def test_no_module_imports_another_modules_private_name():
                 ]
                 found += [f"{name} imports {node.module}.{p}" for p in private]
     assert not found, found
+
+
+def test_the_checkpoint_package_exports_its_surface_and_importing_it_costs_no_torch():
+    code = (
+        "import sys, elastictrain.checkpoint as c\n"
+        "assert 'torch' not in sys.modules, 'importing the package imported torch'\n"
+        "assert all(getattr(c, name) is not None for name in c.__all__)\n"
+        "assert c.Tier.FAST == 'fast' and c.CheckpointManager.__module__.endswith('manager')\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr
