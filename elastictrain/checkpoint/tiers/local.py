@@ -58,6 +58,13 @@ def default_dir(durable_url: str, root: str) -> str:
     return os.path.join(root, f"elastictrain-{os.getuid()}", key)
 
 
+def tier_dir(config: CheckpointConfig) -> str:
+    """This node's tier folder for the run's durable location."""
+    return config.local_checkpoint_dir or default_dir(
+        config.checkpoint_dir, knobs.local_tier_root()
+    )
+
+
 def payload_bytes(tree: Any) -> int:
     """Tensor bytes of a captured state: what the local copy will take, before it is taken."""
     if isinstance(tree, torch.Tensor):
@@ -123,8 +130,30 @@ class LocalSchedule:
         return self.last is None or step - self.last >= self.interval()
 
 
+class NodeCopies:
+    """What a copy is for replicated state: the node's one replica, written by its local rank 0
+    into the tier folder as one flat file. (``tiers.shards.RankCopies``: every rank's shards.)"""
+
+    def folder(self, tier_dir: str, rank: int) -> str:
+        return tier_dir
+
+    def writes(self, local_rank: int) -> bool:
+        return local_rank == 0
+
+    def layout(self, world_size: int) -> Layout:
+        return FlatLayout()
+
+    def capture(self, state: tstate.TrainState, step: int) -> dict[str, Any]:
+        return tstate.capture(state, step=step)
+
+    def copy_bytes(self, captured: dict[str, Any]) -> int:
+        """What one copy takes on this node's folder."""
+        return payload_bytes(captured)
+
+
 class LocalTier:
-    """One per rank; only a node's local rank 0 writes (``self.writes``)."""
+    """One per rank; only a node's local rank 0 writes (``self.writes``). What a copy is comes
+    from ``copies``, given at construction (``NodeCopies`` by default)."""
 
     def __init__(
         self,
@@ -136,17 +165,18 @@ class LocalTier:
         generation: Callable[[], int],
         events: EventLog,
         attached: Callable[[], bool],
+        copies: NodeCopies | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """``config``: the ``local_*`` settings, and the durable location the folder is for."""
         self.config = config
-        self.dir = config.local_checkpoint_dir or default_dir(
-            config.checkpoint_dir, knobs.local_tier_root()
-        )
+        self.copies = copies or NodeCopies()
+        self.dir = tier_dir(config)
         self.events = events
-        self.schedule = LocalSchedule(config.local_every_steps, config.local_overhead)
+        self.schedule = LocalSchedule(config.local_every_steps, config.local_overhead, clock)
         self.rank, self.local_rank = rank, local_rank
-        self.folder = self._folder()
-        self.writes = config.local_checkpoint and self._writes()
+        self.folder = self.copies.folder(self.dir, rank)
+        self.writes = config.local_checkpoint and self.copies.writes(local_rank)
         self.store: storage.CheckpointStore | None = None
         self.writer: Persister | None = None
         self.record = SaveRecord()
@@ -165,7 +195,7 @@ class LocalTier:
             return
         self.writer = Persister(
             store=self.store,
-            layout=self._layout(world_size),
+            layout=self.copies.layout(world_size),
             # The newest KEEP copies; milestones are the durable tier's business.
             config=dataclasses.replace(config, keep_last=KEEP, keep_every_steps=None),
             record=self.record,
@@ -175,17 +205,6 @@ class LocalTier:
             events=events,
             attached=attached,
         )
-
-    # -- what differs for sharded state (``shard_tier``) ----------------------------------------
-    def _folder(self) -> str:
-        """Where this rank's copies go: the node's one replica."""
-        return self.dir
-
-    def _writes(self) -> bool:
-        return self.local_rank == 0
-
-    def _layout(self, world_size: int) -> Layout:
-        return FlatLayout()
 
     def _unusable(self) -> str | None:
         parent = os.path.dirname(self.dir.rstrip("/")) or "/"
@@ -255,7 +274,7 @@ class LocalTier:
             step,
             state.epoch_of(step),
             Reason.STEPS,
-            lambda: self._capture(state, step),
+            lambda: self.copies.capture(state, step),
             background=True,
         )
         # The previous copy's slowdown of the steps since, plus this one's blocking.
@@ -269,7 +288,9 @@ class LocalTier:
             return f"a local write failed: {type(error).__name__}: {error}"
         if self._sized:
             return None
-        need = COPIES_OF_ROOM * (self._copy_bytes(self._capture(state, step)) + SLACK_BYTES)
+        need = COPIES_OF_ROOM * (
+            self.copies.copy_bytes(self.copies.capture(state, step)) + SLACK_BYTES
+        )
         free = shutil.disk_usage(self.dir).free + _bytes_under(self.dir)
         if free >= need:
             return None
@@ -280,13 +301,6 @@ class LocalTier:
             f"({COPIES_OF_ROOM} copies of the {_size(need // COPIES_OF_ROOM)} state: "
             f"{KEEP} kept + 1 being written)"
         )
-
-    def _capture(self, state: tstate.TrainState, step: int) -> dict[str, Any]:
-        return tstate.capture(state, step=step)
-
-    def _copy_bytes(self, captured: dict[str, Any]) -> int:
-        """What one copy takes on this node's folder."""
-        return payload_bytes(captured)
 
     # -- resume --------------------------------------------------------------------------------
     def offers(self) -> list[tuple[int, int, int | None]]:

@@ -41,9 +41,8 @@ import storage
 from elastictrain import dist as edist
 from elastictrain.checkpoint.sharded import format as sharded
 from elastictrain.checkpoint.state import train_state as tstate
-from elastictrain.checkpoint.state.flat import Staging
-from elastictrain.checkpoint.tiers.local import KEEP, LocalTier, payload_bytes
-from elastictrain.checkpoint.write.layouts import ShardedLayout, ShardSnap
+from elastictrain.checkpoint.tiers.local import KEEP, LocalTier, payload_bytes, tier_dir
+from elastictrain.checkpoint.write.layouts import ShardSnap, ShardSnapshots
 from elastictrain.config import CheckpointConfig
 from elastictrain.observe.events import EventLog
 
@@ -136,24 +135,36 @@ def _header(manifest: storage.Manifest, files: dict[str, Any]) -> bytes:
     return json.dumps({"manifest": manifest.to_json().decode(), "order": order}).encode()
 
 
-class RankCopyLayout(ShardedLayout):
+class RankCopyLayout:
     """One rank's copy: its shard and table (and on rank 0 the rest and the index), committed by
-    the rank alone, then handed to its buddy."""
+    the rank alone, then handed to its buddy. Snapshots as the durable tier's sharded layout does,
+    into buffers of its own."""
 
     writes_alone = True
 
     def __init__(self, rank: int, world_size: int, buddy: Buddy | None) -> None:
         self.rank, self.world_size, self.buddy = rank, world_size, buddy
-        self.staging = Staging()
-        self.common_staging = Staging() if rank == 0 else None
-        self._plan_cache: dict = {}
+        self._snapshots = ShardSnapshots(rank)
 
-    def write_own(self, store, step: int, snap: ShardSnap, generation: int) -> None:
+    def snapshot(self, payload: Any) -> ShardSnap:
+        return self._snapshots.snapshot(payload)
+
+    def write_own(self, store: storage.Store, step: int, snap: ShardSnap, generation: int) -> None:
         """Everything is written in :meth:`commit`: the rank is its own committer."""
 
     def commit(
-        self, store, step, snap, generation, metadata, *, before_commit, **_: Any
+        self,
+        store: storage.Store,
+        step: int,
+        snap: ShardSnap,
+        generation: int,
+        metadata: dict[str, Any],
+        *,
+        before_commit: Callable[[], None],
+        abandoned: Callable[[int], bool],
+        deadline_s: float,
     ) -> storage.Manifest:
+        """No receipts to wait for (``abandoned``, ``deadline_s``): the copy is this rank's."""
         manifest, files = None, {}
         try:
             manifest, files = self._commit(store, step, snap, generation, metadata, before_commit)
@@ -162,7 +173,15 @@ class RankCopyLayout(ShardedLayout):
                 self.buddy.exchange(manifest, files)
         return manifest
 
-    def _commit(self, store, step, snap, generation, metadata, before_commit):
+    def _commit(
+        self,
+        store: storage.Store,
+        step: int,
+        snap: ShardSnap,
+        generation: int,
+        metadata: dict[str, Any],
+        before_commit: Callable[[], None],
+    ) -> tuple[storage.Manifest, dict[str, Any]]:
         name = sharded.shard_file(self.rank, generation)
         entry, digest = store.write_file(step, name, snap.shards.data, sharded.BLOCK_BYTES)
         table = sharded.part_report(snap.local, snap.shards.placement, name, entry, digest.blocks)
@@ -193,8 +212,37 @@ class RankCopyLayout(ShardedLayout):
         return manifest, files
 
 
+class RankCopies:
+    """What a copy is for sharded state: each rank's own shards, in a folder of its own, written
+    by every rank and handed to its buddy (``NodeCopies`` is the replicated kind)."""
+
+    def __init__(self, rank: int, local_world_size: int, buddy: Buddy | None) -> None:
+        self.rank, self.local_world_size, self.buddy = rank, local_world_size, buddy
+
+    def folder(self, tier_dir: str, rank: int) -> str:
+        return own_folder(tier_dir, rank)
+
+    def writes(self, local_rank: int) -> bool:
+        return True
+
+    def layout(self, world_size: int) -> RankCopyLayout:
+        return RankCopyLayout(self.rank, world_size, self.buddy)
+
+    def capture(self, state: tstate.TrainState, step: int) -> dict[str, Any]:
+        return sharded.capture(state, step=step)
+
+    def copy_bytes(self, captured: dict[str, Any]) -> int:
+        """The node's part of one copy: each of its ranks' shards, and as much again for the
+        buddy's (equal shards), plus the unsharded rest."""
+        shards, rest = sharded.split(captured)
+        own = sum(payload_bytes(t.to_local()) for t in shards.values())
+        return self.local_world_size * 2 * own + payload_bytes(rest)
+
+
 class ShardTier(LocalTier):
-    """One per rank: this rank's copies, and its buddy's (see the module's docstring)."""
+    """One per rank: this rank's copies, and its buddy's (see the module's docstring). The local
+    tier's machinery (folder, lock, room, schedule, persister) with :class:`RankCopies`, plus
+    what makes copies collective: every rank copies at the same agreed steps."""
 
     def __init__(
         self,
@@ -210,16 +258,16 @@ class ShardTier(LocalTier):
         group: dist.ProcessGroup | None,
     ) -> None:
         self.local_world_size, self.group = local_world_size, group
-        self.buddy: Buddy | None = None
+        self.agreed_interval = 1
         pair = buddies(rank, world_size, local_world_size) if group is not None else None
-        self._transfer_group = None
+        self.buddy: Buddy | None = None
         if pair is not None and config.local_checkpoint:
-            # Every rank creates it (a collective), whatever its tier decides next.
-            self._transfer_group = dist.new_group(
+            # Every rank creates the transfer group (a collective), whatever its tier decides
+            # next; the buddy opens its peer folder's store, which creates nothing on disk.
+            transfer = dist.new_group(
                 backend="gloo", timeout=timedelta(seconds=config.checkpoint_timeout)
             )
-        self._pair = pair
-        self.agreed_interval = 1
+            self.buddy = Buddy(tier_dir(config), rank, pair, transfer, config.checksum)
         super().__init__(
             config,
             rank=rank,
@@ -228,33 +276,11 @@ class ShardTier(LocalTier):
             generation=generation,
             events=events,
             attached=attached,
+            copies=RankCopies(rank, local_world_size, self.buddy),
         )
         # Copies are taken by all ranks or none: a rank whose folder is unusable stops them all.
         if edist.max_int(int(not self.active), group) and self.active:
             self._off("another rank's local tier is off (see its log)")
-
-    def _folder(self) -> str:
-        return own_folder(self.dir, self.rank)
-
-    def _writes(self) -> bool:
-        return True
-
-    def _layout(self, world_size: int) -> RankCopyLayout:
-        if self._pair is not None and self._transfer_group is not None:
-            self.buddy = Buddy(
-                self.dir, self.rank, self._pair, self._transfer_group, self.config.checksum
-            )
-        return RankCopyLayout(self.rank, world_size, self.buddy)
-
-    def _capture(self, state: tstate.TrainState, step: int) -> dict[str, Any]:
-        return sharded.capture(state, step=step)
-
-    def _copy_bytes(self, captured: dict[str, Any]) -> int:
-        """The node's part of one copy: each of its ranks' shards, and as much again for the
-        buddy's (equal shards), plus the unsharded rest."""
-        shards, rest = sharded.split(captured)
-        own = sum(payload_bytes(t.to_local()) for t in shards.values())
-        return self.local_world_size * 2 * own + payload_bytes(rest)
 
     # -- save: all ranks at the same steps -----------------------------------------------------
     def after_step(self, step: int, state: tstate.TrainState, *, durable_saved: bool) -> None:

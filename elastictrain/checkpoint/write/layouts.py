@@ -79,15 +79,11 @@ class ShardSnap:
             self.common.wait()
 
 
-class ShardedLayout:
-    """FSDP2: every rank writes its own shards; rank 0 commits once every rank reported."""
+class ShardSnapshots:
+    """A rank's sharded snapshots: its shards into one reused buffer, and on rank 0 the unsharded
+    rest into another; DCP's plan of the shards cached while it holds."""
 
-    writes_alone = False
-
-    def __init__(self, rank: int, world_size: int, receipts: Receipts | None = None) -> None:
-        self.rank, self.world_size = rank, world_size
-        # The job's c10d store when torch.distributed runs, else files beside the shards.
-        self.receipts = receipts or for_job(world_size)
+    def __init__(self, rank: int) -> None:
         self.staging = Staging()
         self.common_staging = Staging() if rank == 0 else None
         self._plan_cache: dict = {}
@@ -99,6 +95,21 @@ class ShardedLayout:
         shards = self.staging.snapshot(local.tensors)
         common_snap = self.common_staging.snapshot(common) if self.common_staging else None
         return ShardSnap(local, shards, common_snap)
+
+
+class ShardedLayout:
+    """FSDP2: every rank writes its own shards; rank 0 commits once every rank reported."""
+
+    writes_alone = False
+
+    def __init__(self, rank: int, world_size: int, receipts: Receipts | None = None) -> None:
+        self.rank, self.world_size = rank, world_size
+        # The job's c10d store when torch.distributed runs, else files beside the shards.
+        self.receipts = receipts or for_job(world_size)
+        self.snapshots = ShardSnapshots(rank)
+
+    def snapshot(self, payload: Any) -> ShardSnap:
+        return self.snapshots.snapshot(payload)
 
     def write_own(self, store: storage.Store, step: int, snap: ShardSnap, generation: int) -> None:
         """This rank's shard file, its table, then its receipt: the receipt means "durable"."""
