@@ -260,5 +260,5 @@ def init_distributed(
             checkpoint_timeout=timeout,
             liveness=liveness,
         )
-        liveness.start(last_words=lambda cause, detail: None)  # a daemon: it ends with the process
+        liveness.start()  # a daemon: it ends with the process
     return device

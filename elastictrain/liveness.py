@@ -69,10 +69,12 @@ class Liveness:
         on_silent: Callable[[str], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
         host: str | None = None,
+        last_words: Callable[[str, str], None] = lambda cause, detail: None,
     ) -> None:
         """``step``, ``phase``: this rank's last completed step and its watchdog phase, carried in
         its beat (peers in a gate excuse the others' slow steps: ``excuse``). ``on_silent``:
-        called with the reason; default logs it, records the last words and exits 8."""
+        called with the reason; default logs it, records the ``last_words`` (cause, detail) for
+        the run report and exits 8."""
         self.rank, self.world_size = rank, world_size
         self.interval_s, self.silent_s = interval_s, silent_s
         self._store: Any = None
@@ -95,17 +97,7 @@ class Liveness:
         self._gated: list[int] = []  # rank 0: the ranks its last look found inside a gate
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="elastictrain-liveness", daemon=True)
-        self.last_words: Callable[[str, str], None] = lambda cause, detail: None
-
-    @classmethod
-    def beside(cls, watchdog: Any, rank: int, world_size: int, interval_s: float,
-               silent_s: float) -> Liveness:  # fmt: skip
-        """The runner's: beats carry the hang watchdog's step and phase, and the watchdog asks it
-        whether a peer in a gate excuses a slow step."""
-        liveness = cls(rank, world_size, interval_s=interval_s, silent_s=silent_s,
-                       step=lambda: watchdog.step, phase=lambda: watchdog.phase_name)  # fmt: skip
-        watchdog.excuse = liveness.excuse
-        return liveness
+        self.last_words = last_words
 
     def watch_store(self, job_store: JobStore) -> None:
         """From the attempt's first store request until :meth:`start`: the beat thread asks the
@@ -137,9 +129,8 @@ class Liveness:
         """Off with one rank (nobody to watch) or a silence of 0 (``--silent-timeout 0``)."""
         return self.world_size > 1 and self.silent_s > 0
 
-    def start(self, last_words: Callable[[str, str], None]) -> Liveness:
-        """``last_words``: records (cause, detail) for the run report before an exit."""
-        self.last_words = last_words
+    def start(self) -> Liveness:
+        """Beat from the attempt's store (after :meth:`announce`)."""
         if not self.enabled or self._store is None:
             return self
         # Its own connection, with the silence as its timeout: a frozen store answers nothing.

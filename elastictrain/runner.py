@@ -26,6 +26,7 @@ from elastictrain.env import read_env
 from elastictrain.errors import EXIT_PREEMPTED, Preempted
 from elastictrain.liveness import Liveness
 from elastictrain.loader import check_micro_steps
+from elastictrain.observe.events import LastWords
 from elastictrain.observe.logs import setup_logging
 from elastictrain.observe.terminal import STATUS
 from elastictrain.signals import StopSignals
@@ -41,9 +42,11 @@ def run(cfg: RunConfig, early_signals: StopSignals | None = None) -> int:
     env = read_env()
     agent_pid = os.getppid()  # under torchrun: the agent; recorded before anything can reparent us
     setup_logging(env.rank)
+    # Why this process ended early, for the run report: given to everything that may end it.
+    last_words = LastWords(cfg.checkpoint.event_log, env.rank)
     # Installed first: a stop signal during init or resume is remembered and honoured at step 1,
     # and a Ctrl-C there never becomes a KeyboardInterrupt traceback.
-    signals = install_stop_signals(cfg.checkpoint, early_signals)
+    signals = install_stop_signals(cfg.checkpoint, early_signals, last_words)
     # Built before any process-group work, so a bad --task fails fast and identically everywhere.
     torch.manual_seed(cfg.seed)
     task = build_task(cfg.task, cfg.task_options)
@@ -62,10 +65,20 @@ def run(cfg: RunConfig, early_signals: StopSignals | None = None) -> int:
         startup_s=cfg.init_timeout + cfg.checkpoint.checkpoint_timeout,
         floor_s=cfg.hang_floor,
         agent_pid=agent_pid if env.launched_by_torchrun else None,
-    ).start()
-    liveness = Liveness.beside(
-        watchdog, env.rank, env.world_size, cfg.heartbeat_seconds, cfg.silent_timeout
+        last_words=last_words,
     )
+    # Beats carry the watchdog's step and phase; the watchdog asks liveness whether a peer in a
+    # gate excuses a slow step.
+    liveness = Liveness(
+        env.rank,
+        env.world_size,
+        interval_s=cfg.heartbeat_seconds,
+        silent_s=cfg.silent_timeout,
+        step=lambda: watchdog.step,
+        phase=lambda: watchdog.phase_name,
+        last_words=last_words,
+    )
+    watchdog.start(excuse=liveness.excuse)
     try:
         t_init = time.monotonic()
         groups = edist.init_process_groups(
@@ -91,8 +104,9 @@ def run(cfg: RunConfig, early_signals: StopSignals | None = None) -> int:
             watchdog=watchdog,
             attached=attached,
             signals=signals,
+            last_words=last_words,
         )
-        liveness.start(session.last_words)
+        liveness.start()
         init_s = time.monotonic() - t_init
         logger.info(
             "started: world size %d, restart %d, generation %d, device %s, init %.2fs",

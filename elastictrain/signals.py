@@ -57,8 +57,15 @@ class StopSignals:
         handled = dict.fromkeys([*signals, *([INTERRUPT] if interrupt else [])])
         self._previous = {sig: signal.signal(sig, self._handle) for sig in handled}
 
-    def add(self, signals: Sequence[signal.Signals]) -> StopSignals:
-        """Handle more signals (the configured ones, once the flags are parsed)."""
+    def add(
+        self,
+        signals: Sequence[signal.Signals],
+        last_words: Callable[[str, str], None] | None = None,
+    ) -> StopSignals:
+        """Handle more signals (the configured ones, once the flags are parsed); ``last_words``:
+        where an abort is recorded, once the run knows (these handlers came before it)."""
+        if last_words is not None:
+            self.last_words = last_words
         for sig in signals:
             if sig not in self._previous:
                 self._previous[sig] = signal.signal(sig, self._handle)

@@ -51,6 +51,8 @@ class HangWatchdog:
         agent_pid: int | None = None,
         parent_pid: Callable[[], int] = os.getppid,
         budget_names: tuple[str, str] = ("--hang-timeout", "--checkpoint-timeout"),
+        last_words: Callable[[str, str], None] = lambda cause, detail: None,
+        excuse: Callable[[], str | None] = lambda: None,
     ) -> None:
         """``budget_names``: what the user calls the step budget and the other phases' budget,
         named in the hang message so it says which setting to raise. ``floor_s``: the adaptive
@@ -74,14 +76,18 @@ class HangWatchdog:
         self._setting = budget_names[1]
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="elastictrain-watchdog", daemon=True)
-        self.excuse: Callable[[], str | None] = lambda: None
+        self.excuse = excuse
         """Why a learned step budget may be overrun now (a peer in a gate, from the heartbeats),
         or None."""
-        self.last_words: Callable[[str, str], None] = lambda cause, detail: None
-        """Called with (cause, detail) just before the process exits: rank 0 records it in the
-        event log, so the run report can say why the attempt ended."""
+        self.last_words = last_words
+        """Called with (cause, detail) just before the process exits: every rank records it, so
+        the run report can say why the attempt ended."""
 
-    def start(self) -> HangWatchdog:
+    def start(self, excuse: Callable[[], str | None] | None = None) -> HangWatchdog:
+        """``excuse``: given here when it comes from an object built after the watchdog (the
+        runner's liveness reads the watchdog's step, and excuses its slow steps)."""
+        if excuse is not None:
+            self.excuse = excuse
         self._thread.start()
         return self
 

@@ -40,6 +40,7 @@ from elastictrain.checkpoint.state.train_state import TrainState, unwrap
 from elastictrain.config import CheckpointConfig, settings
 from elastictrain.env import read_env
 from elastictrain.errors import ConfigError, Preempted
+from elastictrain.observe.events import LastWords
 from elastictrain.watchdog import HangWatchdog
 
 __all__ = ["CheckpointManager", "Preempted"]
@@ -118,6 +119,8 @@ class CheckpointManager:
                 backend="gloo", timeout=timedelta(seconds=config.checkpoint_timeout)
             )
         )
+        # Why this process ended early, for the run report: given to all that may end it.
+        last_words = LastWords(config.event_log, env.rank)
         self._watchdog = None
         if hang_timeout is not None:
             self._watchdog = HangWatchdog(
@@ -125,6 +128,7 @@ class CheckpointManager:
                 startup_s=config.checkpoint_timeout,
                 agent_pid=os.getppid() if env.under_agent else None,  # our parent is the agent
                 budget_names=("hang_timeout", "checkpoint_timeout"),
+                last_words=last_words,
             ).start()
         # Python only lets the main thread install signal handlers.
         main_thread = threading.current_thread() is threading.main_thread()
@@ -140,7 +144,8 @@ class CheckpointManager:
             generation=time.time_ns(),  # claim() lifts it above every earlier writer's
             gate=self._group,
             watchdog=self._watchdog,
-            signals=install_stop_signals(config) if main_thread else None,
+            signals=install_stop_signals(config, last_words=last_words) if main_thread else None,
+            last_words=last_words,
         )
         self.config = config
         self.map_location = map_location

@@ -47,14 +47,21 @@ logger = logging.getLogger(__name__)
 
 
 def install_stop_signals(
-    config: CheckpointConfig, early: StopSignals | None = None
+    config: CheckpointConfig,
+    early: StopSignals | None = None,
+    last_words: Callable[[str, str], None] | None = None,
 ) -> StopSignals | None:
     """The handlers for ``config.preempt_signals`` and Ctrl-C, or None when there are none.
-    ``early``: handlers installed before the heavy imports, which keep what they caught."""
+    ``early``: handlers installed before the heavy imports, which keep what they caught.
+    ``last_words``: where a Ctrl-C abort is recorded."""
     parsed = [parse_signal(name) for name in config.preempt_signals]
     if early is not None:
-        return early.add(parsed)
-    return StopSignals(parsed) if parsed else None
+        return early.add(parsed, last_words)
+    if not parsed:
+        return None
+    if last_words is None:
+        return StopSignals(parsed)
+    return StopSignals(parsed, last_words=last_words)
 
 
 class StepOutcome(NamedTuple):
@@ -79,6 +86,7 @@ class CheckpointSession:
         watchdog: HangWatchdog | None = None,
         attached: Callable[[], bool] = lambda: True,
         signals: StopSignals | None = None,
+        last_words: LastWords | None = None,
     ) -> None:
         """``env``: where this process sits (rank, world size, node). ``gate``: a gloo group
         bounded by ``checkpoint_timeout`` for the resume and save barriers (None: a single process
@@ -88,7 +96,9 @@ class CheckpointSession:
         gate. ``attached``: False once the torchrun agent is gone, so an orphan never commits.
         ``signals``: the stop-signal handlers, installed by the caller as early as it can (a
         signal during init is honoured at step 1); :meth:`close` puts the previous handlers
-        back."""
+        back. ``last_words``: the recorder the caller gave the watchdog, the handlers and
+        liveness when it built them (default: a new one); from here it also writes beside the
+        checkpoints."""
         self.config, self.env, self.rank = config, env, env.rank
         self.is_rank0 = env.rank == 0
         self._gate = gate
@@ -98,13 +108,10 @@ class CheckpointSession:
             lambda: self._ckpt.open_store(), rank=env.rank, generation=generation
         )
         self.events = EventLog(config.event_log, enabled=self.is_rank0, history=self.history)
-        self.last_words = LastWords(config.event_log, env.rank, history=self.history)
+        self.last_words = last_words or LastWords(config.event_log, env.rank)
+        self.last_words.keep_with(self.history)
         self._watchdog = watchdog
-        if watchdog is not None:
-            watchdog.last_words = self.last_words
         self._signals = signals
-        if signals is not None:
-            signals.last_words = self.last_words
         self._ckpt = Checkpointer(
             config,
             rank=env.rank,

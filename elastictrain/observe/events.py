@@ -193,6 +193,12 @@ class LastWords:
     def __init__(self, path: str | None, rank: int, history: Any = None) -> None:
         self.path, self.rank, self.history = path, rank, history
 
+    def keep_with(self, history: Any) -> None:
+        """Also write them beside the checkpoints from now on. The recorder is made first, so
+        the watchdog, the signal handlers and liveness get it when they are built; the history
+        needs the attempt's generation, known only once the process group is up."""
+        self.history = history
+
     def __call__(self, cause: str, detail: str) -> None:
         record = {"event": Event.EXIT, "time": time.time(), "cause": cause, "detail": detail}
         line = _line({**record, "rank": self.rank})
