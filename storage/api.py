@@ -1,6 +1,6 @@
 """The store contracts the checkpoint package is written against, so any object that keeps them
 can stand in for :class:`storage.CheckpointStore`: the fast tier's bytes fetched from node memory
-(``elastictrain.checkpoint.resume.shard_fetch``) are read by the same code that reads S3.
+(``elastictrain.checkpoint.resume.fast_copies``) are read by the same code that reads S3.
 
 Both are ``runtime_checkable`` (``isinstance`` checks the names, not the behaviour); the
 behaviour is pinned by ``tests/storage/test_conformance.py``, run over every implementation.

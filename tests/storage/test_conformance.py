@@ -12,7 +12,7 @@ import os
 import pytest
 
 import storage
-from elastictrain.checkpoint.resume.shard_fetch import FetchedFiles
+from elastictrain.checkpoint.resume.fast_copies import FetchedFiles
 
 BLOCK = 1024
 

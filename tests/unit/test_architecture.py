@@ -144,6 +144,27 @@ def test_no_file_grows_past_what_a_reader_can_hold():
     assert not long, f"over {MAX_LINES} lines: {long}"
 
 
+def test_no_file_fits_under_the_limit_only_by_skipping_the_formatter():
+    """``# fmt: skip`` packs lines; the line limit is about concerns, so each file, formatted as
+    if it had none, must still fit."""
+    ruff = pytest.importorskip("ruff")
+    binary = ruff.find_ruff_bin()
+    packed = {}
+    for top in (*PACKAGES, "tests", "examples"):
+        for p in pathlib.Path(REPO_ROOT, top).rglob("*.py"):
+            text = p.read_text()
+            if "fmt: skip" not in text:
+                continue
+            unskipped = re.sub(r"\s*# fmt: skip$", "", text, flags=re.M)
+            out = subprocess.run(
+                [binary, "format", "--stdin-filename", str(p), "-"],
+                input=unskipped, capture_output=True, text=True, cwd=REPO_ROOT, check=True,
+            )  # fmt: skip
+            if (n := len(out.stdout.splitlines())) > MAX_LINES:
+                packed[str(p.relative_to(REPO_ROOT))] = n
+    assert not packed, f"over {MAX_LINES} lines once formatted: {packed}"
+
+
 def _code_map() -> str:
     text = pathlib.Path(REPO_ROOT, "CONTRIBUTING.md").read_text()
     return text.split("## The code", 1)[1].split("```", 2)[1]

@@ -10,7 +10,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from elastictrain.bench.scale import CountingStore
+from elastictrain.bench.scale_phases import CountingStore
 from elastictrain.env import DistEnv
 from elastictrain.errors import InitTimeoutError
 from elastictrain.handshake import ATTEMPT_KEY, handshake

@@ -15,7 +15,7 @@ import pytest
 import torch.distributed as dist
 
 import storage
-from elastictrain.bench.scale import CountingStore
+from elastictrain.bench.scale_phases import CountingStore
 from elastictrain.checkpoint.write.receipts import (
     ShardsMissingError,
     StorageReceipts,

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import storage
-from elastictrain.checkpoint.resume.shard_fetch import Copy, complete_steps, list_copies
+from elastictrain.checkpoint.resume.fast_copies import Copy, complete_steps, list_copies
 from elastictrain.checkpoint.tiers import shards as shard_tier
 from elastictrain.checkpoint.tiers.shards import Buddy, buddies, own_folder, peer_folder
 

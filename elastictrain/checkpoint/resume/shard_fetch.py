@@ -27,8 +27,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
-import socket
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,128 +37,19 @@ import torch.distributed as dist
 import storage
 from elastictrain import dist as edist
 from elastictrain.checkpoint.api import Corrupt, Restored, ResumeOrigin, Tier
+from elastictrain.checkpoint.resume.fast_copies import (
+    Copy,
+    CopyReader,
+    FetchedFiles,
+    complete_steps,
+    list_copies,
+    node_id,
+)
 from elastictrain.checkpoint.sharded import format as sharded
 from elastictrain.checkpoint.sharded import reader as shard_reader
 from elastictrain.checkpoint.state import train_state as tstate
-from elastictrain.checkpoint.tiers.shards import SHARDS
 
 logger = logging.getLogger(__name__)
-
-"""What the resume event calls this tier's copies (``local`` is the DDP replica)."""
-
-
-@dataclass(frozen=True)
-class Copy:
-    """One committed copy of one saved rank's shards, on one node."""
-
-    generation: int
-    step: int
-    world_size: int
-    rank: int
-    """The saved rank whose shards these are."""
-    regular: bool
-    node: str
-    holder: int
-    """The rank of this attempt that listed it and serves it to other nodes (its node's first)."""
-    folder: str
-    kind: str
-    """``own`` (written on this node by that rank) or ``peer`` (received from it)."""
-
-    @property
-    def where(self) -> str:
-        return f"rank {self.rank}'s {self.kind} copy on the node of rank {self.holder}"
-
-
-def node_id(tier_dir: str) -> str:
-    """Which node a folder is on: the host and the folder (two simulated nodes on one host keep
-    their tiers in different folders)."""
-    return f"{socket.gethostname()}:{os.path.realpath(tier_dir)}"
-
-
-def list_copies(tier_dir: str, holder: int) -> list[Copy]:
-    """Every committed copy on this node's tier folder."""
-    root, found = os.path.join(tier_dir, SHARDS), []
-    names = sorted(os.listdir(root)) if os.path.isdir(root) else []
-    for name in names:
-        kind = name.split("-", 1)[0]
-        folder = os.path.join(root, name)
-        try:
-            manifests = storage.open_store(folder).ranked_manifests()
-        except storage.StorageError as e:
-            logger.warning("fast tier folder %s unreadable, not used for resume: %s", folder, e)
-            continue
-        for m in manifests:
-            found.append(Copy(m.generation, m.step, int(m.metadata.get("world_size") or 0),
-                              int(m.metadata.get("rank", -1)), bool(m.metadata.get("regular")),
-                              node_id(tier_dir), holder, folder, kind))  # fmt: skip
-    return found
-
-
-def complete_steps(
-    copies: list[Copy], fence: int, durable_newest: tuple[int, int] | None
-) -> list[tuple[int, int, int]]:
-    """(generation, step, saved world size) of every step some copy of each saved rank covers,
-    newest first, none older than the durable tier's newest."""
-    covered: dict[tuple[int, int, int], set[int]] = defaultdict(set)
-    irregular = set()
-    for c in copies:
-        if not 0 < c.generation <= fence or c.world_size < 1:
-            continue  # a generation the durable location never fenced: another run's, or wiped
-        key = (c.generation, c.step, c.world_size)
-        covered[key].add(c.rank)
-        if not c.regular:
-            irregular.add(key)
-    good = [k for k, ranks in covered.items()
-            if k not in irregular and ranks >= set(range(k[2]))]  # fmt: skip
-    if durable_newest is not None:
-        good = [k for k in good if (k[0], k[1]) >= durable_newest]
-    return sorted(good, reverse=True)
-
-
-class _Reader:
-    """Reads copies on this node, verified; stores, manifests and tables read once."""
-
-    def __init__(self) -> None:
-        self._stores: dict[str, storage.Store] = {}
-        self._manifests: dict[Copy, storage.Manifest] = {}
-        self._tables: dict[Copy, dict[str, Any]] = {}
-
-    def manifest(self, copy: Copy) -> storage.Manifest:
-        if copy not in self._manifests:
-            store = self._stores.setdefault(copy.folder, storage.open_store(copy.folder))
-            manifest = store.read_manifest(copy.step)
-            if manifest is None or manifest.generation != copy.generation:
-                raise storage.CheckpointCorruptError(f"{copy.where} of step {copy.step} is gone")
-            self._manifests[copy] = manifest
-        return self._manifests[copy]
-
-    def read(self, copy: Copy, name: str, ranges: tuple | None) -> bytes | memoryview:
-        manifest = self.manifest(copy)
-        store = self._stores[copy.folder]
-        if ranges is None:
-            return store.read_file(manifest, name)
-        if copy not in self._tables:
-            table = store.read_file(manifest, sharded.part_file(copy.rank, copy.generation))
-            self._tables[copy] = json.loads(bytes(table))
-        views, _ = store.read_ranges(manifest, name, self._tables[copy]["blocks"], list(ranges))
-        return b"".join(views[r] for r in ranges)
-
-
-class FetchedFiles:
-    """What this rank fetched, as a store to :func:`shard_reader.load_into`."""
-
-    safe_url = "the fast tier"
-
-    def __init__(self) -> None:
-        self.files: dict[str, bytes | bytearray | memoryview] = {}
-        self.ranges: dict[tuple[str, tuple[int, int]], memoryview] = {}
-
-    def read_file(self, manifest: storage.Manifest, name: str) -> bytes | bytearray | memoryview:
-        return self.files[name]
-
-    def read_ranges(self, manifest, name, blocks, ranges):
-        views = {r: self.ranges[(name, r)] for r in ranges}
-        return views, sum(len(v) for v in views.values())
 
 
 @dataclass
@@ -192,7 +81,7 @@ Need = tuple[Copy, str, "tuple[tuple[int, int], ...] | None"]
 
 
 def _exchange(
-    needs: list[Need], reader: _Reader, tally: Tally, *, my_node: str, rank: int, group
+    needs: list[Need], reader: CopyReader, tally: Tally, *, my_node: str, rank: int, group
 ) -> list[Any]:
     """Each need's bytes, all ranks together: read here when the copy is on this node, else
     asked of its holder, which reads it (verified) and sends it. Raises :class:`_Refused` on
@@ -264,7 +153,7 @@ def _load(
     for c in copies:
         if (c.generation, c.step, c.world_size) == key:
             by_rank[c.rank].append(c)
-    reader, tally, fetched = _Reader(), Tally(), FetchedFiles()
+    reader, tally, fetched = CopyReader(), Tally(), FetchedFiles()
 
     # 1. The unsharded rest and the index, from rank 0's copy.
     first = _pick(by_rank[0], None)
@@ -293,16 +182,28 @@ def _load(
     # 2. The tables of the saved shard files this rank's new shards overlap.
     overlapped = {c["file"]: c["table"] for c in index.metadata(targets).storage_data.values()}
     sources = {name: _pick(by_rank[rank_of[name]], my_node) for name in overlapped}
-    tables = _exchange([(sources[n], t, None) for n, t in overlapped.items()], reader, tally,
-                       my_node=my_node, rank=rank, group=group)  # fmt: skip
+    tables = _exchange(
+        [(sources[n], t, None) for n, t in overlapped.items()],
+        reader,
+        tally,
+        my_node=my_node,
+        rank=rank,
+        group=group,
+    )
     fetched.files.update(zip(overlapped.values(), tables, strict=True))
 
     # 3. The byte ranges of those files this rank needs.
     planning = shard_reader.ShardReader(fetched, manifest, index)
     _, plan = shard_reader.plan_reads(planning, targets)
     wanted = {name: tuple(dict.fromkeys(ranges)) for name, _, _, ranges in planning.located(plan)}
-    got = _exchange([(sources[n], n, r) for n, r in wanted.items()], reader, tally,
-                    my_node=my_node, rank=rank, group=group)  # fmt: skip
+    got = _exchange(
+        [(sources[n], n, r) for n, r in wanted.items()],
+        reader,
+        tally,
+        my_node=my_node,
+        rank=rank,
+        group=group,
+    )
     for (name, ranges), data in zip(wanted.items(), got, strict=True):
         view, at = memoryview(data), 0
         for lo, hi in ranges:
