@@ -39,11 +39,14 @@ import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from elastictrain.errors import EXIT_PEER_SILENT
 from elastictrain.job_store import BoundedCalls, JobStore
 from elastictrain.observe.events import Cause
+
+if TYPE_CHECKING:  # the store's type only: this module runs before torch is needed
+    import torch.distributed as dist
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +80,7 @@ class Liveness:
         the run report and exits 8."""
         self.rank, self.world_size = rank, world_size
         self.interval_s, self.silent_s = interval_s, silent_s
-        self._store: Any = None
+        self._store: dist.Store | None = None
         self._step, self._phase = step, phase
         self._on_silent = on_silent or self._exit
         self._clock = clock
@@ -91,8 +94,8 @@ class Liveness:
         # A frozen store ignores its client's timeout: each request waits one beat at most.
         self._ask = BoundedCalls(interval_s, name="elastictrain-liveness-store")
         self._store_name = "the job's store"
-        self._watched_store: Any = None  # before start(): the store, and the probe's connection
-        self._probe_connection: Any = None
+        self._watched_store: dist.Store | None = None  # before start(): the store, and the
+        self._probe_connection: dist.Store | None = None  # probe's own connection to it
         self._started = threading.Event()
         self._gated: list[int] = []  # rank 0: the ranks its last look found inside a gate
         self._stop = threading.Event()
@@ -115,7 +118,7 @@ class Liveness:
             self._probe_connection = self._watched_store.clone()
         self._probe_connection.check([f"{_PREFIX}probe"])
 
-    def announce(self, store: Any) -> None:
+    def announce(self, store: dist.Store) -> None:
         """This rank's first beat (with its host) in the attempt's store (its keys die with the
         rendezvous), before the group's first barrier: a watcher's read of every beat never waits
         for a key that is not there yet."""

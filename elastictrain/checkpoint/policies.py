@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import storage
-from elastictrain.checkpoint.api import MUST_COMMIT, SaveOutcome
+from elastictrain.checkpoint.api import MUST_COMMIT, Reason, SaveOutcome
 from elastictrain.checkpoint.record import Failure, SaveRecord
 from elastictrain.config import CheckpointConfig
 from elastictrain.observe.events import Event, EventLog
@@ -28,7 +28,7 @@ class FailurePolicy(Protocol):
     commit_level: int
 
     def failed(
-        self, step: int, reason: str, error: BaseException, record: SaveRecord
+        self, step: int, reason: Reason, error: BaseException, record: SaveRecord
     ) -> SaveOutcome: ...
 
 
@@ -45,7 +45,7 @@ class StopTheRun:
     commit_level = logging.INFO
 
     def failed(
-        self, step: int, reason: str, error: BaseException, record: SaveRecord
+        self, step: int, reason: Reason, error: BaseException, record: SaveRecord
     ) -> SaveOutcome:
         described = f"{type(error).__name__}: {error}"
         skippable = (
@@ -96,7 +96,7 @@ class TurnTierOff:
     commit_level = logging.DEBUG  # copies come every few steps: events only, no INFO lines
 
     def failed(
-        self, step: int, reason: str, error: BaseException, record: SaveRecord
+        self, step: int, reason: Reason, error: BaseException, record: SaveRecord
     ) -> SaveOutcome:
         record.failed(Failure(step, reason, error))
         if isinstance(error, storage.StorageError):

@@ -11,7 +11,7 @@ from elastictrain.checkpoint.api import Reason
 @dataclass(frozen=True)
 class Failure:
     step: int
-    reason: Reason | str
+    reason: Reason
     error: BaseException
 
 

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 import storage
-from elastictrain.checkpoint.api import Layout, SaveOutcome, Snap
+from elastictrain.checkpoint.api import Layout, Reason, SaveOutcome, Snap
 from elastictrain.checkpoint.policies import FailurePolicy
 from elastictrain.checkpoint.record import Failure, SaveRecord
 from elastictrain.config import CheckpointConfig
@@ -46,7 +46,7 @@ class _Job:
 
     step: int
     epoch: int
-    reason: str
+    reason: Reason
     snap: Snap
     """The layout's snapshot: one flat file (DDP), or this rank's shards (FSDP)."""
     blocked: float
@@ -109,7 +109,7 @@ class Persister:
         self,
         step: int,
         epoch: int,
-        reason: str,
+        reason: Reason,
         state: Callable[[], Any],
         *,
         background: bool,
