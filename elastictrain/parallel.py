@@ -32,7 +32,11 @@ class Replicate:
     """DDP's gradient buckets are built at the first backward: prime them before the loop."""
 
     def place(self, model: nn.Module, task_shard: Any, device: torch.device, world: int) -> None:
-        """Before the optimizer is built: nothing to do."""
+        """Before the optimizer is built: refuse a model whose task made its parameters DTensors
+        (tensor parallelism, which DDP's data split would feed wrongly). Plain parameters are told
+        apart by their type alone, so a DDP restart imports nothing for it."""
+        if any(type(p) is not nn.Parameter for p in model.parameters()):
+            refuse_model_parallelism(model)
 
     def wrap(self, model: nn.Module, device: torch.device, model_devices: Any) -> nn.Module:
         return wrap_ddp(model, device, model_devices)
@@ -62,7 +66,8 @@ def shard(model: nn.Module, task_shard: Any, device: torch.device, world_size: i
 
     Raises:
         ConfigError: the task's ``shard`` put two modules that share a parameter (tied weights) in
-            different FSDP groups, which FSDP2 would only refuse at the first forward.
+            different FSDP groups, which FSDP2 would only refuse at the first forward; or it laid
+            the model out in a way the runner cannot feed (:func:`refuse_model_parallelism`).
     """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -72,10 +77,41 @@ def shard(model: nn.Module, task_shard: Any, device: torch.device, world_size: i
         tied = shared_parameters(model)
         task_shard(model, mesh)
         check_ties_grouped(model, tied)
-        return
-    for group in default_units(model):
-        fully_shard(group if len(group) > 1 else group[0], mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    else:
+        for group in default_units(model):
+            fully_shard(group if len(group) > 1 else group[0], mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    refuse_model_parallelism(model)
+
+
+def refuse_model_parallelism(model: nn.Module) -> None:
+    """After ``Task.shard``: every DTensor parameter must be FSDP's, sharded along one mesh
+    dimension at most (HSDP replicates along the other). Anything else is tensor (or another
+    model) parallelism, which the runner was not told about: it gives every rank its own samples,
+    so the ranks of one tensor-parallel group would compute one layer on different samples and
+    their collectives would add them up, training silently on the wrong data.
+
+    Raises:
+        ConfigError: naming the first such parameter; before anything is written.
+    """
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    managed = {id(p) for m in model.modules() if isinstance(m, FSDPModule) for p in m.parameters()}
+    for name, param in model.named_parameters():
+        if not isinstance(param, DTensor):
+            continue
+        shards = sum(1 for placement in param.placements if placement.is_shard())
+        if id(param) in managed and shards <= 1:
+            continue
+        why = "no fully_shard manages it" if id(param) not in managed else "it is sharded twice"
+        raise ConfigError(
+            f"Task.shard made parameter {name!r} a DTensor with placements "
+            f"{tuple(param.placements)}, and {why}: that is tensor (or another model) "
+            "parallelism, and the runner splits the data over every rank, so it would train on "
+            "the wrong samples. The runner does not support tensor parallelism yet; shard with "
+            "fully_shard only (FSDP over the mesh it gives, or HSDP over a 2-D mesh of your own)."
+        )
 
 
 def shared_parameters(model: nn.Module) -> dict[int, list[str]]:

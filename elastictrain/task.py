@@ -62,7 +62,9 @@ class Task:
     choose (transformer blocks, say), then to the root; called on every rank with the 1-D device
     mesh over all ranks, before the optimizer is built. Re-create here any ``state`` that mirrors
     the parameters (an EMA), so it is sharded like them. Default: each child module that has
-    parameters, then the root."""
+    parameters, then the root. ``fully_shard`` only (over this mesh, or a 2-D one of your own for
+    HSDP): tensor parallelism is refused at start (exit 2), since the runner splits the data
+    over every rank."""
     hf_config: Mapping[str, Any] | None = None
     """The model's Hugging Face config as a dict (``model.config.to_dict()``): saved with every
     checkpoint, and written as ``config.json`` by ``export -o FOLDER`` unless ``--config`` is
