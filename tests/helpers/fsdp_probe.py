@@ -5,6 +5,9 @@
     resume URL REF MORE   resume at this world size, check that the full model and AdamW state
                           equal REF exactly (torch.equal), then train MORE steps and save
 
+Options after those: ``replicas=R`` shards as HSDP over a (R, W/R) mesh of (replicate, shard)
+instead of FSDP over all W ranks; ``width=N`` sets the hidden width (48).
+
 Exits 0 when every check passed; prints one JSON line with what it saw.
 """
 
@@ -24,12 +27,24 @@ from elastictrain.parallel import shard
 WIDTH = 48  # not a multiple of 3: uneven shards at world size 3
 
 
-def build() -> tuple[nn.Module, torch.optim.Optimizer]:
+def build(replicas: int = 1, width: int = WIDTH) -> tuple[nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)
     model = nn.Sequential(
-        nn.Linear(10, WIDTH), nn.ReLU(), nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, 3)
+        nn.Linear(10, width), nn.ReLU(), nn.Linear(width, width), nn.Linear(width, 3)
     )
-    shard(model, None, torch.device("cpu"), dist.get_world_size())
+    world = dist.get_world_size()
+    if replicas == 1:
+        shard(model, None, torch.device("cpu"), world)
+    else:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh(
+            "cpu", (replicas, world // replicas), mesh_dim_names=("replicate", "shard")
+        )
+        for layer in (model[0], model[2], model[3]):
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
     return model, torch.optim.AdamW(model.parameters(), lr=0.01)
 
 
@@ -61,8 +76,9 @@ def equal(a, b, where="") -> list[str]:
 
 def main() -> int:
     mode, url, ref, steps = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+    options = dict(arg.split("=", 1) for arg in sys.argv[5:])
     init_distributed()
-    model, optimizer = build()
+    model, optimizer = build(int(options.get("replicas", 1)), int(options.get("width", WIDTH)))
     manager = CheckpointManager(url, checkpoint_every_steps=5, keep_last=10)
     start = manager.resume(model, optimizer)
     seen = {"world_size": dist.get_world_size(), "resumed": start}

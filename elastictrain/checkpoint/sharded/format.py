@@ -133,6 +133,13 @@ class LocalShards:
     """Path -> the local shard (a view of the live tensor, copied only by the snapshot)."""
     chunks: list[dict[str, Any]]
     """Per tensor: path, dtype, global size, the chunk's offsets and sizes (DCP's metadata)."""
+    shared: bool = False
+    """Some tensor is replicated along a mesh dimension (HSDP): this rank writes only its share
+    of the chunks the replicas hold alike (:func:`written_here`), so the row rule cannot hold."""
+
+    def follows_row_rule(self, world: int, rank: int) -> bool:
+        """Whether the compact index can describe this rank's chunks (:func:`follows_row_rule`)."""
+        return not self.shared and follows_row_rule(self.chunks, world, rank)
 
 
 def local_shards(dtensors: dict[str, DTensor], cache: dict | None = None) -> LocalShards:
@@ -144,21 +151,56 @@ def local_shards(dtensors: dict[str, DTensor], cache: dict | None = None) -> Loc
     )
     if cache is not None and cache.get("key") == key:
         chunks = cache["chunks"]
-        return LocalShards({c["fqn"]: dtensors[c["fqn"]].to_local() for c in chunks}, chunks)
+        tensors = {c["fqn"]: dtensors[c["fqn"]].to_local() for c in chunks}
+        return LocalShards(tensors, chunks, cache["shared"])
     planned = _plan(dtensors)
     if cache is not None:
-        cache.update(key=key, chunks=planned.chunks)
+        cache.update(key=key, chunks=planned.chunks, shared=planned.shared)
     return planned
+
+
+def _replica(dtensor: DTensor) -> tuple[int, int]:
+    """(this rank's replica index, the number of replicas): the rank's coordinate along the mesh
+    dimensions the tensor is replicated along (HSDP's replicas); (0, 1) for one not replicated."""
+    mesh, replica, replicas = dtensor.device_mesh, 0, 1
+    coordinate = mesh.get_coordinate()
+    for dim, placement in enumerate(dtensor.placements):
+        if placement.is_replicate():
+            replica = replica * mesh.size(dim) + coordinate[dim]
+            replicas *= mesh.size(dim)
+    return replica, replicas
+
+
+def written_here(dtensors: dict[str, DTensor]) -> set[str]:
+    """The tensors whose chunk this rank writes. A chunk that R replicas hold alike is written
+    once, by one of them; the tensors are dealt to the replicas largest first, each to the one
+    with the fewest bytes so far, so each writes about 1/R of the state. Every rank works this
+    out alone, from the global shapes (the same everywhere) and its own mesh coordinate."""
+    mine, load = set(), {}
+    by_size = sorted(dtensors, key=lambda f: -dtensors[f].numel() * dtensors[f].element_size())
+    for fqn in by_size:
+        dt = dtensors[fqn]
+        replica, replicas = _replica(dt)
+        loads = load.setdefault(replicas, [0] * replicas)
+        writer = min(range(replicas), key=lambda r: loads[r])  # ties: the lowest replica
+        loads[writer] += dt.numel() * dt.element_size()
+        if writer == replica:
+            mine.add(fqn)
+    return mine
 
 
 def _plan(dtensors: dict[str, DTensor]) -> LocalShards:
     planner = DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
     planner.set_up_planner(dtensors, None, False)
+    mine = written_here(dtensors)
+    shared = any(_replica(dt)[1] > 1 for dt in dtensors.values())
     tensors, chunks = {}, []
     for item in planner.create_local_plan().items:
         data = item.tensor_data
         if data is None:  # not a tensor chunk: cannot happen for a dict of DTensors
             raise TypeError(f"unexpected non-tensor item {item.index.fqn} in the sharded state")
+        if item.index.fqn not in mine:
+            continue  # another replica writes the same bytes
         tensor = planner.resolve_data(item)
         tensors[item.index.fqn] = tensor
         chunks.append(
@@ -170,7 +212,7 @@ def _plan(dtensors: dict[str, DTensor]) -> LocalShards:
                 "sizes": list(data.chunk.sizes),
             }
         )
-    return LocalShards(tensors, chunks)
+    return LocalShards(tensors, chunks, shared)
 
 
 def part_report(

@@ -192,7 +192,7 @@ class RankCopyLayout:
         meta = {
             **metadata,
             "rank": self.rank,
-            "regular": sharded.follows_row_rule(snap.local.chunks, self.world_size, self.rank),
+            "regular": snap.local.follows_row_rule(self.world_size, self.rank),
         }
         if snap.common is not None:  # rank 0: what every resume needs besides the shards
             common = sharded.common_file(generation)

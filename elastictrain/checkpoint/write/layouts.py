@@ -120,7 +120,7 @@ class ShardedLayout:
         table_entry = storage.FileEntry(
             len(table), hex_digest(table, store.checksum), algorithm=store.checksum
         )
-        regular = sharded.follows_row_rule(snap.local.chunks, self.world_size, self.rank)
+        regular = snap.local.follows_row_rule(self.world_size, self.rank)
         receipt = sharded.receipt(entry, table_entry, regular)
         self.receipts.post(store, step, generation, self.rank, receipt)
 
