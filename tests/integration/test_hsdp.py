@@ -1,11 +1,12 @@
 """HSDP (replicas of an FSDP shard group) through real torchrun jobs on CPU/gloo: each shard is
-written once per checkpoint, the writes spread over the replicas, and the checkpoint moves to
-FSDP at another world size with every tensor equal. (The runner does not build HSDP meshes yet;
+written once per checkpoint, the writes spread over the replicas, and the checkpoint resumes
+as HSDP and as FSDP at another world size with every tensor equal. (The runner does not build HSDP meshes yet;
 the model here shards itself over a 2-D mesh, as a user's own code or Task.shard would.)"""
 
 from __future__ import annotations
 
 import os
+import shutil
 
 import pytest
 
@@ -25,17 +26,19 @@ def _sizes(step_dir: str) -> dict[str, int]:
 
 
 @pytest.mark.slow
-def test_hsdp_writes_each_shard_once_spread_over_replicas_and_resumes_as_fsdp_exactly(
+def test_hsdp_writes_each_shard_once_spread_over_replicas_and_resumes_as_hsdp_and_as_fsdp_exactly(
     launch, tmp_path
 ):
     hsdp, ref = str(tmp_path / "hsdp"), str(tmp_path / "saved.pt")
     fsdp = str(tmp_path / "fsdp")
     jobs = {
-        "hsdp": launch(["save", hsdp, ref, "6", "replicas=2", WIDTH], nproc=4, entry=PROBE,
-                       name="hsdp"),
-        "fsdp": launch(["save", fsdp, str(tmp_path / "f.pt"), "6", WIDTH], nproc=2, entry=PROBE,
-                       name="fsdp"),
-    }  # fmt: skip
+        "hsdp": launch(
+            ["save", hsdp, ref, "6", "replicas=2", WIDTH], nproc=4, entry=PROBE, name="hsdp"
+        ),
+        "fsdp": launch(
+            ["save", fsdp, str(tmp_path / "f.pt"), "6", WIDTH], nproc=2, entry=PROBE, name="fsdp"
+        ),
+    }
     for name, job in jobs.items():
         assert job.wait(180) == 0, f"{name}: {job.log()[-3000:]}"
     h, f = _sizes(_newest(hsdp)), _sizes(_newest(fsdp))
@@ -47,7 +50,16 @@ def test_hsdp_writes_each_shard_once_spread_over_replicas_and_resumes_as_fsdp_ex
     replica0, replica1 = by_replica[0] + by_replica[1], by_replica[2] + by_replica[3]
     total = replica0 + replica1
     assert 0.35 * total <= replica0 <= 0.65 * total, by_replica  # about 1/R each
-    # Moved to FSDP over 2 ranks: every tensor of the model and AdamW equal to what was saved.
-    resumed = launch(["resume", hsdp, ref, "2", WIDTH], nproc=2, entry=PROBE, name="at-2")
-    assert resumed.wait(180) == 0, resumed.log()[-3000:]
-    assert '"differs": []' in resumed.log(), resumed.log()[-3000:]
+    # Resumed as it was (HSDP 2x2: each rank reads what the other replica wrote too) and moved to
+    # FSDP over 2 ranks: every tensor of the model and AdamW equal to what was saved.
+    copy = str(tmp_path / "hsdp-copy")
+    shutil.copytree(hsdp, copy)  # each resume saves again: one copy each
+    resumed = {
+        "hsdp": launch(
+            ["resume", copy, ref, "2", "replicas=2", WIDTH], nproc=4, entry=PROBE, name="as-hsdp"
+        ),
+        "fsdp": launch(["resume", hsdp, ref, "2", WIDTH], nproc=2, entry=PROBE, name="as-fsdp"),
+    }
+    for name, job in resumed.items():
+        assert job.wait(180) == 0, f"{name}: {job.log()[-3000:]}"
+        assert '"differs": []' in job.log(), f"{name}: {job.log()[-3000:]}"
