@@ -1,7 +1,8 @@
 """HSDP (replicas of an FSDP shard group) through real torchrun jobs on CPU/gloo: each shard is
-written once per checkpoint, the writes spread over the replicas, and the checkpoint resumes
-as HSDP and as FSDP at another world size with every tensor equal. (The runner does not build HSDP meshes yet;
-the model here shards itself over a 2-D mesh, as a user's own code or Task.shard would.)"""
+written once per checkpoint, the writes spread over the replicas, and the checkpoint resumes as
+HSDP and as FSDP at another world size with every tensor equal. (The runner does not build HSDP
+meshes yet; the model here shards itself over a 2-D mesh, as a user's own code or Task.shard
+would.)"""
 
 from __future__ import annotations
 
