@@ -10,7 +10,9 @@ import os
 import shutil
 
 import pytest
+import torch
 
+from elastictrain import load_checkpoint
 from storage.manifest import parse_step_dir
 
 PROBE = ("-m", "tests.helpers.fsdp_probe")
@@ -51,6 +53,11 @@ def test_hsdp_writes_each_shard_once_spread_over_replicas_and_resumes_as_hsdp_an
     replica0, replica1 = by_replica[0] + by_replica[1], by_replica[2] + by_replica[3]
     total = replica0 + replica1
     assert 0.35 * total <= replica0 <= 0.65 * total, by_replica  # about 1/R each
+    # load_checkpoint (and so export) consolidates it: every tensor once, as saved.
+    saved = torch.load(ref, weights_only=True)["model"]
+    consolidated = load_checkpoint(hsdp)["model"]
+    assert consolidated.keys() == saved.keys()
+    assert all(torch.equal(consolidated[k], saved[k]) for k in saved)
     # Resumed as it was (HSDP 2x2: each rank reads what the other replica wrote too) and moved to
     # FSDP over 2 ranks: every tensor of the model and AdamW equal to what was saved.
     copy = str(tmp_path / "hsdp-copy")
