@@ -11,6 +11,7 @@ import importlib
 import warnings
 from typing import TYPE_CHECKING, Any
 
+from elastictrain import lazy
 from elastictrain.version import __version__
 
 if TYPE_CHECKING:
@@ -31,9 +32,8 @@ _LAZY = {
 
 
 def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        value = getattr(importlib.import_module(_LAZY[name]), name)
-        globals()[name] = value  # once: later lookups skip this function
+    value = lazy.resolve(globals(), _LAZY, name)
+    if value is not lazy.MISSING:
         return value
     # Not ``from elastictrain import errors``: that asks this function for ``errors`` first, and
     # so does every ``from elastictrain import <submodule>`` not yet imported.

@@ -8,8 +8,9 @@ modules it needs, and must not pay for torch through this package.
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING, Any
+
+from elastictrain import lazy
 
 if TYPE_CHECKING:
     from elastictrain.checkpoint.api import (
@@ -41,9 +42,8 @@ _LAZY = {
 
 
 def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        value = getattr(importlib.import_module(_LAZY[name]), name)
-        globals()[name] = value  # once: later lookups skip this function
+    value = lazy.resolve(globals(), _LAZY, name)
+    if value is not lazy.MISSING:
         return value
     raise AttributeError(f"module 'elastictrain.checkpoint' has no attribute {name!r}")
 

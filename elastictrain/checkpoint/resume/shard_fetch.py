@@ -179,31 +179,20 @@ def _load(
     targets, _ = sharded.split(sharded.capture(state, step=0))
     rank_of = {sharded.shard_file(q, generation): q for q in range(world)}
 
+    def exchange(needs: list[Need]) -> list[Any]:
+        return _exchange(needs, reader, tally, my_node=my_node, rank=rank, group=group)
+
     # 2. The tables of the saved shard files this rank's new shards overlap.
     overlapped = {c["file"]: c["table"] for c in index.metadata(targets).storage_data.values()}
     sources = {name: _pick(by_rank[rank_of[name]], my_node) for name in overlapped}
-    tables = _exchange(
-        [(sources[n], t, None) for n, t in overlapped.items()],
-        reader,
-        tally,
-        my_node=my_node,
-        rank=rank,
-        group=group,
-    )
+    tables = exchange([(sources[n], t, None) for n, t in overlapped.items()])
     fetched.files.update(zip(overlapped.values(), tables, strict=True))
 
     # 3. The byte ranges of those files this rank needs.
     planning = shard_reader.ShardReader(fetched, manifest, index)
     _, plan = shard_reader.plan_reads(planning, targets)
     wanted = {name: tuple(dict.fromkeys(ranges)) for name, _, _, ranges in planning.located(plan)}
-    got = _exchange(
-        [(sources[n], n, r) for n, r in wanted.items()],
-        reader,
-        tally,
-        my_node=my_node,
-        rank=rank,
-        group=group,
-    )
+    got = exchange([(sources[n], n, r) for n, r in wanted.items()])
     for (name, ranges), data in zip(wanted.items(), got, strict=True):
         view, at = memoryview(data), 0
         for lo, hi in ranges:
