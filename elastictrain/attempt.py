@@ -1,5 +1,6 @@
 """Building one attempt from the task: the training state (the model placed for ``--parallel``,
-the optimizer, the scheduler, the task's extra state), the data loader at a step, evaluation."""
+the optimizer, the scheduler, the task's extra state), the data loader at a step (this rank's
+data-parallel share), evaluation."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from elastictrain.data import GlobalBatchSampler
 from elastictrain.env import DistEnv
 from elastictrain.errors import named_timeout
 from elastictrain.loader import StepLoader, worker_init
+from elastictrain.mesh import MeshShape, data_ranks
 from elastictrain.observe.events import Event
 from elastictrain.observe.metrics import evaluate
 from elastictrain.observe.tensorboard import Scalars
@@ -41,17 +43,20 @@ class Attempt:
         groups: edist.ProcessGroups,
         session: CheckpointSession,
         watchdog: HangWatchdog,
+        shape: MeshShape | None = None,
     ) -> None:
+        """``shape``: the resolved ``--mesh`` (None for DDP); it decides the data-parallel ranks."""
         self.cfg, self.env, self.task, self.sampler, self.device = cfg, env, task, sampler, device
         self.groups, self.session, self.events = groups, session, session.events
         self.watchdog = watchdog
-        self.parallelism = parallel.for_setting(cfg.parallel)
+        self.parallelism = parallel.for_setting(cfg.parallel, shape)
+        self.data = data_ranks(shape, env.rank, env.world_size)
         self.stream = (
             streams.StreamLoader(
                 dataset=task.dataset,
                 batch_size=task.batch_size,
-                rank=env.rank,
-                world_size=env.world_size,
+                rank=self.data.rank,
+                world_size=self.data.size,
                 micro_steps=cfg.grad_accum_steps,
                 collate_fn=task.collate_fn,
                 num_workers=cfg.num_workers,
@@ -108,8 +113,8 @@ class Attempt:
         return StepLoader(
             task=self.task,
             sampler=self.sampler,
-            rank=self.env.rank,
-            world_size=self.env.world_size,
+            rank=self.data.rank,
+            world_size=self.data.size,
             micro_steps=cfg.grad_accum_steps,
             seed=cfg.seed,
             start=start,

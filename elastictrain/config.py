@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import MISSING, InitVar, dataclass, field, fields
 from typing import Any, Literal, get_args, get_type_hints
 
+from elastictrain import mesh
 from elastictrain.errors import ConfigError
 from elastictrain.signals import parse_signal
 from storage.hashing import DEFAULT_ALGORITHM
@@ -29,7 +30,7 @@ OnStorageFailure = Literal["warn", "fail"]
 ResumeRead = Literal["rank0", "all"]
 Checksum = Literal["xxh3", "sha256"]  # storage.hashing.ALGORITHMS, checked by a test
 Precision = Literal["fp32", "bf16", "fp16"]
-Parallel = Literal["ddp", "fsdp"]
+Parallel = Literal["ddp", "fsdp", "hsdp"]
 ProgressMode = Literal["auto", "live", "plain"]
 
 
@@ -157,7 +158,14 @@ class RunConfig:
     """ddp: every rank holds the whole model and rank 0 checkpoints it. fsdp: FSDP2 shards the
     parameters, gradients and optimizer state over all ranks (Task.shard picks the units; default:
     each child module with parameters, then the root); every rank checkpoints its own shards, and a
-    checkpoint resumes at any world size."""
+    checkpoint resumes at any world size. hsdp: FSDP within each node, one replica per node (each
+    shard is checkpointed once, by one replica)."""
+    mesh: str | None = setting(None, metavar="DIM=N,...")
+    """The device mesh for --parallel fsdp|hsdp, in torchtitan's names: dp_replicate (replicas),
+    dp_shard (FSDP within a replica), tp (tensor parallel, innermost: consecutive ranks), e.g.
+    dp_replicate=2,tp=4. Omitted: tp 1; fsdp takes dp_replicate 1 and dp_shard the rest; hsdp takes
+    dp_shard the ranks of a node over tp and dp_replicate the rest. -1 is the rest. Task.shard gets
+    the named mesh; samples are split over the data-parallel ranks (docs/layouts.md)."""
     grad_accum_steps: int = setting(1, metavar="N")
     """Split each rank's share of the global batch into N micro-batches; DDP syncs gradients on
     the last only. The global batch (samples per optimizer step) is unchanged."""
@@ -224,6 +232,8 @@ class RunConfig:
             )
         if not _positive(self.log_every_seconds):
             raise ConfigError(f"--log-every-seconds must be > 0, got {self.log_every_seconds!r}.")
+        if self.mesh is not None:
+            mesh.parse(self.mesh)  # the syntax now; the sizes against the world size at start
         if self.eval_every_steps == 0:
             self.eval_every_steps = None
         for name in ("grad_accum_steps", "prefetch_factor", "eval_every_steps"):

@@ -1,13 +1,15 @@
 """``--parallel``: how the model is spread over the ranks, and the few places that differs.
 
 - ddp: every rank holds the whole model; ``DistributedDataParallel`` all-reduces gradients.
-- fsdp: FSDP2's ``fully_shard`` on a 1-D mesh over all ranks: parameters, gradients and optimizer
-  state are sharded, so no rank ever holds the whole state. Applied before the optimizer is built,
-  which then steps the local shards. Checkpoints follow from the DTensor parameters
-  (``checkpoint.sharded``): every rank writes its own shards.
+- fsdp, hsdp: FSDP2's ``fully_shard`` over the runner's named mesh (:mod:`elastictrain.mesh`): 1-D
+  over all ranks by default, (dp_replicate, dp_shard) for HSDP, with ``tp`` when the task applies
+  tensor parallelism. Parameters, gradients and optimizer state are sharded, so no rank ever holds
+  the whole state. Applied before the optimizer is built, which then steps the local shards.
+  Checkpoints follow from the DTensor parameters (``checkpoint.sharded``): every rank writes its
+  own shards, a replicated one once.
 
-Both average gradients over the ranks, so the runner's loss weighting (the global-batch mean at any
-world size) is the same for both.
+All average gradients over the data-parallel ranks, so the runner's loss weighting (the
+global-batch mean at any world size) is the same for all.
 """
 
 from __future__ import annotations
@@ -17,11 +19,11 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from elastictrain.errors import ConfigError
-
-MODES = ("ddp", "fsdp")
+from elastictrain.mesh import MeshShape, data_mesh
 
 
 class Replicate:
@@ -36,60 +38,77 @@ class Replicate:
         (tensor parallelism, which DDP's data split would feed wrongly). Plain parameters are told
         apart by their type alone, so a DDP restart imports nothing for it."""
         if any(type(p) is not nn.Parameter for p in model.parameters()):
-            refuse_model_parallelism(model)
+            refuse_model_parallelism(model, None)
 
     def wrap(self, model: nn.Module, device: torch.device, model_devices: Any) -> nn.Module:
         return wrap_ddp(model, device, model_devices)
 
 
 class Shard:
-    """``--parallel fsdp``: FSDP2 applied in place before the optimizer, which steps the shards."""
+    """``--parallel fsdp|hsdp``: FSDP2 applied in place before the optimizer, which steps the
+    shards; over the runner's named mesh (``shape``), else one dimension of every rank."""
 
     name = "fsdp"
     primes_buckets = False
 
+    def __init__(self, shape: MeshShape | None = None) -> None:
+        self.shape = shape
+
     def place(self, model: nn.Module, task_shard: Any, device: torch.device, world: int) -> None:
-        shard(model, task_shard, device, world)
+        shard(model, task_shard, device, self.shape or MeshShape(dp_shard=world))
 
     def wrap(self, model: nn.Module, device: torch.device, model_devices: Any) -> nn.Module:
         return model  # sharded in place by ``place``
 
 
-def for_setting(parallel: str) -> Replicate | Shard:
-    """The one place the runner reads ``--parallel``."""
-    return {"ddp": Replicate, "fsdp": Shard}[parallel]()
+def for_setting(parallel: str, shape: MeshShape | None = None) -> Replicate | Shard:
+    """The one place the runner reads ``--parallel`` (``shape``: its resolved ``--mesh``)."""
+    return Replicate() if parallel == "ddp" else Shard(shape)
 
 
-def shard(model: nn.Module, task_shard: Any, device: torch.device, world_size: int) -> None:
-    """Apply FSDP2 in place: the task's ``shard(model, mesh)``, else the default units (see
-    :func:`default_units`), then the root.
+def shard(
+    model: nn.Module, task_shard: Any, device: torch.device, shape: MeshShape | int
+) -> None:
+    """Apply FSDP2 in place over ``shape``'s mesh (an int W: FSDP over W ranks): the task's
+    ``shard(model, mesh)``, else the default units (see :func:`default_units`), then the root,
+    over the data-parallel dimensions.
 
     Raises:
         ConfigError: the task's ``shard`` put two modules that share a parameter (tied weights) in
-            different FSDP groups, which FSDP2 would only refuse at the first forward; or it laid
-            the model out in a way the runner cannot feed (:func:`refuse_model_parallelism`).
+            different FSDP groups, which FSDP2 would only refuse at the first forward; it laid
+            the model out in a way the runner cannot feed (:func:`refuse_model_parallelism`); or
+            the mesh has ``tp`` and there is no ``Task.shard`` to apply a tensor-parallel plan.
     """
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    mesh = init_device_mesh(device.type, (world_size,))
+    if isinstance(shape, int):
+        shape = MeshShape(dp_shard=shape)
+    if task_shard is None and shape.tp > 1:
+        raise ConfigError(
+            f"--mesh tp={shape.tp} needs a Task.shard(model, mesh) that applies the model's "
+            "tensor-parallel plan over mesh['tp'] (parallelize_module), then fully_shard over "
+            "elastictrain.mesh.data_mesh(mesh); the runner cannot guess the plan. Or drop tp."
+        )
+    mesh = shape.build(device.type)
     if task_shard is not None:
         tied = shared_parameters(model)
         task_shard(model, mesh)
         check_ties_grouped(model, tied)
     else:
         for group in default_units(model):
-            fully_shard(group if len(group) > 1 else group[0], mesh=mesh)
-        fully_shard(model, mesh=mesh)
-    refuse_model_parallelism(model)
+            fully_shard(group if len(group) > 1 else group[0], mesh=data_mesh(mesh))
+        fully_shard(model, mesh=data_mesh(mesh))
+    refuse_model_parallelism(model, shape)
 
 
-def refuse_model_parallelism(model: nn.Module) -> None:
-    """After ``Task.shard``: every DTensor parameter must be FSDP's, sharded along one mesh
-    dimension at most (HSDP replicates along the other). Anything else is tensor (or another
-    model) parallelism, which the runner was not told about: it gives every rank its own samples,
-    so the ranks of one tensor-parallel group would compute one layer on different samples and
-    their collectives would add them up, training silently on the wrong data.
+def refuse_model_parallelism(model: nn.Module, shape: MeshShape | None) -> None:
+    """After ``Task.shard``: every DTensor parameter must be laid out as the runner was told.
+    Without ``tp`` in the mesh (``shape``), a parameter must be FSDP's, sharded along one mesh
+    dimension at most (HSDP replicates along the other). With it, a parameter may also be sharded
+    along ``tp``, on a mesh of the runner's dimensions and sizes. Anything else is tensor (or
+    another model) parallelism the runner was not told about: it would give the ranks of one
+    tensor-parallel group different samples, and their collectives would add them up, training
+    silently on the wrong data.
 
     Raises:
         ConfigError: naming the first such parameter; before anything is written.
@@ -98,20 +117,50 @@ def refuse_model_parallelism(model: nn.Module) -> None:
     from torch.distributed.tensor import DTensor
 
     managed = {id(p) for m in model.modules() if isinstance(m, FSDPModule) for p in m.parameters()}
+    tp = shape is not None and shape.tp > 1
+    world = dist.get_world_size() if dist.is_initialized() else 1
     for name, param in model.named_parameters():
         if not isinstance(param, DTensor):
             continue
-        shards = sum(1 for placement in param.placements if placement.is_shard())
-        if id(param) in managed and shards <= 1:
+        why = _unfed(param, id(param) in managed, shape if tp else None, world)
+        if why is None:
             continue
-        why = "no fully_shard manages it" if id(param) not in managed else "it is sharded twice"
+        fix = (
+            "apply the tensor-parallel plan over mesh['tp'] of the mesh Task.shard is given, "
+            "and fully_shard over elastictrain.mesh.data_mesh(mesh)"
+            if tp
+            else "declare it with --parallel fsdp --mesh tp=N (every rank of a tensor-parallel "
+            "group then trains on the same samples) and apply the plan over mesh['tp']; or "
+            "shard with fully_shard only"
+        )
         raise ConfigError(
             f"Task.shard made parameter {name!r} a DTensor with placements "
             f"{tuple(param.placements)}, and {why}: that is tensor (or another model) "
-            "parallelism, and the runner splits the data over every rank, so it would train on "
-            "the wrong samples. The runner does not support tensor parallelism yet; shard with "
-            "fully_shard only (FSDP over the mesh it gives, or HSDP over a 2-D mesh of your own)."
+            "parallelism the runner was not told about, so it would train on the wrong samples. "
+            f"To fix: {fix}."
         )
+
+
+def _unfed(param: Any, managed: bool, shape: MeshShape | None, world: int) -> str | None:
+    """Why the runner would feed ``param``'s layout wrong samples; None when it would not."""
+    sharded = [d for d, p in enumerate(param.placements) if p.is_shard() or p.is_partial()]
+    if shape is None:  # no tensor parallelism declared: FSDP or HSDP only
+        if param.device_mesh.size() != world:  # pipeline stages, or a group of the ranks
+            return f"its mesh spans {param.device_mesh.size()} of the {world} ranks"
+        if not managed:
+            return "no fully_shard manages it"
+        return "it is sharded twice" if len(sharded) > 1 else None
+    mesh = param.device_mesh
+    names = mesh.mesh_dim_names or ()
+    for d, name in enumerate(names):
+        if name not in shape.present() or mesh.size(d) != getattr(shape, name):
+            return f"its mesh dimension {name!r} of size {mesh.size(d)} is not the runner's"
+    if len(names) != mesh.ndim:
+        return "its mesh is not the runner's (its dimensions have no names)"
+    for d in sharded:
+        if names[d] not in ("tp", "dp_shard") or (names[d] == "dp_shard" and not managed):
+            return f"it is sharded along {names[d]!r}"
+    return None
 
 
 def shared_parameters(model: nn.Module) -> dict[int, list[str]]:

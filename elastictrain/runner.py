@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from elastictrain import dist as edist
-from elastictrain import streams, training
+from elastictrain import mesh, streams, training
 from elastictrain.attempt import Attempt
 from elastictrain.checkpoint.session import CheckpointSession, install_stop_signals
 from elastictrain.config import RunConfig
@@ -50,13 +50,17 @@ def run(cfg: RunConfig, early_signals: StopSignals | None = None) -> int:
     # Built before any process-group work, so a bad --task fails fast and identically everywhere.
     torch.manual_seed(cfg.seed)
     task = build_task(cfg.task, cfg.task_options)
+    shape = mesh.resolve(cfg.parallel, cfg.mesh, env.world_size, env.local_world_size)
+    # The samples are split over the data-parallel ranks: one tensor-parallel group, one share.
+    data = mesh.data_ranks(shape, env.rank, env.world_size)
+    mesh.use(data)
     if streams.is_stream(task.dataset):  # no sampler: the stream says what comes next
-        streams.check_stream(task.dataset, task.batch_size, env.world_size, cfg.grad_accum_steps)
+        streams.check_stream(task.dataset, task.batch_size, data.size, cfg.grad_accum_steps)
         sampler = None
     else:
         sampler = GlobalBatchSampler(len(task.dataset), task.batch_size, cfg.seed)
-        sampler.share(0, env.rank, env.world_size)  # validates world size against the batch
-    check_micro_steps(task.batch_size, env.world_size, cfg.grad_accum_steps)
+        sampler.share(0, data.rank, data.size)  # validates the data-parallel size against the batch
+    check_micro_steps(task.batch_size, data.size, cfg.grad_accum_steps)
     device = edist.pick_device(env, task.model_devices)
     # Started before init: an orphan (agent gone) must exit even while it waits in init or resume.
     # The startup budget covers init + resume + the first step; init keeps its own hard bound.
@@ -109,15 +113,16 @@ def run(cfg: RunConfig, early_signals: StopSignals | None = None) -> int:
         liveness.start()
         init_s = time.monotonic() - t_init
         logger.info(
-            "started: world size %d, restart %d, generation %d, device %s, init %.2fs",
+            "started: world size %d%s, restart %d, generation %d, device %s, init %.2fs",
             env.world_size,
+            f" (mesh {shape.describe()})" if shape else "",
             env.restart_count,
             groups.attempt.generation,
             device,
             init_s,
         )
         session.emit_start(max_steps=cfg.max_steps, init_s=round(init_s, 4))
-        attempt = Attempt(cfg, env, task, sampler, device, groups, session, watchdog)
+        attempt = Attempt(cfg, env, task, sampler, device, groups, session, watchdog, shape)
         try:
             return training.train(attempt)
         except Preempted:

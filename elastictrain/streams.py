@@ -138,12 +138,14 @@ class StreamLoader:
             "loader": self._loader.state_dict(),
             "prefix": self.prefix,
             "num_workers": self.num_workers,
+            "data": [self.rank, self.world_size],
         }
 
     def check_rank_states(self, states: list[dict[str, Any]], step: int, where: str) -> None:
         """Raise CheckpointMismatchError, before anything is loaded, when the saved positions
-        cannot continue this stream exactly at this world size."""
-        if len(states) == self.world_size:
+        cannot continue this stream exactly at this data-parallel size."""
+        saved = _data_ranks(states)
+        if all(size == self.world_size for _, size in saved):
             return
         if self.seekable and all(s.get("prefix") for s in states):
             return
@@ -155,18 +157,28 @@ class StreamLoader:
             "workers (--num-workers), which interleave, so the samples trained are not the "
             "stream's first ones"
         )
+        size = saved[0][1]
         raise CheckpointMismatchError(
-            f"Checkpoint {where} (step {step}) was saved at world size {len(states)}; this run has "
-            f"{self.world_size}. Task.dataset is a stream (IterableDataset) and {why}: resuming "
-            "would repeat or skip samples. Nothing was loaded or changed. Choices: relaunch at "
-            f"world size {len(states)}; or give the stream seek() and train with --num-workers 0; "
-            "or start a new run (another --checkpoint-dir)."
+            f"Checkpoint {where} (step {step}) was saved at data-parallel size {size}; this run "
+            f"has {self.world_size}. Task.dataset is a stream (IterableDataset) and {why}: "
+            "resuming would repeat or skip samples. Nothing was loaded or changed. Choices: "
+            f"relaunch at data-parallel size {size}; or give the stream seek() and train with "
+            "--num-workers 0; or start a new run (another --checkpoint-dir)."
         )
 
     def load_rank_states(self, states: list[dict[str, Any]], step: int) -> None:
-        """Continue from ``states`` (every rank's, as saved), checked by :meth:`check_rank_states`."""
+        """Continue from ``states`` (every rank's, as saved), checked by :meth:`check_rank_states`:
+        the position of this data-parallel rank, whichever rank of its tensor-parallel group
+        saved it."""
         self._start = step
-        self._loaded = states[self.rank] if len(states) == self.world_size else None
+        self._loaded = next(
+            (
+                s
+                for s, data in zip(states, _data_ranks(states), strict=True)
+                if data == (self.rank, self.world_size)
+            ),
+            None,
+        )
 
     # -- the StepLoader interface ---------------------------------------------------------------
     def start(self, step: int) -> None:
@@ -213,3 +225,9 @@ class StreamLoader:
 
     def close(self) -> None:
         self._it = None
+
+
+def _data_ranks(states: list[dict[str, Any]]) -> list[tuple[int, int]]:
+    """(data-parallel rank, size) each saved position was read at; saved by rank, so a checkpoint
+    from before data-parallel coordinates were recorded is rank ``i`` of ``len(states)``."""
+    return [tuple(s.get("data", (i, len(states)))) for i, s in enumerate(states)]

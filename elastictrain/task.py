@@ -15,6 +15,7 @@ from torch import nn
 from torch.utils.data import Dataset, IterableDataset
 from torch.utils.data._utils.collate import default_collate
 
+from elastictrain import mesh
 from elastictrain.errors import ConfigError, TaskLoadError
 
 
@@ -103,8 +104,12 @@ class Task:
 
 
 def eval_shard(size: int) -> range:
-    """This rank's part of an eval set of ``size`` samples (every ``world_size``-th one), for
-    ``Task.evaluate``; the whole range outside torch.distributed."""
+    """This rank's part of an eval set of ``size`` samples (every ``n``-th one, ``n`` the
+    data-parallel ranks: one tensor-parallel group evaluates one part), for ``Task.evaluate``;
+    the whole range outside torch.distributed."""
+    data = mesh.current()
+    if data is not None:
+        return range(data.rank, size, data.size)
     if not dist.is_initialized():
         return range(size)
     return range(dist.get_rank(), size, dist.get_world_size())

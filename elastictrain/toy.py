@@ -54,6 +54,44 @@ class ToyModel(nn.Module):
         return self.net2(x)
 
 
+def tensor_parallel(model: ToyModel, tp_mesh) -> None:
+    """Megatron's MLP plan over the Linear layers in order: column-wise, then row-wise (its input
+    is the column-wise layer's shard, its output summed over the group), and so on; an odd last
+    layer is column-wise with its output gathered. Every rank of the group must see the same
+    input: the runner gives the group one data-parallel share."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    names = ["net1", *(f"extra.{i}" for i in range(len(model.extra))), "net2"]
+    plan = {}
+    for i, name in enumerate(names):
+        if i % 2:
+            plan[name] = RowwiseParallel()
+        else:
+            last = i == len(names) - 1
+            plan[name] = ColwiseParallel(output_layouts=Replicate()) if last else ColwiseParallel()
+    parallelize_module(model, tp_mesh, plan)
+
+
+def shard(model: nn.Module, mesh) -> None:
+    """``Task.shard`` for ``--parallel fsdp|hsdp``: the tensor-parallel plan over ``mesh["tp"]``
+    when the mesh has one, then the runner's default FSDP units over the data-parallel mesh."""
+    from torch.distributed.fsdp import fully_shard
+
+    from elastictrain.mesh import data_mesh
+    from elastictrain.parallel import default_units
+
+    if "tp" in (mesh.mesh_dim_names or ()):
+        tensor_parallel(model, mesh["tp"])
+    for group in default_units(model):
+        fully_shard(group if len(group) > 1 else group[0], mesh=data_mesh(mesh))
+    fully_shard(model, mesh=data_mesh(mesh))
+
+
 def synthetic_dataset(size: int, seed: int = 1234) -> TensorDataset:
     """Inputs and targets of a fixed random linear map plus noise: learnable, identical everywhere."""
     g = torch.Generator().manual_seed(seed)
@@ -107,4 +145,5 @@ def make_task(options: Mapping[str, str]) -> Task:
         make_optimizer=lambda params: torch.optim.SGD(params, lr=lr, momentum=momentum),
         make_scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=200, gamma=0.5),
         loss_fn=loss_fn,
+        shard=shard,
     )

@@ -48,10 +48,12 @@ def train(attempt: Attempt) -> int:
     # bucket priming) runs from here to the loop's start, which adds its own clock to it.
     startup = {"build_s": t1 - t0, "probe_s": t2 - t1, "resume_s": t3 - t2, "ddp_s": -t3}
     model = attempt.parallelism.wrap(state.model, attempt.device, attempt.task.model_devices)
+    data = attempt.data
     sample_log = SampleLog(
-        cfg.sample_log,
-        rank=env.rank,
-        world_size=env.world_size,
+        # One ledger per data-parallel rank: a tensor-parallel group trains on one share.
+        cfg.sample_log if data.leader else None,
+        rank=data.rank,
+        world_size=data.size,
         generation=session.generation,  # fenced: strictly above every earlier attempt
     )
     scalars = Scalars(cfg.tensorboard, resume_step=resumed.step, enabled=env.is_rank0)
@@ -64,7 +66,7 @@ def train(attempt: Attempt) -> int:
         loader=loader,
         precision=precision,
         device=attempt.device,
-        rank=env.rank,
+        rank=data.rank,  # per-step seeds: one tensor-parallel group draws the same dropout
         seed=cfg.seed,
         clip_grad_norm=cfg.clip_grad_norm,
         on_share=sample_log.record,

@@ -11,6 +11,7 @@ from torch import nn
 
 from elastictrain import parallel
 from elastictrain.errors import ConfigError, exit_code
+from elastictrain.mesh import MeshShape
 
 
 @pytest.fixture
@@ -44,6 +45,13 @@ def test_tensor_parallelism_over_the_runners_mesh_is_refused_with_exit_2(one_ran
         parallel.shard(model, _tensor_parallel, torch.device("cpu"), 1)
     assert exit_code(caught.value) == 2
     assert "tensor (or another model) parallelism" in str(caught.value)
+    assert "--mesh tp=N" in str(caught.value)  # the fix: declare it
+
+
+def test_a_tensor_parallel_mesh_without_a_task_shard_is_refused_before_any_mesh_is_built():
+    with pytest.raises(ConfigError, match=r"--mesh tp=2 needs a Task.shard") as caught:
+        parallel.shard(_model(), None, torch.device("cpu"), MeshShape(dp_shard=2, tp=2))
+    assert exit_code(caught.value) == 2
 
 
 def test_tensor_parallelism_under_fsdp_on_a_2d_mesh_is_refused(one_rank):

@@ -66,6 +66,26 @@ def test_a_seekable_stream_resumes_exactly_at_its_world_size_and_exactly_once_at
     assert samples == list(range(6 * BATCH))  # every sample of the first 6 steps, once
 
 
+def test_a_tensor_parallel_group_saves_one_position_and_resumes_from_its_own_data_rank():
+    """Under tp=2 the four ranks of (dp 2, tp 2) save four positions, two per data-parallel rank;
+    each rank resumes from its data-parallel rank's, whichever group member saved it, and a
+    stateful stream without seek resumes exactly at the same data-parallel size."""
+    groups = [_loader(StatefulStream(), r, 2) for r in range(2)]
+    for loader in groups:
+        loader.start(0)
+        loader.next_step(0)
+    states = [groups[r // 2].state_dict() for r in range(4)]  # saved by global rank, tp inner
+    straight = _trained(groups, range(1, 3))
+    again = [_loader(StatefulStream(), r, 2) for r in range(2)]
+    for loader in again:
+        loader.check_rank_states(states, 1, "here")  # 4 saved, data-parallel size 2: exact
+        loader.load_rank_states(states, 1)
+        loader.start(1)
+    assert _trained(again, range(1, 3)) == straight
+    with pytest.raises(CheckpointMismatchError, match="data-parallel size 2; this run has 3"):
+        _loader(StatefulStream(), 0, 3).check_rank_states(states, 1, "here")
+
+
 def test_streams_that_cannot_continue_are_refused_before_anything_is_loaded():
     stateful = _loader(StatefulStream(), 0, 2)
     stateful.start(0)
