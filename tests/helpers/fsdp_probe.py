@@ -6,7 +6,8 @@
                           equal REF exactly (torch.equal), then train MORE steps and save
 
 Options after those: ``replicas=R`` shards as HSDP over a (R, W/R) mesh of (replicate, shard)
-instead of FSDP over all W ranks; ``width=N`` sets the hidden width (48).
+instead of FSDP over all W ranks, and ``replicas=0`` leaves the model whole on every rank (the
+replicated layout of DDP); ``width=N`` sets the hidden width (48).
 
 Exits 0 when every check passed; prints one JSON line with what it saw.
 """
@@ -33,7 +34,9 @@ def build(replicas: int = 1, width: int = WIDTH) -> tuple[nn.Module, torch.optim
         nn.Linear(10, width), nn.ReLU(), nn.Linear(width, width), nn.Linear(width, 3)
     )
     world = dist.get_world_size()
-    if replicas == 1:
+    if replicas == 0:
+        pass  # replicated: the whole model on every rank
+    elif replicas == 1:
         shard(model, None, torch.device("cpu"), world)
     else:
         from torch.distributed.device_mesh import init_device_mesh

@@ -1,8 +1,8 @@
 """HSDP (replicas of an FSDP shard group) through real torchrun jobs on CPU/gloo: each shard is
 written once per checkpoint, the writes spread over the replicas, and the checkpoint resumes as
-HSDP and as FSDP at another world size with every tensor equal. (The runner does not build HSDP
-meshes yet; the model here shards itself over a 2-D mesh, as a user's own code or Task.shard
-would.)"""
+HSDP, as FSDP at another world size and as DDP at one rank with every tensor equal. (The model
+here shards itself over a 2-D mesh of its own, as a user's own code would; the runner's
+``--parallel hsdp`` mesh is in test_tensor_parallel.py's company.)"""
 
 from __future__ import annotations
 
@@ -60,13 +60,18 @@ def test_hsdp_writes_each_shard_once_spread_over_replicas_and_resumes_as_hsdp_an
     assert all(torch.equal(consolidated[k], saved[k]) for k in saved)
     # Resumed as it was (HSDP 2x2: each rank reads what the other replica wrote too) and moved to
     # FSDP over 2 ranks: every tensor of the model and AdamW equal to what was saved.
-    copy = str(tmp_path / "hsdp-copy")
+    # And moved to the replicated layout (DDP) at one rank, which consolidates it.
+    copy, whole = str(tmp_path / "hsdp-copy"), str(tmp_path / "hsdp-whole")
     shutil.copytree(hsdp, copy)  # each resume saves again: one copy each
+    shutil.copytree(hsdp, whole)
     resumed = {
         "hsdp": launch(
             ["resume", copy, ref, "2", "replicas=2", WIDTH], nproc=4, entry=PROBE, name="as-hsdp"
         ),
         "fsdp": launch(["resume", hsdp, ref, "2", WIDTH], nproc=2, entry=PROBE, name="as-fsdp"),
+        "ddp": launch(
+            ["resume", whole, ref, "2", "replicas=0", WIDTH], nproc=1, entry=PROBE, name="as-ddp"
+        ),
     }
     for name, job in resumed.items():
         assert job.wait(180) == 0, f"{name}: {job.log()[-3000:]}"

@@ -21,6 +21,8 @@ import torch.distributed as dist
 import storage
 from elastictrain import dist as edist
 from elastictrain.checkpoint.api import Corrupt, Tier
+from elastictrain.checkpoint.sharded import reader as shard_reader
+from elastictrain.checkpoint.sharded.format import is_sharded_checkpoint as is_sharded
 from elastictrain.checkpoint.state import train_state as tstate
 from elastictrain.checkpoint.tiers.local import LocalTier
 
@@ -35,6 +37,8 @@ class Candidate:
     tier: Tier
     rank: int
     """The rank that reads it: rank 0 for the durable tier, a node's local rank 0 for its copy."""
+    sharded: bool = False
+    """Saved sharded: its reader consolidates it (no rank reads one state file of it)."""
 
     def rank_key(self) -> tuple[int, int, int, int]:
         return (self.generation, self.step, int(self.tier is Tier.LOCAL), -self.rank)
@@ -54,7 +58,7 @@ class Found:
 def candidates(offers: list[dict]) -> list[Candidate]:
     """Every rank's offers, ranked best first (the same list on every rank)."""
     fence = offers[0]["fence"]
-    found = [Candidate(g, s, w, Tier.DURABLE, 0) for g, s, w in offers[0]["durable"]]
+    found = [Candidate(g, s, w, Tier.DURABLE, 0, sh) for g, s, w, sh in offers[0]["durable"]]
     for rank, offer in enumerate(offers):
         found += [
             Candidate(g, s, w, Tier.LOCAL, rank) for g, s, w in offer["local"] if 0 < g <= fence
@@ -107,7 +111,10 @@ def fetch_best(
     fence = durable.read_fence() if rank == 0 else 0
     mine = {
         "fence": fence,
-        "durable": [(m.generation, m.step, m.metadata.get("world_size")) for m in listed],
+        "durable": [
+            (m.generation, m.step, m.metadata.get("world_size"), is_sharded(m.metadata))
+            for m in listed
+        ],
         "local": local.offers() if local is not None else [],
     }
     ranked = candidates(edist.all_gather_object(mine, group))
@@ -121,7 +128,7 @@ def fetch_best(
                 on_corrupt(c.step, why or f"rank {c.rank}'s copy did not verify", c.tier)
             continue
         where = f"step {c.step} ({c.tier} tier, read by rank {c.rank})"
-        if c.tier is Tier.DURABLE and read_all:
+        if c.tier is Tier.DURABLE and read_all and not c.sharded:
             if rank != 0:
                 read = durable.read(c.step)
                 data = read.files[tstate.state_file_of(read.manifest.metadata)]
@@ -137,6 +144,11 @@ def _read_on_holder(
     """On the rank that holds candidate ``c``: its verified bytes, else (None, why)."""
     store = local.store if c.tier is Tier.LOCAL else durable
     try:
+        if c.sharded:
+            # Saved sharded (FSDP, HSDP, tensor parallel), resumed replicated (DDP): this rank
+            # consolidates the whole state, every byte verified, once for every rank.
+            manifest = store.read_manifest(c.step)
+            return tstate.to_bytes(shard_reader.consolidate(store, manifest)), ""
         read = store.read(c.step)
     except storage.StorageError as e:
         return None, str(e)

@@ -250,10 +250,27 @@ def check_compatible(state: TrainState, payload: dict[str, Any], where: str) -> 
         )
 
 
+def keyed_by_name(optimizer: Any) -> bool:
+    """Whether an optimizer state dict names its parameters (``get_state_dict``'s form, as a
+    sharded checkpoint saves it) rather than numbering them (``Optimizer.state_dict``'s)."""
+    groups = optimizer.get("param_groups", []) if isinstance(optimizer, dict) else []
+    return any(isinstance(p, str) for g in groups for p in g.get("params", []))
+
+
 def restore(state: TrainState, payload: dict[str, Any], *, model_and_optimizer: bool = True) -> int:
     """Load ``payload`` into ``state`` in place; returns the number of completed steps it holds.
     ``model_and_optimizer=False``: those are loaded already (sharded: by DCP's set_state_dict)."""
-    if model_and_optimizer:
+    if model_and_optimizer and keyed_by_name(payload["optimizer"]):
+        # A sharded checkpoint consolidated for a replicated run: DCP's form, parameters by name.
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        set_state_dict(
+            unwrap(state.model),
+            state.optimizer,
+            model_state_dict=payload["model"],
+            optim_state_dict=payload["optimizer"],
+        )
+    elif model_and_optimizer:
         unwrap(state.model).load_state_dict(payload["model"])
         state.optimizer.load_state_dict(payload["optimizer"])
     if state.scheduler is not None and payload.get("scheduler") is not None:
