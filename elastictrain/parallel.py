@@ -66,9 +66,7 @@ def for_setting(parallel: str, shape: MeshShape | None = None) -> Replicate | Sh
     return Replicate() if parallel == "ddp" else Shard(shape)
 
 
-def shard(
-    model: nn.Module, task_shard: Any, device: torch.device, shape: MeshShape | int
-) -> None:
+def shard(model: nn.Module, task_shard: Any, device: torch.device, shape: MeshShape | int) -> None:
     """Apply FSDP2 in place over ``shape``'s mesh (an int W: FSDP over W ranks): the task's
     ``shard(model, mesh)``, else the default units (see :func:`default_units`), then the root,
     over the data-parallel dimensions.

@@ -84,4 +84,3 @@ def test_dp2_tp2_resumes_bitwise_after_a_kill_and_exactly_once_at_another_dp_siz
         read_sample_log(samples), dataset_size=4096, batch_size=64, max_steps=160
     )
     assert ledger["world_sizes"] == [1, 2]  # data-parallel sizes: 2 at first, then 1
-
