@@ -1,7 +1,7 @@
-"""Tensor parallelism declared with ``--mesh``, through real torchrun jobs on CPU/gloo: a
+"""The runner's 2-D meshes (``--mesh``), through real torchrun jobs on CPU/gloo: a
 tensor-parallel group trains on one data-parallel share, so the model learns what the unsharded
-model learns from the same batches; (dp 2, tp 2) resumes bitwise after a kill; and the
-exactly-once ledger holds when the data-parallel size changes with tp fixed."""
+model learns from the same batches; (dp 2, tp 2) and HSDP 2x2 resume bitwise after a kill; and
+the exactly-once ledger holds when the data-parallel size shrinks (tp fixed; a replica lost)."""
 
 from __future__ import annotations
 
@@ -61,26 +61,39 @@ def test_tensor_parallel_at_2_ranks_trains_on_the_batches_and_losses_of_the_unsh
 
 
 @pytest.mark.slow
-def test_dp2_tp2_resumes_bitwise_after_a_kill_and_exactly_once_at_another_dp_size(launch, tmp_path):
-    mesh = ("--parallel", "fsdp", "--mesh", "dp_shard=2,tp=2")
+@pytest.mark.parametrize(
+    ("mesh", "kill", "shrunk"),
+    [
+        # (dp 2, tp 2) -> (dp 1, tp 2): half the data-parallel ranks go, tp stays.
+        ("dp_shard=2,tp=2", 3, "tp=2"),
+        # HSDP 2x2 -> FSDP 2: a replica (a node) lost. Each shard was written by one replica.
+        ("dp_replicate=2,dp_shard=2", 2, "dp_shard=2"),
+    ],
+    ids=["dp2-tp2", "hsdp-2x2"],
+)
+def test_a_2d_mesh_resumes_bitwise_after_a_kill_and_exactly_once_at_a_smaller_dp_size(
+    launch, tmp_path, mesh, kill, shrunk
+):
+    layout = ("--parallel", "fsdp", "--mesh", mesh)
     ref_dir, run_dir, samples = (str(tmp_path / n) for n in ("ref", "run", "samples"))
     ev = str(tmp_path / "run.jsonl")
     ref = launch(toy_args(ref_dir, str(tmp_path / "ref.jsonl"), max_steps=120, every=20,
-                          extra=(*TASK, *mesh)), nproc=4, max_restarts=0, name="ref")  # fmt: skip
-    args = toy_args(run_dir, ev, max_steps=120, every=20, extra=(*TASK, *mesh))
+                          extra=(*TASK, *layout)), nproc=4, max_restarts=0, name="ref")  # fmt: skip
+    args = toy_args(run_dir, ev, max_steps=120, every=20, extra=(*TASK, *layout))
     job = launch([*args, "--sample-log", samples, "--no-local-checkpoint"], nproc=4, name="run")
     wait_for_event(ev, lambda e: e["event"] == Event.CHECKPOINT and e["step"] >= 40, 120, job)
-    job.kill_worker(3)  # the second rank of the second tensor-parallel pair
+    job.kill_worker(kill)
     assert job.wait(240) == 0, job.log()[-3000:]
     assert ref.wait(240) == 0, ref.log()[-3000:]
     resumes = [e for e in read_events(ev) if e["event"] == Event.RESUME and not e["fresh"]]
     assert resumes and resumes[0]["step"] >= 40, resumes
     assert_bitwise_equal(final_state(run_dir), final_state(ref_dir))
-    # Half the data-parallel ranks go (a node lost), tp stays: (dp 1, tp 2) continues the run.
-    more = toy_args(run_dir, ev, max_steps=160, every=20, extra=(*TASK, *TP2))
-    job = launch([*more, "--sample-log", samples], nproc=2, max_restarts=0, name="dp1")
+    more = toy_args(run_dir, ev, max_steps=160, every=20,
+                    extra=(*TASK, "--parallel", "fsdp", "--mesh", shrunk))  # fmt: skip
+    job = launch([*more, "--sample-log", samples], nproc=2, max_restarts=0, name="smaller")
     assert job.wait(180) == 0, job.log()[-3000:]
     ledger = assert_exactly_once(
         read_sample_log(samples), dataset_size=4096, batch_size=64, max_steps=160
     )
-    assert ledger["world_sizes"] == [1, 2]  # data-parallel sizes: 2 at first, then 1
+    # Data-parallel sizes: 2 at first, then 1 (tp 2); 4, then 2 (HSDP to FSDP).
+    assert ledger["world_sizes"] == ([1, 2] if "tp" in mesh else [2, 4])
