@@ -59,13 +59,14 @@ class Task:
     with :func:`eval_shard`. With ``--parallel fsdp`` every forward gathers parameters from all
     ranks, so every rank must call the model the same number of times."""
     shard: Callable[[nn.Module, Any], None] | None = None
-    """``shard(model, mesh)`` with ``--parallel fsdp``: apply ``fully_shard`` to the units you
-    choose (transformer blocks, say), then to the root; called on every rank with the 1-D device
-    mesh over all ranks, before the optimizer is built. Re-create here any ``state`` that mirrors
-    the parameters (an EMA), so it is sharded like them. Default: each child module that has
-    parameters, then the root. ``fully_shard`` only (over this mesh, or a 2-D one of your own for
-    HSDP): tensor parallelism is refused at start (exit 2), since the runner splits the data
-    over every rank."""
+    """``shard(model, mesh)`` with ``--parallel fsdp|hsdp``: apply ``fully_shard`` to the units you
+    choose (transformer blocks, say), then to the root; called on every rank, before the optimizer
+    is built, with the runner's named device mesh: ``dp_shard`` (1-D over all ranks by default),
+    with ``dp_replicate`` for HSDP and ``tp`` with ``--mesh tp=N`` (apply the tensor-parallel plan
+    over ``mesh["tp"]``, then shard over ``elastictrain.mesh.data_mesh(mesh)``; docs/layouts.md).
+    Re-create here any ``state`` that mirrors the parameters (an EMA), so it is sharded like them.
+    Default: each child module that has parameters, then the root. A layout the runner was not
+    told about (tensor parallelism without ``--mesh tp=N``) is refused at start (exit 2)."""
     hf_config: Mapping[str, Any] | None = None
     """The model's Hugging Face config as a dict (``model.config.to_dict()``): saved with every
     checkpoint, and written as ``config.json`` by ``export -o FOLDER`` unless ``--config`` is
