@@ -59,6 +59,11 @@ def build_parser() -> argparse.ArgumentParser:
     benches["persist"].add_argument(
         "--device", default="cpu", help="where the state lives: cpu, or cuda for GPU memory"
     )
+    benches["sharded"].add_argument(
+        "--replicas", type=int, default=1, metavar="R",
+        help="also save the state as HSDP over R replicas of the 2 shards (2R ranks), against "
+        "FSDP at 2 and dcp.save (1: off)",
+    )  # fmt: skip
     benches["tiers"].add_argument(
         "--remote-mbps", type=float, default=50.0, metavar="MB/S",
         help="the durable tier's link speed (50)",
@@ -126,7 +131,7 @@ def main(argv: list[str]) -> int:
             args.checkpoint_dir, options, args.size, args.repeats, args.device, args.json
         )
     if args.bench == "sharded":
-        return bench.main(args.size, args.repeats, args.json, args.checkpoint_dir)
+        return bench.main(args.size, args.repeats, args.json, args.checkpoint_dir, args.replicas)
     if args.bench == "recovery":
         return bench.main(args.size, args.json)
     if args.bench == "tiers":

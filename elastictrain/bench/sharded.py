@@ -14,6 +14,11 @@ whole state. Figures, each the median of ``--repeats`` and the worst rank's:
   and common file included), over its new local shards;
 - peak extra memory ÷ shard: the most the process's resident memory grew during its first
   checkpoint (the staging buffer is allocated then), over the rank's local shards.
+
+``--replicas R`` adds a third job: the same state as HSDP over R replicas of the 2 shards (2R
+ranks), with the bytes of one checkpoint against the FSDP one's (target <= 1.05: each shard is
+written once) and against ``dcp.save``'s of the same HSDP state, each replica's share of the bytes
+(about 1/R), and the foreground save time beside FSDP's and ``dcp.save``'s.
 """
 
 from __future__ import annotations
@@ -38,14 +43,16 @@ from elastictrain.bench.child import child_env, torchrun
 WIDTH = 2048  # 16 MB weights: tensors the size of a small transformer's
 
 
-def _build(size: int) -> Any:
+def _build(size: int, replicas: int = 1) -> Any:
     from elastictrain import parallel
     from elastictrain.checkpoint.state.train_state import TrainState
+    from elastictrain.mesh import MeshShape
 
     torch.manual_seed(0)
     layers = max(1, size // 12 // (WIDTH * WIDTH))  # fp32 weights + AdamW's two moments
     model = nn.Sequential(*(nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(layers)))
-    parallel.shard(model, None, torch.device("cpu"), dist.get_world_size())
+    shape = MeshShape(dp_replicate=replicas, dp_shard=dist.get_world_size() // replicas)
+    parallel.shard(model, None, torch.device("cpu"), shape)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model(torch.randn(4, WIDTH)).sum().backward()
     optimizer.step()
@@ -112,14 +119,31 @@ def _timed(fn: Any) -> float:
     return time.perf_counter() - t0
 
 
-def save_worker(url: str, size: int, repeats: int, out: str) -> None:
+def _dir_bytes(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(d, n)) for d, _, names in os.walk(path) for n in names)
+
+
+def _written(url: str, step: int) -> dict[str, Any]:
+    """Bytes of our checkpoint of ``step`` (every file), by shard file, and of ``dcp.save``'s."""
+    from storage.manifest import parse_step_dir
+
+    step_dir = next(os.path.join(url, n) for n in os.listdir(url) if parse_step_dir(n) == step)
+    shards = sorted(n for n in os.listdir(step_dir) if n.startswith("shard-"))
+    return {
+        "checkpoint_bytes": _dir_bytes(step_dir),
+        "shard_file_bytes": [os.path.getsize(os.path.join(step_dir, n)) for n in shards],
+        "dcp_bytes": _dir_bytes(os.path.join(url, "dcp0")),
+    }
+
+
+def save_worker(url: str, size: int, repeats: int, out: str, replicas: int = 1) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     from elastictrain.checkpoint.api import Reason
     from elastictrain.checkpoint.sharded import format as sharded
 
-    state, ckpt = _build(size), _checkpointer(url)
+    state, ckpt = _build(size, replicas), _checkpointer(url)
     shard = _local_bytes(state)
     local = sharded.local_shards(sharded.split(sharded.capture(state, step=0))[0]).tensors
     warm = {k: torch.empty_like(t) for k, t in local.items()}
@@ -164,6 +188,9 @@ def save_worker(url: str, size: int, repeats: int, out: str) -> None:
         "dcp_async_blocked_s": statistics.median(dcp_blocked),
         "peak_extra_bytes": mem.peak - mem.start,
     }
+    dist.barrier()
+    if dist.get_rank() == 0:
+        mine.update(_written(url, 100))  # the first foreground save's step
     _gather(mine, out)
 
 
@@ -206,7 +233,7 @@ def _torchrun(nproc: int, args: list[str]) -> None:
         raise RuntimeError(f"sharded bench worker failed:\n{done.stderr[-3000:]}")
 
 
-def run(size: int, repeats: int, where: str) -> dict[str, Any]:
+def run(size: int, repeats: int, where: str, replicas: int = 1) -> dict[str, Any]:
     scratch = tempfile.mkdtemp(prefix="elastictrain-sharded-bench-", dir=where)
     try:
         url = os.path.join(scratch, "ckpt")
@@ -217,6 +244,12 @@ def run(size: int, repeats: int, where: str) -> dict[str, Any]:
             ranks = json.load(f)
         with open(resumed) as f:
             readers = json.load(f)
+        hsdp = None
+        if replicas > 1:
+            url, saved = os.path.join(scratch, "hsdp"), os.path.join(scratch, "hsdp.json")
+            _torchrun(2 * replicas, ["save", url, str(size), str(repeats), saved, str(replicas)])
+            with open(saved) as f:
+                hsdp = _hsdp(json.load(f), ranks, replicas)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
@@ -233,6 +266,24 @@ def run(size: int, repeats: int, where: str) -> dict[str, Any]:
         "blocked_s": worst("blocked_s"),
         "read_over_new_shard": max(r["read_bytes"] / r["new_shard_bytes"] for r in readers),
         "peak_extra_over_shard": max(r["peak_extra_bytes"] / r["shard_bytes"] for r in ranks),
+        "hsdp": hsdp,
+    }
+
+
+def _hsdp(ranks: list[dict[str, Any]], fsdp: list[dict[str, Any]], replicas: int) -> dict:
+    """HSDP R x 2 against FSDP at 2 ranks (``fsdp``) and against dcp.save of the same state."""
+    files = ranks[0]["shard_file_bytes"]  # rank order: replica r holds ranks 2r and 2r + 1
+    by_replica = [files[2 * r] + files[2 * r + 1] for r in range(replicas)]
+    save_s, dcp_s = max(r["save_s"] for r in ranks), max(r["dcp_save_s"] for r in ranks)
+    return {
+        "replicas": replicas,
+        "checkpoint_bytes": ranks[0]["checkpoint_bytes"],
+        "bytes_over_fsdp": ranks[0]["checkpoint_bytes"] / fsdp[0]["checkpoint_bytes"],
+        "bytes_over_dcp": ranks[0]["checkpoint_bytes"] / ranks[0]["dcp_bytes"],
+        "replica_shares": [b / sum(by_replica) for b in by_replica],
+        "save_s": save_s,
+        "fsdp_save_s": max(r["save_s"] for r in fsdp),
+        "dcp_save_s": dcp_s,
     }
 
 
@@ -250,11 +301,22 @@ def table(r: dict[str, Any]) -> str:
         f"  peak extra memory in a checkpoint {r['peak_extra_over_shard']:.2f}x the shard "
         "(target <= 1.2)",
     ]
+    h = r.get("hsdp")
+    if h:
+        shares = " ".join(f"{s:.0%}" for s in h["replica_shares"])
+        rows += [
+            f"HSDP {h['replicas']} replicas x 2 shards ({2 * h['replicas']} ranks), same state",
+            f"  bytes per checkpoint              {h['bytes_over_fsdp']:.3f}x FSDP at 2 ranks "
+            f"(target <= 1.05), {h['bytes_over_dcp']:.3f}x dcp.save's",
+            f"  each replica's share of the bytes {shares} (about 1/{h['replicas']} each)",
+            f"  foreground save                   {h['save_s'] * 1e3:8.1f} ms   "
+            f"(FSDP at 2: {h['fsdp_save_s'] * 1e3:.1f} ms; dcp.save: {h['dcp_save_s'] * 1e3:.1f} ms)",
+        ]
     return "\n".join(rows)
 
 
-def main(size: int, repeats: int, as_json: bool, where: str) -> int:
-    result = run(size, repeats, where)
+def main(size: int, repeats: int, as_json: bool, where: str, replicas: int = 1) -> int:
+    result = run(size, repeats, where, replicas)
     print(json.dumps(result, indent=1) if as_json else table(result))
     return 0
 
@@ -265,7 +327,8 @@ if __name__ == "__main__":
     try:
         mode, url, size = sys.argv[1], sys.argv[2], int(sys.argv[3])
         if mode == "save":
-            save_worker(url, size, int(sys.argv[4]), sys.argv[5])
+            replicas = int(sys.argv[6]) if len(sys.argv) > 6 else 1
+            save_worker(url, size, int(sys.argv[4]), sys.argv[5], replicas)
         else:
             resume_worker(url, size, sys.argv[5])
     finally:

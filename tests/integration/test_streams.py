@@ -73,7 +73,7 @@ def test_stream_ledger_is_exactly_once_across_a_world_size_change_or_the_resume_
     assert refused.wait(120) != 0
     log = refused.log()
     assert "FAILED (exit 2): CheckpointMismatchError" in log and "no seek" in log, log[-3000:]
-    assert "Nothing was loaded or changed" in log and "relaunch at world size 2" in log
+    assert "Nothing was loaded or changed" in log and "relaunch at data-parallel size 2" in log
     assert checkpoint_files(ckpt) == before  # the run's history (events/) records the refusal
 
     ckpt, extra = runs["seekable"]

@@ -5,11 +5,14 @@ the exactly-once ledger holds when the data-parallel size shrinks (tp fixed; a r
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from elastictrain import load_checkpoint
 from elastictrain.observe.events import Event, read_events, read_sample_log
+from storage.manifest import parse_step_dir
 from tests.helpers.elastic import assert_exactly_once
 from tests.helpers.launcher import assert_bitwise_equal, final_state, toy_args, wait_for_event
 from tests.helpers.tp_task import read_losses
@@ -88,12 +91,35 @@ def test_a_2d_mesh_resumes_bitwise_after_a_kill_and_exactly_once_at_a_smaller_dp
     resumes = [e for e in read_events(ev) if e["event"] == Event.RESUME and not e["fresh"]]
     assert resumes and resumes[0]["step"] >= 40, resumes
     assert_bitwise_equal(final_state(run_dir), final_state(ref_dir))
+    # A flipped byte in the newest checkpoint's shard: the smaller run falls back to step 100.
+    _flip_a_byte(os.path.join(run_dir, _step_dir(run_dir, 120), _first_shard(run_dir, 120)))
     more = toy_args(run_dir, ev, max_steps=160, every=20,
                     extra=(*TASK, "--parallel", "fsdp", "--mesh", shrunk))  # fmt: skip
     job = launch([*more, "--sample-log", samples], nproc=2, max_restarts=0, name="smaller")
     assert job.wait(180) == 0, job.log()[-3000:]
+    events = read_events(ev)
+    assert [e["step"] for e in events if e["event"] == Event.CORRUPT] == [120]
+    assert [e for e in events if e["event"] == Event.RESUME][-1]["step"] == 100
     ledger = assert_exactly_once(
         read_sample_log(samples), dataset_size=4096, batch_size=64, max_steps=160
     )
     # Data-parallel sizes: 2 at first, then 1 (tp 2); 4, then 2 (HSDP to FSDP).
     assert ledger["world_sizes"] == ([1, 2] if "tp" in mesh else [2, 4])
+
+
+def _step_dir(ckpt: str, step: int) -> str:
+    return next(n for n in os.listdir(ckpt) if parse_step_dir(n) == step)
+
+
+def _first_shard(ckpt: str, step: int) -> str:
+    return min(
+        n for n in os.listdir(os.path.join(ckpt, _step_dir(ckpt, step))) if n.startswith("shard-")
+    )
+
+
+def _flip_a_byte(path: str) -> None:
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) // 3)  # inside the tensor bytes
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
