@@ -5,6 +5,7 @@ the exactly-once ledger holds when the data-parallel size shrinks (tp fixed; a r
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -91,6 +92,10 @@ def test_a_2d_mesh_resumes_bitwise_after_a_kill_and_exactly_once_at_a_smaller_dp
     resumes = [e for e in read_events(ev) if e["event"] == Event.RESUME and not e["fresh"]]
     assert resumes and resumes[0]["step"] >= 40, resumes
     assert_bitwise_equal(final_state(run_dir), final_state(ref_dir))
+    # Its index is one line per tensor (the grid of its placements), whatever W: format 3.
+    index = _index(run_dir, 120)
+    assert index["format"] == "elastictrain-sharded/3"
+    assert all("grid" in t and "chunks" not in t for t in index["tensors"].values())
     # A flipped byte in the newest checkpoint's shard: the smaller run falls back to step 100.
     _flip_a_byte(os.path.join(run_dir, _step_dir(run_dir, 120), _first_shard(run_dir, 120)))
     more = toy_args(run_dir, ev, max_steps=160, every=20,
@@ -123,3 +128,11 @@ def _flip_a_byte(path: str) -> None:
         byte = f.read(1)
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def _index(ckpt: str, step: int) -> dict:
+    folder = os.path.join(ckpt, _step_dir(ckpt, step))
+    with open(
+        os.path.join(folder, next(n for n in os.listdir(folder) if n.startswith("index-")))
+    ) as f:
+        return json.load(f)

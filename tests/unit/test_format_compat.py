@@ -78,10 +78,10 @@ def test_a_sharded_index_of_a_newer_format_is_refused_as_newer_not_as_corrupt():
     from elastictrain.checkpoint.sharded.reader import Index
     from storage import CheckpointCorruptError
 
-    newer = json.dumps({"format": "elastictrain-sharded/3", "tensors": {}}).encode()
-    with pytest.raises(NewerFormatError, match=r"elastictrain-sharded/3, newer than this"):
+    newer = json.dumps({"format": "elastictrain-sharded/4", "tensors": {}}).encode()
+    with pytest.raises(NewerFormatError, match=r"elastictrain-sharded/4, newer than this"):
         Index.parse(newer, "step 5")
-    for known in ("elastictrain-sharded/1", "elastictrain-sharded/2"):
+    for known in ("elastictrain-sharded/1", "elastictrain-sharded/2", "elastictrain-sharded/3"):
         assert Index.parse(json.dumps({"format": known}).encode(), "step 5").doc["format"] == known
     with pytest.raises(CheckpointCorruptError, match="unsupported index format"):
         Index.parse(json.dumps({"format": "something-else/1"}).encode(), "step 5")

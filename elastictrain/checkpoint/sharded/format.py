@@ -17,8 +17,11 @@ The index, format 2: FSDP2 splits every tensor by rows over the W ranks as ``tor
 (rank r holds rows [r c, (r + 1) c), c = ceil(n / W)), so a tensor is one line (``"split":
 "rows"``) and each rank's chunk is computed, not listed: the index does not grow with W, rank 0
 gathers W receipts of ~300 bytes at commit (not W tables), and a rank planning a resume looks only
-at the saved chunks its new rows overlap. A sharding that breaks the rule on any rank gets the
-explicit index of format 1 (every chunk listed), which rank 0 builds from every rank's table.
+at the saved chunks its new rows overlap. Format 3 does the same for any regular layout of DTensor
+placements (HSDP's replicas, tensor parallelism, FSDP over it): each tensor's mesh shape, which
+mesh dimensions split which of its dimensions, and which replica writes it (:mod:`.grid`). A
+sharding that neither describes on any rank gets the explicit index of format 1 (every chunk
+listed), which rank 0 builds from every rank's table.
 
 Why our own storage under DCP's planner, and not ``dcp.save``/``dcp.load``: DCP's planners own
 the hard part (which chunk of which tensor each rank holds, and what overlaps what at another world
@@ -42,6 +45,7 @@ import torch
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.tensor import DTensor
 
+from elastictrain.checkpoint.sharded import grid
 from elastictrain.checkpoint.state import train_state as tstate
 
 logger = logging.getLogger(__name__)
@@ -52,6 +56,7 @@ span. Small enough that a rank resuming at another world size reads little it do
 digests (about 1/1000 of the shard as hex) stay in each rank's report."""
 INDEX_FORMAT = "elastictrain-sharded/1"  # every chunk of every tensor listed
 RULE_INDEX_FORMAT = "elastictrain-sharded/2"  # split by the row rule; irregular ones never here
+GRID_INDEX_FORMAT = "elastictrain-sharded/3"  # each tensor's placements (``grid``): 2-D, HSDP
 _MARK = "__et_dtensor__"
 
 
@@ -136,10 +141,16 @@ class LocalShards:
     shared: bool = False
     """Some tensor is replicated along a mesh dimension (HSDP): this rank writes only its share
     of the chunks the replicas hold alike (:func:`written_here`), so the row rule cannot hold."""
+    grids: dict[str, grid.Grid] | None = None
+    """Every tensor's grid, when this rank's chunks are all the grids' (index format 3)."""
 
     def follows_row_rule(self, world: int, rank: int) -> bool:
         """Whether the compact index can describe this rank's chunks (:func:`follows_row_rule`)."""
         return not self.shared and follows_row_rule(self.chunks, world, rank)
+
+    def grid_digest(self) -> str | None:
+        """The digest of the grids, for the receipt; None when no grid index can describe it."""
+        return grid.digest(self.grids) if self.grids is not None else None
 
 
 def local_shards(dtensors: dict[str, DTensor], cache: dict | None = None) -> LocalShards:
@@ -152,10 +163,10 @@ def local_shards(dtensors: dict[str, DTensor], cache: dict | None = None) -> Loc
     if cache is not None and cache.get("key") == key:
         chunks = cache["chunks"]
         tensors = {c["fqn"]: dtensors[c["fqn"]].to_local() for c in chunks}
-        return LocalShards(tensors, chunks, cache["shared"])
+        return LocalShards(tensors, chunks, cache["shared"], cache["grids"])
     planned = _plan(dtensors)
     if cache is not None:
-        cache.update(key=key, chunks=planned.chunks, shared=planned.shared)
+        cache.update(key=key, chunks=planned.chunks, shared=planned.shared, grids=planned.grids)
     return planned
 
 
@@ -171,28 +182,33 @@ def _replica(dtensor: DTensor) -> tuple[int, int]:
     return replica, replicas
 
 
-def written_here(dtensors: dict[str, DTensor]) -> set[str]:
-    """The tensors whose chunk this rank writes. A chunk that R replicas hold alike is written
-    once, by one of them; the tensors are dealt to the replicas largest first, each to the one
-    with the fewest bytes so far, so each writes about 1/R of the state. Every rank works this
-    out alone, from the global shapes (the same everywhere) and its own mesh coordinate."""
-    mine, load = set(), {}
+def writers(dtensors: dict[str, DTensor]) -> dict[str, int]:
+    """The replica that writes each tensor's chunks. A chunk that R replicas hold alike is
+    written once, by one of them; the tensors are dealt to the replicas largest first, each to
+    the one with the fewest bytes so far, so each writes about 1/R of the state. Every rank works
+    this out alone, from the global shapes and placements (the same everywhere)."""
+    chosen, load = {}, {}
     by_size = sorted(dtensors, key=lambda f: -dtensors[f].numel() * dtensors[f].element_size())
     for fqn in by_size:
         dt = dtensors[fqn]
-        replica, replicas = _replica(dt)
+        replicas = _replica(dt)[1]
         loads = load.setdefault(replicas, [0] * replicas)
-        writer = min(range(replicas), key=lambda r: loads[r])  # ties: the lowest replica
-        loads[writer] += dt.numel() * dt.element_size()
-        if writer == replica:
-            mine.add(fqn)
-    return mine
+        chosen[fqn] = min(range(replicas), key=lambda r: loads[r])  # ties: the lowest replica
+        loads[chosen[fqn]] += dt.numel() * dt.element_size()
+    return chosen
+
+
+def written_here(dtensors: dict[str, DTensor]) -> set[str]:
+    """The tensors whose chunk this rank writes: those its replica (its mesh coordinate along
+    the replicated dimensions) was dealt by :func:`writers`."""
+    return {f for f, w in writers(dtensors).items() if w == _replica(dtensors[f])[0]}
 
 
 def _plan(dtensors: dict[str, DTensor]) -> LocalShards:
     planner = DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
     planner.set_up_planner(dtensors, None, False)
-    mine = written_here(dtensors)
+    dealt = writers(dtensors)
+    mine = {f for f, w in dealt.items() if w == _replica(dtensors[f])[0]}
     shared = any(_replica(dt)[1] > 1 for dt in dtensors.values())
     tensors, chunks = {}, []
     for item in planner.create_local_plan().items:
@@ -212,7 +228,24 @@ def _plan(dtensors: dict[str, DTensor]) -> LocalShards:
                 "sizes": list(data.chunk.sizes),
             }
         )
-    return LocalShards(tensors, chunks, shared)
+    return LocalShards(tensors, chunks, shared, _grids(dtensors, dealt, chunks))
+
+
+def _grids(
+    dtensors: dict[str, DTensor], dealt: dict[str, int], chunks: list[dict[str, Any]]
+) -> dict[str, grid.Grid] | None:
+    """Every tensor's grid, if each has one and this rank's chunks are what its grid gives it."""
+    import torch.distributed as dist
+
+    grids = {f: grid.describe(dt, dealt[f]) for f, dt in dtensors.items()}
+    if any(g is None for g in grids.values()):
+        return None
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    for c in chunks:
+        coordinate = dtensors[c["fqn"]].device_mesh.get_coordinate()
+        if coordinate is None or not grid.holds(grids[c["fqn"]], coordinate, rank, c):
+            return None
+    return grids
 
 
 def part_report(
@@ -254,9 +287,22 @@ def follows_row_rule(chunks: list[dict[str, Any]], world: int, rank: int) -> boo
     return True
 
 
-def receipt(shard: Any, part: Any, regular: bool) -> bytes:
-    """Rank r's receipt, written after its shard and table: what rank 0's commit needs of it."""
-    return json.dumps({"shard": shard.to_doc(), "part": part.to_doc(), "regular": regular}).encode()
+def receipt(shard: Any, part: Any, regular: bool, grid_digest: str | None = None) -> bytes:
+    """Rank r's receipt, written after its shard and table: what rank 0's commit needs of it
+    (whether its chunks follow the row rule, and the digest of its grids if they follow them)."""
+    doc = {"shard": shard.to_doc(), "part": part.to_doc(), "regular": regular, "grid": grid_digest}
+    return json.dumps(doc).encode()
+
+
+def build_grid_index(shards: LocalShards, common: str, world: int, generation: int) -> bytes:
+    """Rank 0 at commit, when every rank's chunks follow the same grids: one line per tensor."""
+    tensors = {
+        fqn: {"dtype": g.dtype, "size": list(g.size), "grid": g.to_doc()}
+        for fqn, g in shards.grids.items()
+    }
+    doc = {"format": GRID_INDEX_FORMAT, "common": common, "world": world,
+           "generation": generation, "tensors": tensors}  # fmt: skip
+    return json.dumps(doc, separators=(",", ":")).encode()
 
 
 def build_rule_index(

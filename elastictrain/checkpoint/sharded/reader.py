@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 
 import storage
 from elastictrain.checkpoint.sharded.format import (
+    GRID_INDEX_FORMAT,
     INDEX_FORMAT,
     RULE_INDEX_FORMAT,
     capture,
@@ -37,6 +38,7 @@ from elastictrain.checkpoint.sharded.format import (
     shard_file,
     split,
 )
+from elastictrain.checkpoint.sharded.grid import Grid
 from elastictrain.checkpoint.state import train_state as tstate
 from elastictrain.errors import CheckpointMismatchError
 
@@ -52,13 +54,13 @@ class Index:
             fmt = doc.get("format")
         except (ValueError, AttributeError) as e:
             raise storage.CheckpointCorruptError(f"Index of {where} is unreadable: {e}.") from e
-        if fmt in (INDEX_FORMAT, RULE_INDEX_FORMAT):
+        if fmt in (INDEX_FORMAT, RULE_INDEX_FORMAT, GRID_INDEX_FORMAT):
             return cls(doc)
         family, _, version = str(fmt).rpartition("/")
-        if family == "elastictrain-sharded" and version.isdigit() and int(version) > 2:
+        if family == "elastictrain-sharded" and version.isdigit() and int(version) > 3:
             raise storage.NewerFormatError(
                 f"The index of {where} is {fmt}, newer than this elastictrain reads (up to "
-                f"{RULE_INDEX_FORMAT}). Nothing was loaded or changed: resume it with the release "
+                f"{GRID_INDEX_FORMAT}). Nothing was loaded or changed: resume it with the release "
                 "that wrote it, or a newer one."
             )
         raise storage.CheckpointCorruptError(
@@ -67,7 +69,8 @@ class Index:
 
     @property
     def by_rule(self) -> bool:
-        return self.doc["format"] == RULE_INDEX_FORMAT
+        """Each rank's chunks are computed (formats 2 and 3), not listed (format 1)."""
+        return self.doc["format"] in (RULE_INDEX_FORMAT, GRID_INDEX_FORMAT)
 
     def metadata(self, targets: dict[str, torch.Tensor] | None = None) -> Metadata:
         """DCP's ``Metadata``, so its load planner can compute what each rank reads. By the row
@@ -78,7 +81,10 @@ class Index:
         wanted_fqns = saved if targets is None else [f for f in targets if f in saved]
         for fqn in wanted_fqns:
             t = saved[fqn]
-            if self.by_rule:
+            if "grid" in t:
+                lo, hi = _box_wanted(targets.get(fqn) if targets else None, t)
+                chunks = self._grid_chunks(t, lo, hi)
+            elif self.by_rule:
                 wanted = _rows_wanted(targets.get(fqn) if targets else None, t)
                 chunks = self._rule_chunks(fqn, t, wanted)
             else:
@@ -116,9 +122,19 @@ class Index:
                 })  # fmt: skip
         return chunks
 
+    def _grid_chunks(self, t: dict[str, Any], lo: list[int], hi: list[int]):
+        gen = self.doc["generation"]
+        return [
+            {"offsets": offsets, "sizes": sizes, "file": shard_file(rank, gen),
+             "table": part_file(rank, gen)}
+            for rank, offsets, sizes in Grid.from_doc(t["size"], t["dtype"], t["grid"]).within(lo, hi)
+        ]  # fmt: skip
+
     def chunk_count(self, fqn: str) -> int:
         """How many ranks saved a part of this tensor."""
         t = self.doc["tensors"][fqn]
+        if "grid" in t:
+            return len(self._grid_chunks(t, [0] * len(t["size"]), list(t["size"])))
         if not self.by_rule:
             return len(t["chunks"])
         return len(self._rule_chunks(fqn, t, (0, t["size"][0])))
@@ -130,6 +146,16 @@ class Index:
 
     def global_shapes(self) -> dict[str, tuple[int, ...]]:
         return {fqn: tuple(t["size"]) for fqn, t in self.doc["tensors"].items()}
+
+
+def _box_wanted(target: torch.Tensor | None, saved: dict[str, Any]) -> tuple[list[int], list[int]]:
+    """The box [lo, hi) of the saved tensor that ``target`` covers: a DTensor's local chunk,
+    else all of it."""
+    chunk_list = getattr(target, "__create_chunk_list__", None)
+    if chunk_list is None:
+        return [0] * len(saved["size"]), list(saved["size"])
+    (chunk,) = chunk_list()
+    return list(chunk.offsets), [o + s for o, s in zip(chunk.offsets, chunk.sizes, strict=True)]
 
 
 def _rows_wanted(target: torch.Tensor | None, saved: dict[str, Any]) -> tuple[int, int]:

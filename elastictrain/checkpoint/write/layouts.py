@@ -121,7 +121,7 @@ class ShardedLayout:
             len(table), hex_digest(table, store.checksum), algorithm=store.checksum
         )
         regular = snap.local.follows_row_rule(self.world_size, self.rank)
-        receipt = sharded.receipt(entry, table_entry, regular)
+        receipt = sharded.receipt(entry, table_entry, regular, snap.local.grid_digest())
         self.receipts.post(store, step, generation, self.rank, receipt)
 
     def commit(
@@ -143,11 +143,15 @@ class ShardedLayout:
             entries[sharded.shard_file(rank, generation)] = storage.FileEntry.from_doc(got["shard"])
             # Listed too: its block digests are what a resharding reader verifies ranges with.
             entries[sharded.part_file(rank, generation)] = storage.FileEntry.from_doc(got["part"])
+        grids = snap.local.grid_digest()
         if all(got["regular"] for got in receipts):
             index = sharded.build_rule_index(
                 snap.local.chunks, common_name, self.world_size, generation
             )
-        else:  # some rank's chunks break the row rule: list every chunk, from every rank's table
+        elif grids is not None and all(got.get("grid") == grids for got in receipts):
+            # HSDP, tensor parallelism: every rank's chunks are the same grids' (index format 3).
+            index = sharded.build_grid_index(snap.local, common_name, self.world_size, generation)
+        else:  # some rank's chunks follow no rule: list every chunk, from every rank's table
             names = [sharded.part_file(r, generation) for r in range(self.world_size)]
             tables = read_all(lambda name: store.read_uncommitted(step, name), names)
             index = sharded.build_index([json.loads(t) for t in tables], common_name, generation)
