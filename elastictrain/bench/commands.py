@@ -100,6 +100,11 @@ def build_parser() -> argparse.ArgumentParser:
     scale.add_argument("--parallel", choices=("ddp", "fsdp"), default="ddp",
                        help="with --processes: how the toy model is wrapped (ddp)")  # fmt: skip
     scale.add_argument("--latency-ms", type=float, default=20.0, help="per storage request (20)")
+    scale.add_argument(
+        "--layout", choices=("fsdp", "hsdp", "tp"), default="fsdp",
+        help="the simulated sharding: fsdp, Shard(0) over W; hsdp, W/8 replicas of 8 shards; "
+        "tp, (dp_shard W/2, tp 2) (fsdp)",
+    )  # fmt: skip
     scale.add_argument("--tensors", type=int, default=3000, help="sharded tensors (3000)")
     scale.add_argument(
         "--budget-s", type=float, default=300.0,
@@ -149,7 +154,9 @@ def main(argv: list[str]) -> int:
 
         return processes.main(args.processes, args.parallel, args.json)
     if args.bench == "scale":
-        return bench.main(args.worlds, args.latency_ms, args.tensors, args.budget_s, args.json)
+        return bench.main(
+            args.worlds, args.latency_ms, args.tensors, args.budget_s, args.json, args.layout
+        )
     if args.bench == "overhead":
         return bench.main(args.steps, args.repeats, args.json)
     return bench.main(

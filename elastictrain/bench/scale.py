@@ -57,7 +57,9 @@ def _raise_open_files(need: int) -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
 
 
-def measure(worlds, latency_ms: float, tensors: int, budget_s: float, phases=PHASES) -> list[Row]:
+def measure(
+    worlds, latency_ms: float, tensors: int, budget_s: float, phases=PHASES, layout: str = "fsdp"
+) -> list[Row]:
     names = tensor_names(tensors)
     rows: list[Row] = []
     last: dict[str, tuple[int, float]] = {}  # phase -> (W, seconds) of its last run
@@ -91,15 +93,15 @@ def measure(worlds, latency_ms: float, tensors: int, budget_s: float, phases=PHA
                 rows += [Row(p, world, note=skip) for p in storage_phases]
                 continue
             t0 = time.perf_counter()
-            got = run_commit_and_resume(world, names, latency_ms)
+            got = run_commit_and_resume(world, names, latency_ms, layout)
             rows += [r for r in got if r.phase in storage_phases]
             last["commit"] = (world, time.perf_counter() - t0)
     return rows
 
 
-def render(rows: list[Row], latency_ms: float, tensors: int) -> str:
+def render(rows: list[Row], latency_ms: float, tensors: int, layout: str = "fsdp") -> str:
     out = [
-        f"bench scale: {tensors} tensors, {latency_ms:g} ms per storage request",
+        f"bench scale: {tensors} tensors ({layout}), {latency_ms:g} ms per storage request",
         f"{'phase':<14} {'W':>6} {'requests':>9} {'metadata':>12} {'seconds':>9}  note",
     ]
     for r in rows:
@@ -115,14 +117,16 @@ def render(rows: list[Row], latency_ms: float, tensors: int) -> str:
     return "\n".join(out)
 
 
-def main(worlds, latency_ms: float, tensors: int, budget_s: float, as_json: bool) -> int:
-    rows = measure(worlds, latency_ms, tensors, budget_s)
+def main(
+    worlds, latency_ms: float, tensors: int, budget_s: float, as_json: bool, layout: str = "fsdp"
+) -> int:
+    # The handshake does not depend on the layout: the grid layouts time the storage phases.
+    phases = PHASES if layout == "fsdp" else PHASES[1:]
+    rows = measure(worlds, latency_ms, tensors, budget_s, phases, layout)
     if as_json:
-        print(
-            json.dumps(
-                {"latency_ms": latency_ms, "tensors": tensors, "rows": [asdict(r) for r in rows]}
-            )
-        )
+        doc = {"latency_ms": latency_ms, "tensors": tensors, "layout": layout,
+               "rows": [asdict(r) for r in rows]}  # fmt: skip
+        print(json.dumps(doc))
     else:
-        print(render(rows, latency_ms, tensors))
+        print(render(rows, latency_ms, tensors, layout))
     return 0

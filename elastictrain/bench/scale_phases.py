@@ -5,6 +5,7 @@ read plan; and the instruments they count with (store requests, storage latency)
 from __future__ import annotations
 
 import collections
+import json
 import multiprocessing
 import os
 import shutil
@@ -22,6 +23,7 @@ import torch
 import storage
 from elastictrain.bench import throttled_fs
 from elastictrain.checkpoint.sharded import format as sharded
+from elastictrain.checkpoint.sharded.grid import Grid
 from elastictrain.checkpoint.sharded.reader import Index
 from elastictrain.checkpoint.state.flat import Staging
 from elastictrain.checkpoint.write.layouts import ShardedLayout, ShardSnap
@@ -48,13 +50,40 @@ def tensor_names(count: int) -> list[str]:
     return [f"{kinds[i % 3]}.layers.{i // 3}.weight" for i in range(count)]
 
 
-def _shards_of(rank: int, world: int, names: list[str], tensors: dict) -> sharded.LocalShards:
-    """Rank ``rank``'s chunks under ``Shard(0)``: one row of a (world, 2) float32 tensor each."""
-    chunks = [
-        {"fqn": n, "dtype": "float32", "size": [world, 2], "offsets": [rank, 0], "sizes": [1, 2]}
-        for n in names
-    ]
-    return sharded.LocalShards(tensors, chunks)
+LAYOUTS = ("fsdp", "hsdp", "tp")
+"""fsdp: ``Shard(0)`` over all W ranks (index format 2); hsdp: W/8 replicas of 8 shards, each
+tensor written by one replica (format 3); tp: (dp_shard W/2, tp 2), rows over dp_shard and
+columns over tp, as FSDP over a row-wise layer (format 3)."""
+
+
+def _grid(layout: str, world: int, index: int) -> Grid:
+    if layout == "hsdp":  # tensors of one shape are dealt to the replicas in turn
+        return Grid((8, 2), "float32", (world // 8, 8), ((0, (1,)),), (0,), index % (world // 8))
+    return Grid((world // 2, 2), "float32", (world // 2, 2), ((0, (0,)), (1, (1,))), (), 0)
+
+
+def _shards_of(
+    rank: int, world: int, names: list[str], tensors: dict, layout: str = "fsdp"
+) -> sharded.LocalShards:
+    """Rank ``rank``'s chunks: under ``fsdp`` one row of a (world, 2) float32 tensor each; under
+    the grid layouts what the tensor's grid gives the rank, for each tensor its replica writes."""
+    if layout == "fsdp":
+        chunks = [
+            {"fqn": n, "dtype": "float32", "size": [world, 2], "offsets": [rank, 0],
+             "sizes": [1, 2]}
+            for n in names
+        ]  # fmt: skip
+        return sharded.LocalShards(tensors, chunks)
+    grids = {n: _grid(layout, world, i) for i, n in enumerate(names)}
+    coordinate = [rank // 8, rank % 8] if layout == "hsdp" else [rank // 2, rank % 2]
+    chunks = []
+    for n, g in grids.items():
+        if all(coordinate[m] == c for m, c in g.writers().items()):
+            offsets, sizes = g.chunk(coordinate)
+            chunks.append({"fqn": n, "dtype": "float32", "size": list(g.size),
+                           "offsets": offsets, "sizes": sizes})  # fmt: skip
+    mine = {c["fqn"]: tensors[c["fqn"]] for c in chunks}
+    return sharded.LocalShards(mine, chunks, layout == "hsdp", grids)
 
 
 # -- the phases ------------------------------------------------------------------------------------
@@ -161,21 +190,27 @@ def _receipts_client(port: int) -> Any:
     return dist.TCPStore("127.0.0.1", port, None, False, timedelta(seconds=300))
 
 
-def _write_ranks(url: str, world: int, ranks: range, tensor_count: int, port: int) -> None:
+def _write_ranks(
+    url: str, world: int, ranks: range, tensor_count: int, port: int, layout: str = "fsdp"
+) -> None:
     """Ranks ``ranks``' shard, table and receipt, as ``ShardedLayout.write_own`` writes them, the
     receipts into the job's store at ``port`` (one connection for these ranks: a client per rank
     changes nothing the commit does, and 8,192 connects would dominate the harness)."""
     names = tensor_names(tensor_count)
     tensors = {n: torch.zeros(1, 2) for n in names}
-    staged = Staging().snapshot(tensors)  # the same bytes for every rank: metadata is the point
     store = storage.CheckpointStore(url)
     client = _receipts_client(port)
     for r in ranks:
-        snap = ShardSnap(_shards_of(r, world, names, tensors), staged, None)
+        local = _shards_of(r, world, names, tensors, layout)
+        # Alike for ranks that write as many tensors: metadata, not bytes, is the point.
+        staged = Staging().snapshot(local.tensors)
+        snap = ShardSnap(local, staged, None)
         ShardedLayout(r, world, StoreReceipts(client, world)).write_own(store, 1, snap, 1)
 
 
-def run_commit_and_resume(world: int, names: list[str], latency_ms: float) -> list[Row]:
+def run_commit_and_resume(
+    world: int, names: list[str], latency_ms: float, layout: str = "fsdp"
+) -> list[Row]:
     """commit, resume-checks and resume-plan share one checkpoint of ``world`` ranks. The ranks'
     writes (no latency: ranks write in parallel) are spread over this machine's cores."""
     import torch.distributed as dist
@@ -201,16 +236,18 @@ def run_commit_and_resume(world: int, names: list[str], latency_ms: float) -> li
                         spans,
                         [len(names)] * len(spans),
                         [port] * len(spans),
+                        [layout] * len(spans),
                     )
                 )
         else:
-            _write_ranks(url, world, range(world), len(names), port)
+            _write_ranks(url, world, range(world), len(names), port, layout)
         store = storage.CheckpointStore(url)
         tensors = {n: torch.zeros(1, 2) for n in names}
-        staged = Staging().snapshot(tensors)
+        local = _shards_of(0, world, names, tensors, layout)
+        staged = Staging().snapshot(local.tensors)
         common = Staging().snapshot({"step": 1})
         receipts = _receipts_client(port)
-        rows = [_timed_commit(store, world, names, tensors, staged, common, latency_ms, receipts)]
+        rows = [_timed_commit(store, world, local, staged, common, latency_ms, receipts)]
         rows.append(_timed_checks(store, world, latency_ms))
         rows.append(_timed_plan(store, world, latency_ms))
         return rows
@@ -238,11 +275,11 @@ class _Latency:
         self.read = throttled_fs.BYTES["read"] - self.read0
 
 
-def _timed_commit(store, world, names, tensors, staged, common, latency_ms, receipts) -> Row:
+def _timed_commit(store, world, local, staged, common, latency_ms, receipts) -> Row:
     store_requests: collections.Counter = collections.Counter()
     gather = StoreReceipts(CountingStore(receipts, store_requests, "store"), world)
     layout = ShardedLayout(0, world, gather)
-    snap = ShardSnap(_shards_of(0, world, names, tensors), staged, common)
+    snap = ShardSnap(local, staged, common)
     with _Latency(latency_ms) as m:
         manifest = layout.commit(
             store,
@@ -255,6 +292,7 @@ def _timed_commit(store, world, names, tensors, staged, common, latency_ms, rece
             deadline_s=3600,
         )
     index_bytes = manifest.files[manifest.metadata["index_file"]].size
+    index_format = json.loads(bytes(store.read_file(manifest, manifest.metadata["index_file"])))
     # What rank 0 read from the store counts as metadata too (the rank keys outlive the gather).
     keys = [f"{StoreReceipts._prefix(1, 1)}r{r}" for r in range(world)]
     from_store = sum(len(v) for v in receipts.multi_get(keys))
@@ -264,7 +302,9 @@ def _timed_commit(store, world, names, tensors, staged, common, latency_ms, rece
         m.requests,
         m.read + from_store,
         m.seconds,
-        f"index {index_bytes / 1e6:.2f} MB; the receipts: {store_requests['store']} store requests",
+        f"index {index_bytes / 1e6:.2f} MB ({index_bytes} B, format "
+        f"{index_format['format'].rpartition('/')[2]}); "
+        f"the receipts: {store_requests['store']} store requests",
     )
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from elastictrain.bench import commands, scale
 
 
@@ -25,6 +27,22 @@ def test_every_phase_runs_the_real_code_and_counts_what_it_asked_for():
     assert by["resume-checks", 4].requests == by["resume-checks", 16].requests
     # Rank 0 at 3W/4 holds rows 0-1 of each 16-row tensor: two saved chunks each, planned alone.
     assert "rank 0 of 12: 24 read items" in by["resume-plan", 16].note
+
+
+@pytest.mark.parametrize("layout", ["hsdp", "tp"])
+def test_the_2d_layouts_commit_an_index_that_does_not_grow_with_w_and_plan_alike(layout):
+    """HSDP (W/8 replicas of 8 shards) and (dp_shard W/2, tp 2): the index is format 3, one line
+    per tensor, the same size at any W; a rank plans the same reads at any W."""
+    rows = scale.measure([16, 64], latency_ms=0.0, tensors=12, budget_s=300,
+                         phases=("commit", "resume-plan"), layout=layout)  # fmt: skip
+    by = {(r.phase, r.world): r for r in rows}
+    notes = {w: by["commit", w].note for w in (16, 64)}
+    assert all("format 3)" in n for n in notes.values()), notes
+    size = {w: int(n.split("(")[1].split(" B")[0]) for w, n in notes.items()}
+    assert size[64] <= 1.05 * size[16], size  # a wider mesh only lengthens a few numbers
+    assert by["commit", 16].requests == by["commit", 64].requests
+    items = {w: by["resume-plan", w].note.split(": ")[1] for w in (16, 64)}
+    assert items[16] == items[64] == ("12 read items" if layout == "hsdp" else "24 read items")
 
 
 def test_a_phase_whose_growth_would_pass_the_budget_is_skipped_and_says_so():
