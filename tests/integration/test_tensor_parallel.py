@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from elastictrain import load_checkpoint
+from elastictrain.checkpoint.api import Tier
 from elastictrain.observe.events import Event, read_events, read_sample_log
 from storage.manifest import parse_step_dir
 from tests.helpers.elastic import assert_exactly_once
@@ -84,13 +85,15 @@ def test_a_2d_mesh_resumes_bitwise_after_a_kill_and_exactly_once_at_a_smaller_dp
     ref = launch(toy_args(ref_dir, str(tmp_path / "ref.jsonl"), max_steps=120, every=20,
                           extra=(*TASK, *layout)), nproc=4, max_restarts=0, name="ref")  # fmt: skip
     args = toy_args(run_dir, ev, max_steps=120, every=20, extra=(*TASK, *layout))
-    job = launch([*args, "--sample-log", samples, "--no-local-checkpoint"], nproc=4, name="run")
+    fast = ["--local-every-steps", "5"]  # the fast tier serves the 2-D layouts too
+    job = launch([*args, "--sample-log", samples, *fast], nproc=4, name="run")
     wait_for_event(ev, lambda e: e["event"] == Event.CHECKPOINT and e["step"] >= 40, 120, job)
     job.kill_worker(kill)
     assert job.wait(240) == 0, job.log()[-3000:]
     assert ref.wait(240) == 0, ref.log()[-3000:]
     resumes = [e for e in read_events(ev) if e["event"] == Event.RESUME and not e["fresh"]]
     assert resumes and resumes[0]["step"] >= 40, resumes
+    assert (resumes[0]["tier"], resumes[0]["remote_bytes"]) == (Tier.FAST, 0), resumes[0]
     assert_bitwise_equal(final_state(run_dir), final_state(ref_dir))
     # Its index is one line per tensor (the grid of its placements), whatever W: format 3.
     index = _index(run_dir, 120)

@@ -23,8 +23,9 @@ def test_each_rank_sends_to_the_same_local_rank_one_node_on_and_a_single_node_ha
     assert buddies(0, 4, 4) is None  # one node: nowhere else to keep a copy
 
 
-def _copy(rank, *, step=10, generation=5, world=4, node="a", kind="own", regular=True):
-    return Copy(generation, step, world, rank, regular, node, 0, f"/{node}/{kind}-{rank}", kind)
+def _copy(rank, *, step=10, generation=5, world=4, node="a", kind="own", regular=True, grid=None):
+    folder = f"/{node}/{kind}-{rank}"
+    return Copy(generation, step, world, rank, regular, grid, node, 0, folder, kind)
 
 
 def test_a_step_is_a_candidate_only_when_every_saved_rank_has_a_copy_somewhere():
@@ -41,6 +42,12 @@ def test_a_step_is_a_candidate_only_when_every_saved_rank_has_a_copy_somewhere()
     # One copy cut by another rule than the rows: that step is not taken from this tier.
     irregular = node_a[:3] + [_copy(3, kind="peer", regular=False)]
     assert complete_steps(irregular, fence=5, durable_newest=None) == []
+    # Cut by grids (HSDP, tensor parallelism): taken when every copy follows the same ones.
+    grids = [_copy(r, regular=False, grid="g1") for r in range(4)]
+    assert complete_steps(grids, fence=5, durable_newest=None) == [(5, 10, 4)]
+    mixed = grids[:3] + [_copy(3, regular=False, grid="g2")]
+    assert complete_steps(mixed, fence=5, durable_newest=None) == []
+    assert complete_steps(grids[:3] + node_a[3:], fence=5, durable_newest=None) == []
 
 
 def _sent_copy(tmp_path):

@@ -29,6 +29,9 @@ class Copy:
     rank: int
     """The saved rank whose shards these are."""
     regular: bool
+    """Its chunks follow the row rule."""
+    grid: str | None
+    """Else the digest of the grids its chunks follow (HSDP, tensor parallelism), if any."""
     node: str
     holder: int
     """The rank of this attempt that listed it and serves it to other nodes (its node's first)."""
@@ -67,6 +70,7 @@ def list_copies(tier_dir: str, holder: int) -> list[Copy]:
                     int(m.metadata.get("world_size") or 0),
                     int(m.metadata.get("rank", -1)),
                     bool(m.metadata.get("regular")),
+                    m.metadata.get("grid"),
                     node_id(tier_dir),
                     holder,
                     folder,
@@ -80,17 +84,21 @@ def complete_steps(
     copies: list[Copy], fence: int, durable_newest: tuple[int, int] | None
 ) -> list[tuple[int, int, int]]:
     """(generation, step, saved world size) of every step some copy of each saved rank covers,
-    newest first, none older than the durable tier's newest."""
+    newest first, none older than the durable tier's newest. Its index is rank 0's, computed:
+    every copy must follow the row rule, or all the same grids."""
     covered: dict[tuple[int, int, int], set[int]] = defaultdict(set)
-    irregular = set()
+    rules: dict[tuple[int, int, int], set[str | None]] = defaultdict(set)
     for c in copies:
         if not 0 < c.generation <= fence or c.world_size < 1:
             continue  # a generation the durable location never fenced: another run's, or wiped
         key = (c.generation, c.step, c.world_size)
         covered[key].add(c.rank)
-        if not c.regular:
-            irregular.add(key)
-    good = [k for k, ranks in covered.items() if k not in irregular and ranks >= set(range(k[2]))]
+        rules[key].add("rows" if c.regular else c.grid)
+    good = [
+        k
+        for k, ranks in covered.items()
+        if len(rules[k]) == 1 and None not in rules[k] and ranks >= set(range(k[2]))
+    ]
     if durable_newest is not None:
         good = [k for k in good if (k[0], k[1]) >= durable_newest]
     return sorted(good, reverse=True)

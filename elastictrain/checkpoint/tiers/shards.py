@@ -189,17 +189,17 @@ class RankCopyLayout:
             name: snap.shards.data,
             sharded.part_file(self.rank, generation): table,
         }
-        meta = {
-            **metadata,
-            "rank": self.rank,
-            "regular": snap.local.follows_row_rule(self.world_size, self.rank),
-        }
+        regular = snap.local.follows_row_rule(self.world_size, self.rank)
+        # A resume takes a step only if every rank's copy follows the row rule, or the same grids.
+        meta = {**metadata, "rank": self.rank, "regular": regular, "grid": snap.local.grid_digest()}
         if snap.common is not None:  # rank 0: what every resume needs besides the shards
             common = sharded.common_file(generation)
             files[common] = snap.common.data
             index = sharded.index_file(generation)
-            files[index] = sharded.build_rule_index(
-                snap.local.chunks, common, self.world_size, generation
+            files[index] = (
+                sharded.build_rule_index(snap.local.chunks, common, self.world_size, generation)
+                if regular or snap.local.grids is None
+                else sharded.build_grid_index(snap.local, common, self.world_size, generation)
             )
             meta["index_file"] = index
         entries = {name: entry}
