@@ -18,3 +18,12 @@ def checkpoint_files(root: str) -> dict[str, bytes]:
             with open(os.path.join(folder, name), "rb") as f:
                 out[os.path.relpath(os.path.join(folder, name), root)] = f.read()
     return out
+
+
+def flip_a_byte(path: str) -> None:
+    """Flip one bit of a byte a third of the way into ``path`` (inside a shard's tensor bytes)."""
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) // 3)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x01]))

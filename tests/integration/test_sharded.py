@@ -26,6 +26,7 @@ from tests.helpers.launcher import (
     wait_for_event,
     wait_for_fast_copies,
 )
+from tests.helpers.paths import flip_a_byte
 
 FSDP = ("--parallel", "fsdp")
 RICH = ("--task", "tests.helpers.rich_task:make_task", "--task-option", "step_time=0")
@@ -183,14 +184,6 @@ def committed(tmp_path_factory):
     return ckpt
 
 
-def _flip(path: str) -> None:
-    with open(path, "r+b") as f:
-        f.seek(os.path.getsize(path) // 3)  # inside the tensor bytes
-        byte = f.read(1)
-        f.seek(-1, os.SEEK_CUR)
-        f.write(bytes([byte[0] ^ 0x01]))
-
-
 def _truncate(path: str) -> None:
     with open(path, "r+b") as f:
         f.truncate(os.path.getsize(path) // 2)
@@ -204,7 +197,7 @@ def test_a_flipped_truncated_or_deleted_shard_falls_back_to_the_previous_step(
     past each, in turn, to step 10."""
     ckpt = str(tmp_path / "ckpt")
     shutil.copytree(committed, ckpt)
-    for step, damage in ((40, _flip), (30, _truncate), (20, os.unlink)):
+    for step, damage in ((40, flip_a_byte), (30, _truncate), (20, os.unlink)):
         step_dir = os.path.join(ckpt, step_dir_name(step))
         damage(os.path.join(step_dir, _shards(step_dir)[1]))
     ev = str(tmp_path / "ev.jsonl")

@@ -17,6 +17,7 @@ from elastictrain.observe.events import Event, read_events, read_sample_log
 from storage.manifest import parse_step_dir
 from tests.helpers.elastic import assert_exactly_once
 from tests.helpers.launcher import assert_bitwise_equal, final_state, toy_args, wait_for_event
+from tests.helpers.paths import flip_a_byte
 from tests.helpers.tp_task import read_losses
 
 TASK = ("--task", "tests.helpers.tp_task:make_task")
@@ -100,7 +101,7 @@ def test_a_2d_mesh_resumes_bitwise_after_a_kill_and_exactly_once_at_a_smaller_dp
     assert index["format"] == "elastictrain-sharded/3"
     assert all("grid" in t and "chunks" not in t for t in index["tensors"].values())
     # A flipped byte in the newest checkpoint's shard: the smaller run falls back to step 100.
-    _flip_a_byte(os.path.join(run_dir, _step_dir(run_dir, 120), _first_shard(run_dir, 120)))
+    flip_a_byte(os.path.join(run_dir, _step_dir(run_dir, 120), _first_shard(run_dir, 120)))
     more = toy_args(run_dir, ev, max_steps=160, every=20,
                     extra=(*TASK, "--parallel", "fsdp", "--mesh", shrunk))  # fmt: skip
     job = launch([*more, "--sample-log", samples], nproc=2, max_restarts=0, name="smaller")
@@ -123,14 +124,6 @@ def _first_shard(ckpt: str, step: int) -> str:
     return min(
         n for n in os.listdir(os.path.join(ckpt, _step_dir(ckpt, step))) if n.startswith("shard-")
     )
-
-
-def _flip_a_byte(path: str) -> None:
-    with open(path, "r+b") as f:
-        f.seek(os.path.getsize(path) // 3)  # inside the tensor bytes
-        byte = f.read(1)
-        f.seek(-1, os.SEEK_CUR)
-        f.write(bytes([byte[0] ^ 0xFF]))
 
 
 def _index(ckpt: str, step: int) -> dict:
