@@ -113,6 +113,53 @@ def test_an_irregular_split_on_any_rank_gets_every_chunk_listed_and_still_reads_
     assert torch.equal(w0[76:], torch.full((24, 3), 300.0))
 
 
+def _save_hsdp(store, *, disagree: bool = False):
+    """HSDP 2 x 2 (4 ranks): 4 tensors of 9 rows, rows over the 2 shards, each tensor written by
+    the replica it is dealt (``grid.writer``): rank (replica q, shard s) writes what its grid
+    gives it (value 10 s + tensor number). ``disagree``: the last rank reports no grids (as a
+    rank with another layout would), so rank 0 must list every chunk."""
+    from elastictrain.checkpoint.sharded.grid import Grid
+    from elastictrain.checkpoint.state.flat import Staging
+    from elastictrain.checkpoint.write.layouts import ShardSnap
+
+    grids = {f"model/w{i}": Grid((9, 3), "float32", (2, 2), ((0, (1,)),), (0,), i % 2)
+             for i in range(4)}  # fmt: skip
+    snaps = []
+    for rank in range(4):
+        coordinate, tensors, chunks = [rank // 2, rank % 2], {}, []
+        for i, (fqn, g) in enumerate(grids.items()):
+            if g.writer != coordinate[0]:
+                continue  # the other replica writes it
+            offsets, sizes = g.chunk(coordinate)
+            tensors[fqn] = torch.full(sizes, float(10 * coordinate[1] + i))
+            chunks.append({"fqn": fqn, "dtype": "float32", "size": [9, 3],
+                           "offsets": offsets, "sizes": sizes})  # fmt: skip
+        mine = None if disagree and rank == 3 else grids
+        snap = ShardSnap(sharded.LocalShards(tensors, chunks, True, mine),
+                         Staging().snapshot(tensors),
+                         Staging().snapshot({"step": 5}) if rank == 0 else None)  # fmt: skip
+        ShardedLayout(rank, 4).write_own(store, 5, snap, 9)
+        snaps.append(snap)
+    return ShardedLayout(0, 4).commit(
+        store, 5, snaps[0], 9, {}, before_commit=lambda: None,
+        abandoned=lambda s: False, deadline_s=10,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("disagree", [False, True], ids=["same-grids", "one-rank-differs"])
+def test_hsdp_grids_commit_one_line_per_tensor_only_when_every_rank_reports_the_same(
+    tmp_path, disagree
+):
+    store = storage.open_store(str(tmp_path / "c"))
+    manifest = _save_hsdp(store, disagree=disagree)
+    doc = json.loads(store.read_file(manifest, manifest.metadata["index_file"]))
+    assert doc["format"] == (sharded.INDEX_FORMAT if disagree else sharded.GRID_INDEX_FORMAT)
+    whole = _whole(store, manifest)
+    for i in range(4):  # rows 0-4 from shard 0, 5-8 from shard 1, whichever replica wrote them
+        want = torch.cat([torch.full((5, 3), float(i)), torch.full((4, 3), float(10 + i))])
+        assert torch.equal(whole[f"w{i}"], want), i
+
+
 def test_a_shard_table_with_a_bad_digest_is_refused_before_any_range_is_trusted(tmp_path):
 
     store = storage.open_store(str(tmp_path / "c"))
