@@ -70,3 +70,15 @@ def test_hsdp_writes_each_shard_once_spread_over_replicas_and_resumes_as_hsdp_an
     f = _sizes(_newest(hsdp))
     assert sum(1 for n in f if n.startswith("shard-")) == 2, f
     assert sum(h.values()) <= 1.05 * sum(f.values()), (h, f)
+
+
+@pytest.mark.slow
+def test_a_replicated_checkpoint_resumes_as_fsdp_with_every_tensor_equal(launch, tmp_path):
+    """The other way: a DDP-layout checkpoint (the whole model on the rank, one flat file) read by
+    an FSDP run at 2 ranks, each keeping its shards; the optimizer's numbered parameters named."""
+    ckpt, ref = str(tmp_path / "ddp"), str(tmp_path / "saved.pt")
+    job = launch(["save", ckpt, ref, "6", "replicas=0"], nproc=1, entry=PROBE, name="ddp")
+    assert job.wait(180) == 0, job.log()[-3000:]
+    job = launch(["resume", ckpt, ref, "2"], nproc=2, entry=PROBE, name="as-fsdp")
+    assert job.wait(180) == 0, job.log()[-3000:]
+    assert '"resumed": 6, "differs": []' in job.log(), job.log()[-3000:]

@@ -143,3 +143,21 @@ def test_loading_refuses_pickled_code():
     torch.save({"model": Evil()}, buf)
     with pytest.raises(Exception, match="Weights only load failed"):
         from_bytes(buf.getvalue())
+
+
+def test_a_numbered_optimizer_state_is_named_by_the_runs_own_parameter_order():
+    from elastictrain.checkpoint.state.train_state import TrainState, optimizer_by_name
+
+    model = ToyModel()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(4, 10)).sum().backward()
+    optimizer.step()
+    saved = optimizer.state_dict()
+    named = optimizer_by_name(TrainState(model, optimizer), saved, "here")
+    assert named["param_groups"][0]["params"] == [n for n, _ in model.named_parameters()]
+    assert torch.equal(
+        named["state"]["net2.bias"]["momentum_buffer"], saved["state"][3]["momentum_buffer"]
+    )
+    fewer = torch.optim.SGD(list(model.parameters())[:2], lr=0.1)
+    with pytest.raises(CheckpointMismatchError, match="holds 4 parameters, this run's 2"):
+        optimizer_by_name(TrainState(model, fewer), saved, "here")

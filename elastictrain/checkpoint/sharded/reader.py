@@ -32,6 +32,7 @@ from elastictrain.checkpoint.sharded.format import (
     INDEX_FORMAT,
     RULE_INDEX_FORMAT,
     capture,
+    is_sharded_checkpoint,
     join,
     part_file,
     rows_of,
@@ -314,6 +315,8 @@ def load_into(
     CheckpointCorruptError when a byte range this rank reads does not verify."""
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
+    if not is_sharded_checkpoint(manifest.metadata):
+        return _load_replicated(state, store, manifest)
     where = f"step {manifest.step} under {store.safe_url}"
     index, common = read_common(store, manifest, device)
     check_fits(state, index, common, where)
@@ -334,6 +337,28 @@ def load_into(
         optim_state_dict=payload["optimizer"],
     )
     return payload, reader.bytes_read
+
+
+def _load_replicated(
+    state: tstate.TrainState, store: storage.VerifiedFiles, manifest: storage.Manifest
+) -> tuple[dict[str, Any], int]:
+    """A replicated (DDP) checkpoint resumed by a sharded run: every rank reads the whole state,
+    verified, and DCP's ``set_state_dict`` keeps this rank's shards of it. (A run moves to FSDP
+    because its model stops fitting a device; its state still fits the host's memory here.)"""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    where = f"step {manifest.step} under {store.safe_url}"
+    data = store.read_file(manifest, tstate.state_file_of(manifest.metadata))
+    payload = tstate.from_bytes(bytearray(data), map_location="cpu")
+    tstate.check_compatible(state, payload, where)
+    set_state_dict(
+        state.model,
+        state.optimizer,
+        model_state_dict=payload["model"],
+        optim_state_dict=tstate.optimizer_by_name(state, payload["optimizer"], where),
+        options=StateDictOptions(full_state_dict=True),
+    )
+    return payload, len(data)
 
 
 def consolidate(

@@ -257,6 +257,31 @@ def keyed_by_name(optimizer: Any) -> bool:
     return any(isinstance(p, str) for g in groups for p in g.get("params", []))
 
 
+def optimizer_by_name(state: TrainState, saved: dict[str, Any], where: str) -> dict[str, Any]:
+    """``Optimizer.state_dict()``'s numbered parameters as ``get_state_dict``'s names: the k-th
+    saved parameter is the k-th of this run's optimizer (both built from ``model.parameters()``).
+
+    Raises:
+        CheckpointMismatchError: the optimizer holds another number of parameters.
+    """
+    names = {id(p): n for n, p in unwrap(state.model).named_parameters()}
+    mine = [names[id(p)] for g in state.optimizer.param_groups for p in g["params"]]
+    numbers = [k for g in saved["param_groups"] for k in g["params"]]
+    if len(numbers) != len(mine):
+        raise CheckpointMismatchError(
+            f"Checkpoint {where} does not fit this run: its optimizer holds {len(numbers)} "
+            f"parameters, this run's {len(mine)}. Nothing was loaded or changed. Use the same "
+            "model and optimizer."
+        )
+    by = dict(zip(numbers, mine, strict=True))
+    return {
+        "state": {by[k]: v for k, v in saved["state"].items()},
+        "param_groups": [
+            {**g, "params": [by[k] for k in g["params"]]} for g in saved["param_groups"]
+        ],
+    }
+
+
 def restore(state: TrainState, payload: dict[str, Any], *, model_and_optimizer: bool = True) -> int:
     """Load ``payload`` into ``state`` in place; returns the number of completed steps it holds.
     ``model_and_optimizer=False``: those are loaded already (sharded: by DCP's set_state_dict)."""
