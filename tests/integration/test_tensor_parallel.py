@@ -68,17 +68,18 @@ def test_tensor_parallel_at_2_ranks_trains_on_the_batches_and_losses_of_the_unsh
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("mesh", "kill", "shrunk"),
+    ("mesh", "kill", "shrunk", "then"),
     [
-        # (dp 2, tp 2) -> (dp 1, tp 2): half the data-parallel ranks go, tp stays.
-        ("dp_shard=2,tp=2", 3, "tp=2"),
+        # (dp 2, tp 2) -> (dp 1, tp 2): half the data-parallel ranks go, tp stays; then the
+        # same checkpoint moves to (dp 4, tp 1), FSDP over 4.
+        ("dp_shard=2,tp=2", 3, "tp=2", "dp_shard=4"),
         # HSDP 2x2 -> FSDP 2: a replica (a node) lost. Each shard was written by one replica.
-        ("dp_replicate=2,dp_shard=2", 2, "dp_shard=2"),
+        ("dp_replicate=2,dp_shard=2", 2, "dp_shard=2", None),
     ],
     ids=["dp2-tp2", "hsdp-2x2"],
 )
 def test_a_2d_mesh_resumes_bitwise_after_a_kill_and_exactly_once_at_a_smaller_dp_size(
-    launch, tmp_path, mesh, kill, shrunk
+    launch, tmp_path, mesh, kill, shrunk, then
 ):
     layout = ("--parallel", "fsdp", "--mesh", mesh)
     ref_dir, run_dir, samples = (str(tmp_path / n) for n in ("ref", "run", "samples"))
@@ -109,11 +110,18 @@ def test_a_2d_mesh_resumes_bitwise_after_a_kill_and_exactly_once_at_a_smaller_dp
     events = read_events(ev)
     assert [e["step"] for e in events if e["event"] == Event.CORRUPT] == [120]
     assert [e for e in events if e["event"] == Event.RESUME][-1]["step"] == 100
+    steps, sizes = 160, ([1, 2] if "tp" in mesh else [2, 4])
+    if then is not None:
+        last = toy_args(run_dir, ev, max_steps=200, every=20,
+                        extra=(*TASK, "--parallel", "fsdp", "--mesh", then))  # fmt: skip
+        job = launch([*last, "--sample-log", samples], nproc=4, max_restarts=0, name="then")
+        assert job.wait(180) == 0, job.log()[-3000:]
+        steps, sizes = 200, [1, 2, 4]
     ledger = assert_exactly_once(
-        read_sample_log(samples), dataset_size=4096, batch_size=64, max_steps=160
+        read_sample_log(samples), dataset_size=4096, batch_size=64, max_steps=steps
     )
-    # Data-parallel sizes: 2 at first, then 1 (tp 2); 4, then 2 (HSDP to FSDP).
-    assert ledger["world_sizes"] == ([1, 2] if "tp" in mesh else [2, 4])
+    # Data-parallel sizes: 2 at first, then 1 (tp 2) and 4 (tp 1); 4, then 2 (HSDP to FSDP).
+    assert ledger["world_sizes"] == sizes
 
 
 def _step_dir(ckpt: str, step: int) -> str:
