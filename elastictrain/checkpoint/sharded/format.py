@@ -198,17 +198,17 @@ def writers(dtensors: dict[str, DTensor]) -> dict[str, int]:
     return chosen
 
 
-def written_here(dtensors: dict[str, DTensor]) -> set[str]:
+def written_here(dtensors: dict[str, DTensor], dealt: dict[str, int]) -> set[str]:
     """The tensors whose chunk this rank writes: those its replica (its mesh coordinate along
-    the replicated dimensions) was dealt by :func:`writers`."""
-    return {f for f, w in writers(dtensors).items() if w == _replica(dtensors[f])[0]}
+    the replicated dimensions) was ``dealt`` by :func:`writers`."""
+    return {f for f, w in dealt.items() if w == _replica(dtensors[f])[0]}
 
 
 def _plan(dtensors: dict[str, DTensor]) -> LocalShards:
     planner = DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
     planner.set_up_planner(dtensors, None, False)
     dealt = writers(dtensors)
-    mine = {f for f, w in dealt.items() if w == _replica(dtensors[f])[0]}
+    mine = written_here(dtensors, dealt)
     shared = any(_replica(dt)[1] > 1 for dt in dtensors.values())
     tensors, chunks = {}, []
     for item in planner.create_local_plan().items:

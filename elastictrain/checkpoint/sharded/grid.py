@@ -4,7 +4,7 @@ Each rank's chunk of a DTensor follows from its placements. Along each tensor di
 dimensions that shard it split it in turn, each as ``torch.chunk`` does: ``Shard(d)`` in mesh
 order, and a ``_StridedShard`` (FSDP's over a tensor-parallel ``Shard``) inside the later shards
 of the same dimension, which is what its split factor says. Along the mesh dimensions that
-replicate it, one replica writes it (``writer``: HSDP's dedup, ``format.written_here``). So a
+replicate it, one replica writes it (``writer``: HSDP's dedup, ``format.writers``). So a
 tensor is one line of the index at any W, and a reader computes only the chunks its own overlap.
 
 Every rank checks at save that its chunks are the ones its coordinate gives, and that its rank is
