@@ -60,27 +60,40 @@ def build_parser() -> argparse.ArgumentParser:
         "--device", default="cpu", help="where the state lives: cpu, or cuda for GPU memory"
     )
     benches["sharded"].add_argument(
-        "--replicas", type=int, default=1, metavar="R",
+        "--replicas",
+        type=int,
+        default=1,
+        metavar="R",
         help="also save the state as HSDP over R replicas of the 2 shards (2R ranks), against "
         "FSDP at 2 and dcp.save (1: off)",
-    )  # fmt: skip
+    )
     benches["tiers"].add_argument(
-        "--remote-mbps", type=float, default=50.0, metavar="MB/S",
+        "--remote-mbps",
+        type=float,
+        default=50.0,
+        metavar="MB/S",
         help="the durable tier's link speed (50)",
-    )  # fmt: skip
+    )
     benches["tiers"].add_argument(
-        "--parallel", choices=("ddp", "fsdp"), default="ddp",
+        "--parallel",
+        choices=("ddp", "fsdp"),
+        default="ddp",
         help="ddp: a replica per node; fsdp: each rank's shards and its buddy's (ddp)",
-    )  # fmt: skip
+    )
     benches["tiers"].add_argument(
-        "--every", type=int, default=100, metavar="N",
+        "--every",
+        type=int,
+        default=100,
+        metavar="N",
         help="durable checkpoint interval in steps; the kill comes at 1.5 N (100)",
-    )  # fmt: skip
+    )
     benches["tiers"].add_argument(
-        "--local-every", default="auto", metavar="N|auto",
+        "--local-every",
+        default="auto",
+        metavar="N|auto",
         help="the two-tier job's --local-every-steps (auto): a fixed N takes auto's "
         "load-dependent interval out of a comparison on a busy host",
-    )  # fmt: skip
+    )
     benches["overhead"].add_argument("--steps", type=int, default=2000, help="steps per run")
     loader = benches["loader"]
     loader.add_argument("--workers", type=int, default=2, help="loader workers (2)")
@@ -89,27 +102,35 @@ def build_parser() -> argparse.ArgumentParser:
     loader.add_argument("--steps", type=int, default=60, help="steps per run (60)")
     scale = benches["scale"]
     scale.add_argument(
-        "--worlds", default="8,64,512,4096,8192", metavar="W,W,...",
+        "--worlds",
+        default="8,64,512,4096,8192",
+        metavar="W,W,...",
         type=lambda text: [int(w) for w in text.split(",")],
         help="world sizes to simulate (8,64,512,4096,8192)",
-    )  # fmt: skip
+    )
     scale.add_argument(
-        "--processes", metavar="W,W,...", type=lambda text: [int(w) for w in text.split(",")],
+        "--processes",
+        metavar="W,W,...",
+        type=lambda text: [int(w) for w in text.split(",")],
         help="instead: the whole runner with W real torchrun workers on this host, at each W",
-    )  # fmt: skip
+    )
     scale.add_argument("--parallel", choices=("ddp", "fsdp"), default="ddp",
                        help="with --processes: how the toy model is wrapped (ddp)")  # fmt: skip
     scale.add_argument("--latency-ms", type=float, default=20.0, help="per storage request (20)")
     scale.add_argument(
-        "--layout", choices=("fsdp", "hsdp", "tp"), default="fsdp",
+        "--layout",
+        choices=("fsdp", "hsdp", "tp"),
+        default="fsdp",
         help="the simulated sharding: fsdp, Shard(0) over W; hsdp, W/8 replicas of 8 shards; "
         "tp, (dp_shard W/2, tp 2) (fsdp)",
-    )  # fmt: skip
+    )
     scale.add_argument("--tensors", type=int, default=3000, help="sharded tensors (3000)")
     scale.add_argument(
-        "--budget-s", type=float, default=300.0,
+        "--budget-s",
+        type=float,
+        default=300.0,
         help="skip a phase at a W where its growth says it would take longer (300): the default runs every W to 8,192 in under 10 minutes on 2 cores",
-    )  # fmt: skip
+    )
     return p
 
 
@@ -160,6 +181,10 @@ def main(argv: list[str]) -> int:
     if args.bench == "overhead":
         return bench.main(args.steps, args.repeats, args.json)
     return bench.main(
-        args.workers, args.load_ms / 1e3, args.compute_ms / 1e3, args.steps, args.repeats,
+        args.workers,
+        args.load_ms / 1e3,
+        args.compute_ms / 1e3,
+        args.steps,
+        args.repeats,
         args.json,
-    )  # fmt: skip
+    )

@@ -124,8 +124,12 @@ def main(
     phases = PHASES if layout == "fsdp" else PHASES[1:]
     rows = measure(worlds, latency_ms, tensors, budget_s, phases, layout)
     if as_json:
-        doc = {"latency_ms": latency_ms, "tensors": tensors, "layout": layout,
-               "rows": [asdict(r) for r in rows]}  # fmt: skip
+        doc = {
+            "latency_ms": latency_ms,
+            "tensors": tensors,
+            "layout": layout,
+            "rows": [asdict(r) for r in rows],
+        }
         print(json.dumps(doc))
     else:
         print(render(rows, latency_ms, tensors, layout))

@@ -69,10 +69,15 @@ def _shards_of(
     the grid layouts what the tensor's grid gives the rank, for each tensor its replica writes."""
     if layout == "fsdp":
         chunks = [
-            {"fqn": n, "dtype": "float32", "size": [world, 2], "offsets": [rank, 0],
-             "sizes": [1, 2]}
+            {
+                "fqn": n,
+                "dtype": "float32",
+                "size": [world, 2],
+                "offsets": [rank, 0],
+                "sizes": [1, 2],
+            }
             for n in names
-        ]  # fmt: skip
+        ]
         return sharded.LocalShards(tensors, chunks)
     grids = {n: _grid(layout, world, i) for i, n in enumerate(names)}
     coordinate = [rank // 8, rank % 8] if layout == "hsdp" else [rank // 2, rank % 2]
@@ -80,8 +85,15 @@ def _shards_of(
     for n, g in grids.items():
         if all(coordinate[m] == c for m, c in g.writers().items()):
             offsets, sizes = g.chunk(coordinate)
-            chunks.append({"fqn": n, "dtype": "float32", "size": list(g.size),
-                           "offsets": offsets, "sizes": sizes})  # fmt: skip
+            chunks.append(
+                {
+                    "fqn": n,
+                    "dtype": "float32",
+                    "size": list(g.size),
+                    "offsets": offsets,
+                    "sizes": sizes,
+                }
+            )
     mine = {c["fqn"]: tensors[c["fqn"]] for c in chunks}
     return sharded.LocalShards(mine, chunks, layout == "hsdp", grids)
 

@@ -42,8 +42,16 @@ def test_tensor_parallel_at_2_ranks_trains_on_the_batches_and_losses_of_the_unsh
         folder = tmp_path / name
         folder.mkdir()
         args = toy_args(str(folder / "ckpt"), str(folder / "ev.jsonl"), max_steps=60, every=0)
-        args += [*TASK, *layout, "--task-option", f"loss_log={folder}", "--task-option",
-                 "step_time=0", "--sample-log", str(folder / "samples")]  # fmt: skip
+        args += [
+            *TASK,
+            *layout,
+            "--task-option",
+            f"loss_log={folder}",
+            "--task-option",
+            "step_time=0",
+            "--sample-log",
+            str(folder / "samples"),
+        ]
         runs[name] = (folder, launch(args, nproc=nproc, max_restarts=0, name=name))
     for name, (_, job) in runs.items():
         assert job.wait(180) == 0, f"{name}: {job.log()[-3000:]}"
@@ -84,8 +92,14 @@ def test_a_2d_mesh_resumes_bitwise_after_a_kill_and_exactly_once_at_a_smaller_dp
     layout = ("--parallel", "fsdp", "--mesh", mesh)
     ref_dir, run_dir, samples = (str(tmp_path / n) for n in ("ref", "run", "samples"))
     ev = str(tmp_path / "run.jsonl")
-    ref = launch(toy_args(ref_dir, str(tmp_path / "ref.jsonl"), max_steps=120, every=20,
-                          extra=(*TASK, *layout)), nproc=4, max_restarts=0, name="ref")  # fmt: skip
+    ref = launch(
+        toy_args(
+            ref_dir, str(tmp_path / "ref.jsonl"), max_steps=120, every=20, extra=(*TASK, *layout)
+        ),
+        nproc=4,
+        max_restarts=0,
+        name="ref",
+    )
     args = toy_args(run_dir, ev, max_steps=120, every=20, extra=(*TASK, *layout))
     fast = ["--local-every-steps", "5"]  # the fast tier serves the 2-D layouts too
     job = launch([*args, "--sample-log", samples, *fast], nproc=4, name="run")
@@ -103,8 +117,9 @@ def test_a_2d_mesh_resumes_bitwise_after_a_kill_and_exactly_once_at_a_smaller_dp
     assert all("grid" in t and "chunks" not in t for t in index["tensors"].values())
     # A flipped byte in the newest checkpoint's shard: the smaller run falls back to step 100.
     flip_a_byte(os.path.join(run_dir, _step_dir(run_dir, 120), _first_shard(run_dir, 120)))
-    more = toy_args(run_dir, ev, max_steps=160, every=20,
-                    extra=(*TASK, "--parallel", "fsdp", "--mesh", shrunk))  # fmt: skip
+    more = toy_args(
+        run_dir, ev, max_steps=160, every=20, extra=(*TASK, "--parallel", "fsdp", "--mesh", shrunk)
+    )
     job = launch([*more, "--sample-log", samples], nproc=2, max_restarts=0, name="smaller")
     assert job.wait(180) == 0, job.log()[-3000:]
     events = read_events(ev)
@@ -112,8 +127,13 @@ def test_a_2d_mesh_resumes_bitwise_after_a_kill_and_exactly_once_at_a_smaller_dp
     assert [e for e in events if e["event"] == Event.RESUME][-1]["step"] == 100
     steps, sizes = 160, ([1, 2] if "tp" in mesh else [2, 4])
     if then is not None:
-        last = toy_args(run_dir, ev, max_steps=200, every=20,
-                        extra=(*TASK, "--parallel", "fsdp", "--mesh", then))  # fmt: skip
+        last = toy_args(
+            run_dir,
+            ev,
+            max_steps=200,
+            every=20,
+            extra=(*TASK, "--parallel", "fsdp", "--mesh", then),
+        )
         job = launch([*last, "--sample-log", samples], nproc=4, max_restarts=0, name="then")
         assert job.wait(180) == 0, job.log()[-3000:]
         steps, sizes = 200, [1, 2, 4]

@@ -33,8 +33,14 @@ def test_every_phase_runs_the_real_code_and_counts_what_it_asked_for():
 def test_the_2d_layouts_commit_an_index_that_does_not_grow_with_w_and_plan_alike(layout):
     """HSDP (W/8 replicas of 8 shards) and (dp_shard W/2, tp 2): the index is format 3, one line
     per tensor, the same size at any W; a rank plans the same reads at any W."""
-    rows = scale.measure([16, 64], latency_ms=0.0, tensors=12, budget_s=300,
-                         phases=("commit", "resume-plan"), layout=layout)  # fmt: skip
+    rows = scale.measure(
+        [16, 64],
+        latency_ms=0.0,
+        tensors=12,
+        budget_s=300,
+        phases=("commit", "resume-plan"),
+        layout=layout,
+    )
     by = {(r.phase, r.world): r for r in rows}
     notes = {w: by["commit", w].note for w in (16, 64)}
     assert all("format 3)" in n for n in notes.values()), notes

@@ -61,8 +61,11 @@ def test_a_box_finds_exactly_the_written_chunks_that_overlap_it(shape, mesh, pla
         offsets, sizes = g.chunk(list(coordinate))
         if all(sizes):
             written[g.rank_of(list(coordinate))] = (offsets, sizes)
-    boxes = [([0] * len(shape), list(shape)), ([1] * len(shape), [3] * len(shape)),
-             ([shape[0] - 1, 0][: len(shape)], list(shape))]  # fmt: skip
+    boxes = [
+        ([0] * len(shape), list(shape)),
+        ([1] * len(shape), [3] * len(shape)),
+        ([shape[0] - 1, 0][: len(shape)], list(shape)),
+    ]
     for lo, hi in boxes:
         want = {
             r

@@ -42,9 +42,15 @@ def _save(store, world: int, *, step: int = 5, generation: int = 9, irregular: b
         ShardedLayout(rank, world).write_own(store, step, snap, generation)
         snaps.append(snap)
     return ShardedLayout(0, world).commit(
-        store, step, snaps[0], generation, {}, before_commit=lambda: None,
-        abandoned=lambda s: False, deadline_s=10,
-    )  # fmt: skip
+        store,
+        step,
+        snaps[0],
+        generation,
+        {},
+        before_commit=lambda: None,
+        abandoned=lambda s: False,
+        deadline_s=10,
+    )
 
 
 def _whole(store, manifest) -> dict[str, torch.Tensor]:
@@ -122,8 +128,9 @@ def _save_hsdp(store, *, disagree: bool = False):
     from elastictrain.checkpoint.state.flat import Staging
     from elastictrain.checkpoint.write.layouts import ShardSnap
 
-    grids = {f"model/w{i}": Grid((9, 3), "float32", (2, 2), ((0, (1,)),), (0,), i % 2)
-             for i in range(4)}  # fmt: skip
+    grids = {
+        f"model/w{i}": Grid((9, 3), "float32", (2, 2), ((0, (1,)),), (0,), i % 2) for i in range(4)
+    }
     snaps = []
     for rank in range(4):
         coordinate, tensors, chunks = [rank // 2, rank % 2], {}, []
@@ -132,18 +139,27 @@ def _save_hsdp(store, *, disagree: bool = False):
                 continue  # the other replica writes it
             offsets, sizes = g.chunk(coordinate)
             tensors[fqn] = torch.full(sizes, float(10 * coordinate[1] + i))
-            chunks.append({"fqn": fqn, "dtype": "float32", "size": [9, 3],
-                           "offsets": offsets, "sizes": sizes})  # fmt: skip
+            chunks.append(
+                {"fqn": fqn, "dtype": "float32", "size": [9, 3], "offsets": offsets, "sizes": sizes}
+            )
         mine = None if disagree and rank == 3 else grids
-        snap = ShardSnap(sharded.LocalShards(tensors, chunks, True, mine),
-                         Staging().snapshot(tensors),
-                         Staging().snapshot({"step": 5}) if rank == 0 else None)  # fmt: skip
+        snap = ShardSnap(
+            sharded.LocalShards(tensors, chunks, True, mine),
+            Staging().snapshot(tensors),
+            Staging().snapshot({"step": 5}) if rank == 0 else None,
+        )
         ShardedLayout(rank, 4).write_own(store, 5, snap, 9)
         snaps.append(snap)
     return ShardedLayout(0, 4).commit(
-        store, 5, snaps[0], 9, {}, before_commit=lambda: None,
-        abandoned=lambda s: False, deadline_s=10,
-    )  # fmt: skip
+        store,
+        5,
+        snaps[0],
+        9,
+        {},
+        before_commit=lambda: None,
+        abandoned=lambda s: False,
+        deadline_s=10,
+    )
 
 
 @pytest.mark.parametrize("disagree", [False, True], ids=["same-grids", "one-rank-differs"])

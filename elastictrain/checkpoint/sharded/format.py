@@ -300,9 +300,29 @@ def build_grid_index(shards: LocalShards, common: str, world: int, generation: i
         fqn: {"dtype": g.dtype, "size": list(g.size), "grid": g.to_doc()}
         for fqn, g in shards.grids.items()
     }
-    doc = {"format": GRID_INDEX_FORMAT, "common": common, "world": world,
-           "generation": generation, "tensors": tensors}  # fmt: skip
+    doc = {
+        "format": GRID_INDEX_FORMAT,
+        "common": common,
+        "world": world,
+        "generation": generation,
+        "tensors": tensors,
+    }
     return json.dumps(doc, separators=(",", ":")).encode()
+
+
+def computed_index(
+    shards: LocalShards, reports: list[dict[str, Any]], common: str, world: int, generation: int
+) -> bytes | None:
+    """The one place that picks the compact index, from rank 0's ``shards`` and every rank's
+    report (its receipt's ``regular`` and ``grid``): format 2 when every rank follows the row
+    rule, format 3 when every rank follows the same grids; None when neither (format 1: every
+    chunk listed, from every rank's table)."""
+    if all(r["regular"] for r in reports):
+        return build_rule_index(shards.chunks, common, world, generation)
+    grids = shards.grid_digest()
+    if grids is not None and all(r.get("grid") == grids for r in reports):
+        return build_grid_index(shards, common, world, generation)
+    return None
 
 
 def build_rule_index(
@@ -311,8 +331,13 @@ def build_rule_index(
     """Rank 0 at commit, when every rank's chunks follow the row rule: one line per tensor, from
     rank 0's own chunks (it holds a chunk of every tensor: the rule gives rank 0 the first rows)."""
     tensors = {c["fqn"]: {"dtype": c["dtype"], "size": c["size"], "split": "rows"} for c in chunks}
-    doc = {"format": RULE_INDEX_FORMAT, "common": common, "world": world,
-           "generation": generation, "tensors": tensors}  # fmt: skip
+    doc = {
+        "format": RULE_INDEX_FORMAT,
+        "common": common,
+        "world": world,
+        "generation": generation,
+        "tensors": tensors,
+    }
     return json.dumps(doc, separators=(",", ":")).encode()
 
 

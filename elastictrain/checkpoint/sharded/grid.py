@@ -38,14 +38,19 @@ class Grid:
     """The replica that writes it: the coordinate along ``replicate``, in mixed radix."""
 
     def to_doc(self) -> dict[str, Any]:
-        return {"mesh": list(self.mesh), "splits": [[d, list(m)] for d, m in self.splits],
-                "replicate": list(self.replicate), "writer": self.writer}  # fmt: skip
+        return {
+            "mesh": list(self.mesh),
+            "splits": [[d, list(m)] for d, m in self.splits],
+            "replicate": list(self.replicate),
+            "writer": self.writer,
+        }
 
     @classmethod
     def from_doc(cls, size: list[int], dtype: str, doc: dict[str, Any]) -> Grid:
         splits = tuple((int(d), tuple(m)) for d, m in doc["splits"])
-        return cls(tuple(size), dtype, tuple(doc["mesh"]), splits, tuple(doc["replicate"]),
-                   doc["writer"])  # fmt: skip
+        return cls(
+            tuple(size), dtype, tuple(doc["mesh"]), splits, tuple(doc["replicate"]), doc["writer"]
+        )
 
     def chunk(self, coordinate: list[int]) -> tuple[list[int], list[int]]:
         """(offsets, sizes) of the chunk at mesh ``coordinate``."""

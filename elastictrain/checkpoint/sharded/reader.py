@@ -126,10 +126,16 @@ class Index:
     def _grid_chunks(self, t: dict[str, Any], lo: list[int], hi: list[int]):
         gen = self.doc["generation"]
         return [
-            {"offsets": offsets, "sizes": sizes, "file": shard_file(rank, gen),
-             "table": part_file(rank, gen)}
-            for rank, offsets, sizes in Grid.from_doc(t["size"], t["dtype"], t["grid"]).within(lo, hi)
-        ]  # fmt: skip
+            {
+                "offsets": offsets,
+                "sizes": sizes,
+                "file": shard_file(rank, gen),
+                "table": part_file(rank, gen),
+            }
+            for rank, offsets, sizes in Grid.from_doc(t["size"], t["dtype"], t["grid"]).within(
+                lo, hi
+            )
+        ]
 
     def chunk_count(self, fqn: str) -> int:
         """How many ranks saved a part of this tensor."""

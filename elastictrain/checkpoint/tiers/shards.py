@@ -196,11 +196,11 @@ class RankCopyLayout:
             common = sharded.common_file(generation)
             files[common] = snap.common.data
             index = sharded.index_file(generation)
-            files[index] = (
-                sharded.build_rule_index(snap.local.chunks, common, self.world_size, generation)
-                if regular or snap.local.grids is None
-                else sharded.build_grid_index(snap.local, common, self.world_size, generation)
-            )
+            # Computed from rank 0's own rule: a resume checks every copy's (``complete_steps``);
+            # a copy that follows none is never resumed, whatever its index says.
+            files[index] = sharded.computed_index(
+                snap.local, [meta], common, self.world_size, generation
+            ) or sharded.build_rule_index(snap.local.chunks, common, self.world_size, generation)
             meta["index_file"] = index
         entries = {name: entry}
         for other, data in files.items():

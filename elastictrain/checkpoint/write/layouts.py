@@ -143,15 +143,10 @@ class ShardedLayout:
             entries[sharded.shard_file(rank, generation)] = storage.FileEntry.from_doc(got["shard"])
             # Listed too: its block digests are what a resharding reader verifies ranges with.
             entries[sharded.part_file(rank, generation)] = storage.FileEntry.from_doc(got["part"])
-        grids = snap.local.grid_digest()
-        if all(got["regular"] for got in receipts):
-            index = sharded.build_rule_index(
-                snap.local.chunks, common_name, self.world_size, generation
-            )
-        elif grids is not None and all(got.get("grid") == grids for got in receipts):
-            # HSDP, tensor parallelism: every rank's chunks are the same grids' (index format 3).
-            index = sharded.build_grid_index(snap.local, common_name, self.world_size, generation)
-        else:  # some rank's chunks follow no rule: list every chunk, from every rank's table
+        index = sharded.computed_index(
+            snap.local, receipts, common_name, self.world_size, generation
+        )
+        if index is None:  # some rank's chunks follow no rule: list every chunk, from its table
             names = [sharded.part_file(r, generation) for r in range(self.world_size)]
             tables = read_all(lambda name: store.read_uncommitted(step, name), names)
             index = sharded.build_index([json.loads(t) for t in tables], common_name, generation)
