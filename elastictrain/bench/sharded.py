@@ -197,7 +197,7 @@ def save_worker(url: str, size: int, repeats: int, out: str, replicas: int = 1) 
 def resume_worker(url: str, size: int, out: str) -> None:
     import storage
     from elastictrain.checkpoint.sharded import format as sharded
-    from elastictrain.checkpoint.sharded import reader as shard_reader
+    from elastictrain.checkpoint.sharded import load as shard_load
 
     state = _build(size)
     store = storage.open_store(url)
@@ -206,7 +206,7 @@ def resume_worker(url: str, size: int, out: str) -> None:
         key=lambda m: m.step,
     )
     t0 = time.perf_counter()
-    _, ranged = shard_reader.load_into(state, store, manifest, torch.device("cpu"))
+    _, ranged = shard_load.load_into(state, store, manifest, torch.device("cpu"))
     seconds = time.perf_counter() - t0
     index = manifest.metadata["index_file"]
     small = manifest.files[index].size + sum(

@@ -7,7 +7,8 @@
 
 Options after those: ``replicas=R`` shards as HSDP over a (R, W/R) mesh of (replicate, shard)
 instead of FSDP over all W ranks, and ``replicas=0`` leaves the model whole on every rank (the
-replicated layout of DDP); ``width=N`` sets the hidden width (48).
+replicated layout of DDP); ``width=N`` sets the hidden width (48); ``out=PATH``: rank 0 writes
+the state as it was at the last save there too (``resume``: to check the next move against).
 
 Exits 0 when every check passed; prints one JSON line with what it saw.
 """
@@ -100,8 +101,8 @@ def main() -> int:
         manager.step(step + 1, model, optimizer)
     manager.save(end, model, optimizer)
     last = full_state(model, optimizer)
-    if mode == "save" and dist.get_rank() == 0:
-        torch.save(last, ref)
+    if dist.get_rank() == 0 and (mode == "save" or "out" in options):
+        torch.save(last, options.get("out", ref))
     manager.close()
     if dist.get_rank() == 0:
         print("PROBE " + json.dumps(seen), flush=True)

@@ -10,7 +10,9 @@ ROOT/node1). An FSDP2 model in library mode takes fast copies every 5 steps and 
 2. node 1 wiped again, and a byte of rank 2's newest copy on node 0 flipped: that copy is
    reported and skipped, and resume takes step 15 (the newest step the fast tier holds whole);
 3. node 1 wiped and node 0's buddy copies too (both copies of ranks 2-3 lost): the durable tier's
-   step 13.
+   step 13;
+4. HSDP (a replica on each node), node 1 wiped: its ranks' shards come from their twins' copies
+   on node 0, which hold every replica's chunks; only rank 0 sent a buddy copy (the index).
 
 Each resume is checked against the full state recorded at that step (torch.equal). Rank 0 prints
 one ``PROBE`` JSON line; exit 0 when every check passed.
@@ -68,9 +70,9 @@ def main() -> int:
     seen: dict = {"resumed": [], "differs": [], "tiers": [], "peer_bytes": [], "durable_bytes": []}
     refs: dict[int, dict] = {}
 
-    def run(start_expected: int | None, until: int) -> None:
-        model, optimizer = build()
-        m = manager(root, rank)
+    def run(start_expected: int | None, until: int, replicas: int = 1, where: str = root) -> None:
+        model, optimizer = build(replicas)
+        m = manager(where, rank)
         start = m.resume(model, optimizer)
         seen["resumed"].append(start)
         if start:
@@ -87,13 +89,13 @@ def main() -> int:
         m.close()
         dist.barrier()
 
-    def last_resume() -> dict:
-        return [e for e in read_events(os.path.join(root, "events.jsonl"))
+    def last_resume(where: str = root) -> dict:
+        return [e for e in read_events(os.path.join(where, "events.jsonl"))
                 if e["event"] == Event.RESUME][-1]  # fmt: skip
 
-    def note_resume() -> None:
+    def note_resume(where: str = root) -> None:
         if rank == 0:
-            r = last_resume()
+            r = last_resume(where)
             seen["tiers"].append(r.get("tier"))
             seen["peer_bytes"].append(r.get("peer_bytes"))
             seen["durable_bytes"].append(r.get("remote_bytes"))
@@ -125,6 +127,21 @@ def main() -> int:
         corrupt = [e for e in read_events(os.path.join(root, "events.jsonl"))
                    if e["event"] == Event.CORRUPT]  # fmt: skip
         seen["corrupt"] = [(e["step"], e["tier"], "peer copy" in e["error"]) for e in corrupt]
+    # 4. HSDP with a replica on each node (mesh rows: 0-1 and 2-3): each node's copies hold every
+    # replica's chunks and stand in for the other's, so only rank 0 (the index) sends a buddy
+    # copy. Node 1 replaced: its shards come from its twins' copies on node 0.
+    hsdp = os.path.join(root, "hsdp")
+    run(None, 12, replicas=2, where=hsdp)
+    if rank == 0:
+        for node in ("node0", "node1"):
+            seen[f"hsdp_{node}"] = sorted(os.listdir(os.path.join(hsdp, node, "shards")))
+    dist.barrier()
+    if rank == 2:
+        wipe(os.path.join(hsdp, "node1"))
+    dist.barrier()
+    run(10, 11, replicas=2, where=hsdp)
+    note_resume(hsdp)
+    if rank == 0:
         print("PROBE " + json.dumps(seen), flush=True)
     return 0
 

@@ -23,9 +23,11 @@ def test_each_rank_sends_to_the_same_local_rank_one_node_on_and_a_single_node_ha
     assert buddies(0, 4, 4) is None  # one node: nowhere else to keep a copy
 
 
-def _copy(rank, *, step=10, generation=5, world=4, node="a", kind="own", regular=True, grid=None):
+def _copy(
+    rank, *, step=10, generation=5, world=4, node="a", kind="own", regular=True, grid=None, twins=()
+):
     folder = f"/{node}/{kind}-{rank}"
-    return Copy(generation, step, world, rank, regular, grid, node, 0, folder, kind)
+    return Copy(generation, step, world, rank, regular, grid, node, 0, folder, kind, twins)
 
 
 def test_a_step_is_a_candidate_only_when_every_saved_rank_has_a_copy_somewhere():
@@ -48,6 +50,22 @@ def test_a_step_is_a_candidate_only_when_every_saved_rank_has_a_copy_somewhere()
     mixed = grids[:3] + [_copy(3, regular=False, grid="g2")]
     assert complete_steps(mixed, fence=5, durable_newest=None) == []
     assert complete_steps(grids[:3] + node_a[3:], fence=5, durable_newest=None) == []
+
+
+def test_an_hsdp_copy_that_holds_its_twins_chunks_covers_them_but_only_rank_0s_has_the_index():
+    # HSDP, a replica on each node: ranks 0-1 on node a are the twins of ranks 2-3 on node b.
+    def hsdp(rank, node):
+        return _copy(rank, node=node, regular=False, grid="g", twins=(rank % 2, rank % 2 + 2))
+
+    node_a, node_b = [hsdp(r, "a") for r in (0, 1)], [hsdp(r, "b") for r in (2, 3)]
+    assert complete_steps(node_a, fence=5, durable_newest=None) == [(5, 10, 4)]  # node b lost
+    # Node a lost: node b's copies hold every chunk, but the index is in rank 0's copy alone,
+    # which rank 0 always sends to its buddy (rank 2, on node b).
+    assert complete_steps(node_b, fence=5, durable_newest=None) == []
+    rank_0_at_b = _copy(0, node="b", kind="peer", regular=False, grid="g", twins=(0, 2))
+    assert complete_steps([*node_b, rank_0_at_b], fence=5, durable_newest=None) == [(5, 10, 4)]
+    # A copy with only its own chunks (no twins listed) covers only its own rank.
+    assert complete_steps(node_a[:1] + [_copy(1, regular=False, grid="g")], 5, None) == []
 
 
 def _sent_copy(tmp_path):

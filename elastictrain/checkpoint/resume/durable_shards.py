@@ -11,8 +11,10 @@ import torch.distributed as dist
 import storage
 from elastictrain import dist as edist
 from elastictrain.checkpoint.api import Corrupt, Restored, ResumeOrigin, Tier
+from elastictrain.checkpoint.resume import shared_reads
 from elastictrain.checkpoint.resume.ranking import durable_listing, logged
-from elastictrain.checkpoint.sharded import reader as shard_reader
+from elastictrain.checkpoint.sharded import format as sharded
+from elastictrain.checkpoint.sharded import load as shard_load
 from elastictrain.checkpoint.state import train_state as tstate
 
 logger = logging.getLogger(__name__)
@@ -55,7 +57,7 @@ def fetch_durable_shards(
         manifest = store.read_manifest(step)
         error = None
         try:
-            payload, nbytes = shard_reader.load_into(state, store, manifest, device)
+            payload, nbytes = _load(state, store, manifest, device, group=group, rank=rank)
         except storage.CheckpointCorruptError as e:
             error = e
         touched = True
@@ -67,3 +69,22 @@ def fetch_durable_shards(
             logger.error("CORRUPT CHECKPOINT: rank %d read a bad shard: %s", rank, error)
         if rank == 0:
             corrupt(step, error or f"another rank read a bad shard of step {step}")
+
+
+def _load(state, store, manifest, device, *, group, rank) -> tuple[dict, int]:
+    """One step into ``state``: (the payload, bytes this rank read). Ranks that need the same
+    bytes (HSDP's replicas) each read a share of them (``shared_reads``); every rank reaches that
+    exchange, whatever its planning did, so none waits on a rank that left."""
+    if not sharded.is_sharded_checkpoint(manifest.metadata):
+        return shard_load.load_into(state, store, manifest, device)
+    planned, error = None, None
+    try:
+        planned = shard_load.plan_load(state, store, manifest, device)
+    except storage.CheckpointCorruptError as e:
+        error = e
+    wanted = planned.wanted() if planned is not None else None
+    fetched = shared_reads.fetch(store, manifest, wanted, group=group, rank=rank)
+    if error is not None:
+        raise error
+    payload, _ = shard_load.fill(state, planned, ranges_from=fetched)
+    return payload, fetched.bytes_read

@@ -38,6 +38,9 @@ class Copy:
     folder: str
     kind: str
     """``own`` (written on this node by that rank) or ``peer`` (received from it)."""
+    twins: tuple[int, ...] = ()
+    """The saved ranks whose chunks it holds as well (HSDP: its replicas, when one is on another
+    node: ``RankCopyLayout.stands_in``); empty when it holds only its own rank's."""
 
     @property
     def where(self) -> str:
@@ -75,6 +78,7 @@ def list_copies(tier_dir: str, holder: int) -> list[Copy]:
                     holder,
                     folder,
                     kind,
+                    tuple(m.metadata.get("twins", ())),
                 )
             )
     return found
@@ -83,21 +87,26 @@ def list_copies(tier_dir: str, holder: int) -> list[Copy]:
 def complete_steps(
     copies: list[Copy], fence: int, durable_newest: tuple[int, int] | None
 ) -> list[tuple[int, int, int]]:
-    """(generation, step, saved world size) of every step some copy of each saved rank covers,
-    newest first, none older than the durable tier's newest. Its index is rank 0's, computed:
-    every copy must follow the row rule, or all the same grids."""
+    """(generation, step, saved world size) of every step some copy of each saved rank covers
+    (its own, or a twin's that holds its chunks too), newest first, none older than the durable
+    tier's newest. Its index is rank 0's, computed, so rank 0's own copy must be there; every copy
+    must follow the row rule, or all the same grids."""
     covered: dict[tuple[int, int, int], set[int]] = defaultdict(set)
     rules: dict[tuple[int, int, int], set[str | None]] = defaultdict(set)
+    indexed: set[tuple[int, int, int]] = set()
     for c in copies:
         if not 0 < c.generation <= fence or c.world_size < 1:
             continue  # a generation the durable location never fenced: another run's, or wiped
         key = (c.generation, c.step, c.world_size)
-        covered[key].add(c.rank)
+        covered[key] |= {c.rank, *c.twins}
         rules[key].add("rows" if c.regular else c.grid)
+        if c.rank == 0:
+            indexed.add(key)
     good = [
         k
         for k, ranks in covered.items()
         if len(rules[k]) == 1 and None not in rules[k] and ranks >= set(range(k[2]))
+        if k in indexed
     ]
     if durable_newest is not None:
         good = [k for k in good if (k[0], k[1]) >= durable_newest]
@@ -134,7 +143,7 @@ class CopyReader:
 
 
 class FetchedFiles:
-    """What this rank fetched, as a store to :func:`shard_reader.load_into`."""
+    """What this rank fetched, as a store to :func:`shard_load.load_into`."""
 
     safe_url = "the fast tier"
 

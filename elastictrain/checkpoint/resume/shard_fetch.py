@@ -46,6 +46,7 @@ from elastictrain.checkpoint.resume.fast_copies import (
     node_id,
 )
 from elastictrain.checkpoint.sharded import format as sharded
+from elastictrain.checkpoint.sharded import load as shard_load
 from elastictrain.checkpoint.sharded import reader as shard_reader
 from elastictrain.checkpoint.state import train_state as tstate
 
@@ -135,7 +136,20 @@ def _exchange(
 
 def _pick(copies: list[Copy], my_node: str | None) -> Copy:
     """The copy to read: one on this node first, then a rank's own copy before a buddy's."""
-    return min(copies, key=lambda c: (c.node != my_node, c.kind != "own", c.holder, c.folder))
+    return min(
+        copies, key=lambda c: (c.node != my_node, c.kind != "own", c.holder, c.folder, c.rank)
+    )
+
+
+def _in_copy(name: str, saved: int, copy: Copy) -> str:
+    """What saved rank ``saved``'s file ``name`` is called in ``copy``: a twin's copy holds the
+    same chunks under its own rank's file names (its table says where each chunk is)."""
+    if copy.rank == saved:
+        return name
+    for file_of in (sharded.shard_file, sharded.part_file):
+        if name == file_of(saved, copy.generation):
+            return file_of(copy.rank, copy.generation)
+    raise ValueError(f"{name} is not a file of rank {saved}'s copy")
 
 
 def _load(
@@ -149,14 +163,15 @@ def _load(
     device: torch.device,
 ) -> tuple[dict[str, Any], Tally]:
     generation, step, world = key
-    by_rank: dict[int, list[Copy]] = defaultdict(list)
+    by_rank: dict[int, list[Copy]] = defaultdict(list)  # each saved rank's copies, twins' too
     for c in copies:
         if (c.generation, c.step, c.world_size) == key:
-            by_rank[c.rank].append(c)
+            for saved in {c.rank, *c.twins}:
+                by_rank[saved].append(c)
     reader, tally, fetched = CopyReader(), Tally(), FetchedFiles()
 
     # 1. The unsharded rest and the index, from rank 0's copy.
-    first = _pick(by_rank[0], None)
+    first = _pick([c for c in by_rank[0] if c.rank == 0], None)  # only rank 0's has them
     parts: list[bytes | None] = [None, None, None]
     if rank == first.holder:
         with contextlib.suppress(storage.StorageError, ValueError, KeyError):
@@ -185,21 +200,25 @@ def _load(
     # 2. The tables of the saved shard files this rank's new shards overlap.
     overlapped = {c["file"]: c["table"] for c in index.metadata(targets).storage_data.values()}
     sources = {name: _pick(by_rank[rank_of[name]], my_node) for name in overlapped}
-    tables = exchange([(sources[n], t, None) for n, t in overlapped.items()])
+
+    def held(name: str, file: str) -> str:  # a twin's copy holds the file under its own rank
+        return _in_copy(name, rank_of[file], sources[file])
+
+    tables = exchange([(sources[n], held(t, n), None) for n, t in overlapped.items()])
     fetched.files.update(zip(overlapped.values(), tables, strict=True))
 
     # 3. The byte ranges of those files this rank needs.
     planning = shard_reader.ShardReader(fetched, manifest, index)
     _, plan = shard_reader.plan_reads(planning, targets)
     wanted = {name: tuple(dict.fromkeys(ranges)) for name, _, _, ranges in planning.located(plan)}
-    got = exchange([(sources[n], n, r) for n, r in wanted.items()])
+    got = exchange([(sources[n], held(n, n), r) for n, r in wanted.items()])
     for (name, ranges), data in zip(wanted.items(), got, strict=True):
         view, at = memoryview(data), 0
         for lo, hi in ranges:
             fetched.ranges[(name, (lo, hi))] = view[at : at + hi - lo]
             at += hi - lo
 
-    payload, _ = shard_reader.load_into(state, fetched, manifest, device)
+    payload, _ = shard_load.load_into(state, fetched, manifest, device)
     return payload, tally
 
 

@@ -153,18 +153,25 @@ class LocalShards:
         return grid.digest(self.grids) if self.grids is not None else None
 
 
-def local_shards(dtensors: dict[str, DTensor], cache: dict | None = None) -> LocalShards:
+def local_shards(
+    dtensors: dict[str, DTensor], cache: dict | None = None, every_replica: bool = False
+) -> LocalShards:
     """``cache``: a dict kept across checkpoints; DCP's plan (it runs on the training thread:
-    docs/measurements.md) is reused while every tensor keeps its shape and placement."""
-    key = tuple(
-        (path, tuple(dt.shape), tuple(dt.placements), tuple(dt.to_local().shape), dt.dtype)
-        for path, dt in dtensors.items()
+    docs/measurements.md) is reused while every tensor keeps its shape and placement.
+    ``every_replica``: keep the chunks the other replicas write too (the fast tier's copy that
+    stands in for its twins' on another node: :func:`twins`)."""
+    key = (
+        every_replica,
+        tuple(
+            (path, tuple(dt.shape), tuple(dt.placements), tuple(dt.to_local().shape), dt.dtype)
+            for path, dt in dtensors.items()
+        ),
     )
     if cache is not None and cache.get("key") == key:
         chunks = cache["chunks"]
         tensors = {c["fqn"]: dtensors[c["fqn"]].to_local() for c in chunks}
         return LocalShards(tensors, chunks, cache["shared"], cache["grids"])
-    planned = _plan(dtensors)
+    planned = _plan(dtensors, every_replica)
     if cache is not None:
         cache.update(key=key, chunks=planned.chunks, shared=planned.shared, grids=planned.grids)
     return planned
@@ -204,11 +211,32 @@ def written_here(dtensors: dict[str, DTensor], dealt: dict[str, int]) -> set[str
     return {f for f, w in dealt.items() if w == _replica(dtensors[f])[0]}
 
 
-def _plan(dtensors: dict[str, DTensor]) -> LocalShards:
+def twins(dtensors: dict[str, DTensor]) -> list[int]:
+    """The ranks (this one included) that hold the same chunk of every tensor as this rank: its
+    coordinate changed only along mesh dimensions that replicate every tensor (HSDP's replicas of
+    one shard position). Just this rank when nothing is replicated."""
+    found: set[int] | None = None
+    seen: dict[tuple, set[int]] = {}
+    for dt in dtensors.values():
+        mesh = dt.device_mesh
+        replicated = tuple(m for m, p in enumerate(dt.placements) if p.is_replicate())
+        key = (id(mesh), replicated)
+        if key not in seen:
+            coordinate = mesh.get_coordinate()
+            where = tuple(slice(None) if m in replicated else c for m, c in enumerate(coordinate))
+            seen[key] = {int(r) for r in mesh.mesh[where].flatten().tolist()}
+        found = seen[key] if found is None else found & seen[key]
+    import torch.distributed as dist
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    return sorted(found) if found else [rank]
+
+
+def _plan(dtensors: dict[str, DTensor], every_replica: bool = False) -> LocalShards:
     planner = DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
     planner.set_up_planner(dtensors, None, False)
     dealt = writers(dtensors)
-    mine = written_here(dtensors, dealt)
+    mine = set(dtensors) if every_replica else written_here(dtensors, dealt)
     shared = any(_replica(dt)[1] > 1 for dt in dtensors.values())
     tensors, chunks = {}, []
     for item in planner.create_local_plan().items:

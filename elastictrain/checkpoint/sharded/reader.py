@@ -31,17 +31,13 @@ from elastictrain.checkpoint.sharded.format import (
     GRID_INDEX_FORMAT,
     INDEX_FORMAT,
     RULE_INDEX_FORMAT,
-    capture,
-    is_sharded_checkpoint,
     join,
     part_file,
     rows_of,
     shard_file,
-    split,
 )
 from elastictrain.checkpoint.sharded.grid import Grid
 from elastictrain.checkpoint.state import train_state as tstate
-from elastictrain.errors import CheckpointMismatchError
 
 
 @dataclass(frozen=True)
@@ -308,63 +304,6 @@ def check_fits(state: tstate.TrainState, index: Index, common: dict[str, Any], w
     shapes = index.global_shapes()
     metas = {p: torch.empty(s, device="meta") for p, s in shapes.items()}
     tstate.check_compatible(state, join(common, metas), where=where)
-
-
-def load_into(
-    state: tstate.TrainState,
-    store: storage.VerifiedFiles,
-    manifest: storage.Manifest,
-    device: torch.device,
-) -> tuple[dict[str, Any], int]:
-    """Load a sharded checkpoint into ``state`` at this world size: (the payload, bytes read).
-    Raises CheckpointMismatchError before changing anything when it does not fit, and
-    CheckpointCorruptError when a byte range this rank reads does not verify."""
-    from torch.distributed.checkpoint.state_dict import set_state_dict
-
-    if not is_sharded_checkpoint(manifest.metadata):
-        return _load_replicated(state, store, manifest)
-    where = f"step {manifest.step} under {store.safe_url}"
-    index, common = read_common(store, manifest, device)
-    check_fits(state, index, common, where)
-    targets, _ = split(capture(state, step=0))
-    missing = sorted(set(targets) - set(index.doc["tensors"]))
-    if missing:
-        raise CheckpointMismatchError(
-            f"Checkpoint {where} does not fit this run: sharded tensors {missing[:5]} are not in "
-            "it. Nothing was deleted. Use the same model, optimizer and Task.state."
-        )
-    reader = ShardReader(store, manifest, index)
-    read_chunks(reader, targets)
-    payload = join(common, targets)
-    set_state_dict(
-        state.model,
-        state.optimizer,
-        model_state_dict=payload["model"],
-        optim_state_dict=payload["optimizer"],
-    )
-    return payload, reader.bytes_read
-
-
-def _load_replicated(
-    state: tstate.TrainState, store: storage.VerifiedFiles, manifest: storage.Manifest
-) -> tuple[dict[str, Any], int]:
-    """A replicated (DDP) checkpoint resumed by a sharded run: every rank reads the whole state,
-    verified, and DCP's ``set_state_dict`` keeps this rank's shards of it. (A run moves to FSDP
-    because its model stops fitting a device; its state still fits the host's memory here.)"""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
-
-    where = f"step {manifest.step} under {store.safe_url}"
-    data = store.read_file(manifest, tstate.state_file_of(manifest.metadata))
-    payload = tstate.from_bytes(bytearray(data), map_location="cpu")
-    tstate.check_compatible(state, payload, where)
-    set_state_dict(
-        state.model,
-        state.optimizer,
-        model_state_dict=payload["model"],
-        optim_state_dict=tstate.optimizer_by_name(state, payload["optimizer"], where),
-        options=StateDictOptions(full_state_dict=True),
-    )
-    return payload, len(data)
 
 
 def consolidate(

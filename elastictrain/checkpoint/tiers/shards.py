@@ -142,12 +142,24 @@ class RankCopyLayout:
 
     writes_alone = True
 
-    def __init__(self, rank: int, world_size: int, buddy: Buddy | None) -> None:
+    def __init__(
+        self, rank: int, world_size: int, buddy: Buddy | None, local_world_size: int = 1
+    ) -> None:
         self.rank, self.world_size, self.buddy = rank, world_size, buddy
+        self.local_world_size = local_world_size
         self._snapshots = ShardSnapshots(rank)
+        self.twins = [rank]
 
     def snapshot(self, payload: Any) -> ShardSnap:
-        return self._snapshots.snapshot(payload)
+        self.twins = sharded.twins(sharded.split(payload)[0])
+        return self._snapshots.snapshot(payload, every_replica=self.stands_in())
+
+    def stands_in(self) -> bool:
+        """Whether a twin (a replica of this rank's shards) is on another node. Then this copy
+        holds every replica's chunks, not only the ones this rank writes, and so does the twin's:
+        each node's copies stand in for the other's, and no buddy transfer is needed."""
+        node = self.rank // self.local_world_size
+        return any(t // self.local_world_size != node for t in self.twins)
 
     def write_own(self, store: storage.Store, step: int, snap: ShardSnap, generation: int) -> None:
         """Everything is written in :meth:`commit`: the rank is its own committer."""
@@ -170,7 +182,9 @@ class RankCopyLayout:
             manifest, files = self._commit(store, step, snap, generation, metadata, before_commit)
         finally:
             if self.buddy is not None:
-                self.buddy.exchange(manifest, files)
+                # Rank 0 always sends: its copy alone holds the index and the unsharded rest.
+                spared = self.rank != 0 and self.stands_in()
+                self.buddy.exchange(None if spared else manifest, files)
         return manifest
 
     def _commit(
@@ -192,6 +206,8 @@ class RankCopyLayout:
         regular = snap.local.follows_row_rule(self.world_size, self.rank)
         # A resume takes a step only if every rank's copy follows the row rule, or the same grids.
         meta = {**metadata, "rank": self.rank, "regular": regular, "grid": snap.local.grid_digest()}
+        if self.stands_in():
+            meta["twins"] = self.twins  # the saved ranks whose chunks this copy holds
         if snap.common is not None:  # rank 0: what every resume needs besides the shards
             common = sharded.common_file(generation)
             files[common] = snap.common.data
@@ -226,7 +242,7 @@ class RankCopies:
         return True
 
     def layout(self, world_size: int) -> RankCopyLayout:
-        return RankCopyLayout(self.rank, world_size, self.buddy)
+        return RankCopyLayout(self.rank, world_size, self.buddy, self.local_world_size)
 
     def capture(self, state: tstate.TrainState, step: int) -> dict[str, Any]:
         return sharded.capture(state, step=step)

@@ -89,9 +89,10 @@ class ShardSnapshots:
         self._plan_cache: dict = {}
 
     @torch.no_grad()  # DTensor.to_local is then a plain attribute read, not an autograd op
-    def snapshot(self, payload: Any) -> ShardSnap:
+    def snapshot(self, payload: Any, every_replica: bool = False) -> ShardSnap:
+        """``every_replica``: the chunks other replicas write too (``sharded.local_shards``)."""
         dtensors, common = sharded.split(payload)
-        local = sharded.local_shards(dtensors, self._plan_cache)
+        local = sharded.local_shards(dtensors, self._plan_cache, every_replica)
         shards = self.staging.snapshot(local.tensors)
         common_snap = self.common_staging.snapshot(common) if self.common_staging else None
         return ShardSnap(local, shards, common_snap)
