@@ -18,7 +18,10 @@ whole state. Figures, each the median of ``--repeats`` and the worst rank's:
 ``--replicas R`` adds a third job: the same state as HSDP over R replicas of the 2 shards (2R
 ranks), with the bytes of one checkpoint against the FSDP one's (target <= 1.05: each shard is
 written once) and against ``dcp.save``'s of the same HSDP state, each replica's share of the bytes
-(about 1/R), and the foreground save time beside FSDP's and ``dcp.save``'s.
+(about 1/R), and the foreground save time beside FSDP's and ``dcp.save``'s; then a fourth job
+resumes it as HSDP through the runner's durable path, where the replicas share the reads: the
+shard bytes all ranks read from storage together, over the state (about 1.0; R if each replica
+read alone).
 """
 
 from __future__ import annotations
@@ -194,28 +197,35 @@ def save_worker(url: str, size: int, repeats: int, out: str, replicas: int = 1) 
     _gather(mine, out)
 
 
-def resume_worker(url: str, size: int, out: str) -> None:
+def resume_worker(url: str, size: int, out: str, replicas: int = 1) -> None:
+    """Resume the newest checkpoint at this world size; under HSDP (``replicas`` > 1) through the
+    runner's durable path, where the replicas share the reads."""
     import storage
+    from elastictrain.checkpoint.resume.durable_shards import load_step
     from elastictrain.checkpoint.sharded import format as sharded
     from elastictrain.checkpoint.sharded import load as shard_load
 
-    state = _build(size)
+    state = _build(size, replicas)
     store = storage.open_store(url)
     manifest = max(
         (m for m in store.ranked_manifests() if sharded.is_sharded_checkpoint(m.metadata)),
         key=lambda m: m.step,
     )
+    cpu = torch.device("cpu")
     t0 = time.perf_counter()
-    _, ranged = shard_load.load_into(state, store, manifest, torch.device("cpu"))
+    if replicas > 1:
+        _, ranged = load_step(
+            state, store, manifest, cpu, group=dist.group.WORLD, rank=dist.get_rank()
+        )
+    else:
+        _, ranged = shard_load.load_into(state, store, manifest, cpu)
     seconds = time.perf_counter() - t0
     index = manifest.metadata["index_file"]
     small = manifest.files[index].size + sum(
         e.size for n, e in manifest.files.items() if n.startswith("common-")
     )
-    _gather(
-        {"read_bytes": ranged + small, "new_shard_bytes": _local_bytes(state), "load_s": seconds},
-        out,
-    )
+    mine = {"read_bytes": ranged + small, "shard_read_bytes": ranged}
+    _gather({**mine, "new_shard_bytes": _local_bytes(state), "load_s": seconds}, out)
 
 
 def _gather(mine: dict[str, Any], out: str) -> None:
@@ -248,8 +258,9 @@ def run(size: int, repeats: int, where: str, replicas: int = 1) -> dict[str, Any
         if replicas > 1:
             url, saved = os.path.join(scratch, "hsdp"), os.path.join(scratch, "hsdp.json")
             _torchrun(2 * replicas, ["save", url, str(size), str(repeats), saved, str(replicas)])
-            with open(saved) as f:
-                hsdp = _hsdp(json.load(f), ranks, replicas)
+            _torchrun(2 * replicas, ["resume", url, str(size), "1", resumed, str(replicas)])
+            with open(saved) as f, open(resumed) as g:
+                hsdp = _hsdp(json.load(f), ranks, replicas, json.load(g))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
@@ -270,8 +281,11 @@ def run(size: int, repeats: int, where: str, replicas: int = 1) -> dict[str, Any
     }
 
 
-def _hsdp(ranks: list[dict[str, Any]], fsdp: list[dict[str, Any]], replicas: int) -> dict:
-    """HSDP R x 2 against FSDP at 2 ranks (``fsdp``) and against dcp.save of the same state."""
+def _hsdp(
+    ranks: list[dict[str, Any]], fsdp: list[dict[str, Any]], replicas: int, readers: list[dict]
+) -> dict:
+    """HSDP R x 2 against FSDP at 2 ranks (``fsdp``) and against dcp.save of the same state; and
+    its resume as HSDP (``readers``): the shard bytes every rank read from storage together."""
     files = ranks[0]["shard_file_bytes"]  # rank order: replica r holds ranks 2r and 2r + 1
     by_replica = [files[2 * r] + files[2 * r + 1] for r in range(replicas)]
     save_s, dcp_s = max(r["save_s"] for r in ranks), max(r["dcp_save_s"] for r in ranks)
@@ -284,6 +298,9 @@ def _hsdp(ranks: list[dict[str, Any]], fsdp: list[dict[str, Any]], replicas: int
         "save_s": save_s,
         "fsdp_save_s": max(r["save_s"] for r in fsdp),
         "dcp_save_s": dcp_s,
+        "resume_read_over_state": sum(r["shard_read_bytes"] for r in readers)
+        / sum(r["shard_bytes"] for r in fsdp),
+        "resume_load_s": max(r["load_s"] for r in readers),
     }
 
 
@@ -311,6 +328,9 @@ def table(r: dict[str, Any]) -> str:
             f"  each replica's share of the bytes {shares} (about 1/{h['replicas']} each)",
             f"  foreground save                   {h['save_s'] * 1e3:8.1f} ms   "
             f"(FSDP at 2: {h['fsdp_save_s'] * 1e3:.1f} ms; dcp.save: {h['dcp_save_s'] * 1e3:.1f} ms)",
+            f"  resumed as HSDP: shard bytes read {h['resume_read_over_state']:.3f}x the state, "
+            f"all ranks together (each replica alone: {h['replicas']}x); "
+            f"{h['resume_load_s'] * 1e3:.1f} ms",
         ]
     return "\n".join(rows)
 
@@ -330,7 +350,8 @@ if __name__ == "__main__":
             replicas = int(sys.argv[6]) if len(sys.argv) > 6 else 1
             save_worker(url, size, int(sys.argv[4]), sys.argv[5], replicas)
         else:
-            resume_worker(url, size, sys.argv[5])
+            replicas = int(sys.argv[6]) if len(sys.argv) > 6 else 1
+            resume_worker(url, size, sys.argv[5], replicas)
     finally:
         dist.destroy_process_group()
     from elastictrain.signals import exit_without_teardown

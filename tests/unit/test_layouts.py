@@ -5,6 +5,7 @@ instead of hanging."""
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import pytest
@@ -119,11 +120,14 @@ def test_an_irregular_split_on_any_rank_gets_every_chunk_listed_and_still_reads_
     assert torch.equal(w0[76:], torch.full((24, 3), 300.0))
 
 
-def _save_hsdp(store, *, disagree: bool = False):
+def _save_hsdp(
+    store, *, disagree: bool = False, step: int = 5, dies: int | None = None, deadline_s=10.0
+):
     """HSDP 2 x 2 (4 ranks): 4 tensors of 9 rows, rows over the 2 shards, each tensor written by
     the replica it is dealt (``grid.writer``): rank (replica q, shard s) writes what its grid
     gives it (value 10 s + tensor number). ``disagree``: the last rank reports no grids (as a
-    rank with another layout would), so rank 0 must list every chunk."""
+    rank with another layout would), so rank 0 must list every chunk. ``dies``: that rank is
+    killed mid-write (half its shard file on storage, no table, no receipt)."""
     from elastictrain.checkpoint.sharded.grid import Grid
     from elastictrain.checkpoint.state.flat import Staging
     from elastictrain.checkpoint.write.layouts import ShardSnap
@@ -146,19 +150,25 @@ def _save_hsdp(store, *, disagree: bool = False):
         snap = ShardSnap(
             sharded.LocalShards(tensors, chunks, True, mine),
             Staging().snapshot(tensors),
-            Staging().snapshot({"step": 5}) if rank == 0 else None,
+            Staging().snapshot({"step": step}) if rank == 0 else None,
         )
-        ShardedLayout(rank, 4).write_own(store, 5, snap, 9)
+        if rank == dies:
+            torn = store.url + f"/step-{step:012d}/" + sharded.shard_file(rank, 9)
+            os.makedirs(os.path.dirname(torn), exist_ok=True)
+            with open(torn, "wb") as f:
+                f.write(bytes(snap.shards.data)[: len(snap.shards.data) // 2])
+        else:
+            ShardedLayout(rank, 4).write_own(store, step, snap, 9)
         snaps.append(snap)
     return ShardedLayout(0, 4).commit(
         store,
-        5,
+        step,
         snaps[0],
         9,
         {},
         before_commit=lambda: None,
         abandoned=lambda s: False,
-        deadline_s=10,
+        deadline_s=deadline_s,
     )
 
 
@@ -172,6 +182,26 @@ def test_hsdp_grids_commit_one_line_per_tensor_only_when_every_rank_reports_the_
     assert doc["format"] == (sharded.INDEX_FORMAT if disagree else sharded.GRID_INDEX_FORMAT)
     whole = _whole(store, manifest)
     for i in range(4):  # rows 0-4 from shard 0, 5-8 from shard 1, whichever replica wrote them
+        want = torch.cat([torch.full((5, 3), float(i)), torch.full((4, 3), float(10 + i))])
+        assert torch.equal(whole[f"w{i}"], want), i
+
+
+def test_hsdp_commits_nothing_when_a_rank_dies_mid_write_and_fences_a_stale_writer(tmp_path):
+    """The commit gate on the 2-D layouts: rank 3 (replica 1, which writes half the tensors) is
+    killed mid-write, so rank 0 never gets its receipt and commits nothing; and an attempt whose
+    generation a newer one has fenced off cannot commit. The committed step stays as it was."""
+    from elastictrain.checkpoint.write.receipts import ShardsMissingError
+
+    store = storage.open_store(str(tmp_path / "c"))
+    _save_hsdp(store)  # step 5, generation 9
+    with pytest.raises(ShardsMissingError, match=r"rank\(s\) \[3\]"):
+        _save_hsdp(store, step=6, dies=3, deadline_s=0.5)
+    store.advance_fence(10)  # a newer attempt claimed the location
+    with pytest.raises(storage.StaleWriterError):
+        _save_hsdp(store, step=7)
+    assert [m.step for m in store.ranked_manifests()] == [5]
+    whole = _whole(store, store.read_manifest(5))
+    for i in range(4):
         want = torch.cat([torch.full((5, 3), float(i)), torch.full((4, 3), float(10 + i))])
         assert torch.equal(whole[f"w{i}"], want), i
 

@@ -57,7 +57,7 @@ def fetch_durable_shards(
         manifest = store.read_manifest(step)
         error = None
         try:
-            payload, nbytes = _load(state, store, manifest, device, group=group, rank=rank)
+            payload, nbytes = load_step(state, store, manifest, device, group=group, rank=rank)
         except storage.CheckpointCorruptError as e:
             error = e
         touched = True
@@ -71,7 +71,7 @@ def fetch_durable_shards(
             corrupt(step, error or f"another rank read a bad shard of step {step}")
 
 
-def _load(state, store, manifest, device, *, group, rank) -> tuple[dict, int]:
+def load_step(state, store, manifest, device, *, group, rank) -> tuple[dict, int]:
     """One step into ``state``: (the payload, bytes this rank read). Ranks that need the same
     bytes (HSDP's replicas) each read a share of them (``shared_reads``); every rank reaches that
     exchange, whatever its planning did, so none waits on a rank that left."""
