@@ -22,7 +22,8 @@ import torch.distributed as dist
 import storage
 from elastictrain import dist as edist
 from elastictrain.checkpoint.api import Layout, Reason, Restored, ResumeOrigin, SaveOutcome, Tier
-from elastictrain.checkpoint.resume import ranking
+from elastictrain.checkpoint.resume import ranking, shard_fetch
+from elastictrain.checkpoint.resume.durable_shards import fetch_durable_shards
 from elastictrain.checkpoint.sharded import format as sharded
 from elastictrain.checkpoint.state import train_state as tstate
 from elastictrain.checkpoint.tiers.local import LocalTier
@@ -162,10 +163,6 @@ class Sharded:
     ) -> Restored | None:
         """From the fast tier's copies when they hold a step at least as new as the durable
         tier's (``shard_fetch``), else from the durable tier."""
-        # Here, not at the top: the readers import DCP (0.7 s), which a DDP worker never needs.
-        from elastictrain.checkpoint.resume import shard_fetch
-        from elastictrain.checkpoint.resume.durable_shards import fetch_durable_shards
-
         where = dict(
             group=ckpt.group, rank=ckpt.rank, device=device, on_corrupt=ckpt.report_corrupt
         )
