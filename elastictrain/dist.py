@@ -132,7 +132,19 @@ def init_process_groups(
         control = dist.new_group(backend="gloo", timeout=timedelta(seconds=checkpoint_timeout))
         liveness.announce(store)
         dist.barrier(group=control)
+    global _built_on_a_fresh_store
+    _built_on_a_fresh_store = True
     return ProcessGroups(attempt=attempt, control=control)
+
+
+_built_on_a_fresh_store = False
+
+
+def default_group_is_restart_safe() -> bool:
+    """Whether this process's default group was built here (:func:`init_process_groups`: the
+    runner, or ``init_distributed``), on a store no earlier attempt wrote to; not by a plain
+    ``init_process_group`` on torchrun's shared rendezvous store."""
+    return _built_on_a_fresh_store
 
 
 def barrier(group: dist.ProcessGroup | None) -> None:

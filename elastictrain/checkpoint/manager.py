@@ -38,6 +38,7 @@ from elastictrain.checkpoint.api import Reason
 from elastictrain.checkpoint.session import CheckpointSession, install_stop_signals
 from elastictrain.checkpoint.state.train_state import TrainState, unwrap
 from elastictrain.config import CheckpointConfig, settings
+from elastictrain.dist import default_group_is_restart_safe
 from elastictrain.env import read_env
 from elastictrain.errors import ConfigError, Preempted
 from elastictrain.observe.events import LastWords
@@ -46,6 +47,30 @@ from elastictrain.watchdog import HangWatchdog
 __all__ = ["CheckpointManager", "Preempted"]
 
 logger = logging.getLogger(__name__)
+
+RESTART_UNSAFE = (
+    "This job's process group was made by torch.distributed.init_process_group on torchrun's "
+    "shared rendezvous store. After a worker is killed, torchrun's restart can read the dead "
+    "workers' addresses from that store: a restart then fails with 'Gloo connectFullMesh failed "
+    "... Connection refused' or hangs in init_process_group for its timeout (30 minutes by "
+    "default), and the restart budget runs out (measured on torch 2.13: 3 restarts of 8). Fix: call "
+    "elastictrain.init_distributed() instead of init_process_group (it builds the group on a "
+    "store no earlier attempt wrote to), or start torchrun with "
+    "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment."
+)
+_warned_restart_unsafe = False
+
+
+def _warn_if_restart_unsafe(rank: int, on_agent_store: bool) -> None:
+    """Once per process, on rank 0: a loop ported from the DDP tutorial keeps its own
+    ``init_process_group``, and nothing else would tell its user why restarts fail (issue 36)."""
+    global _warned_restart_unsafe
+    if _warned_restart_unsafe or rank != 0 or not on_agent_store:
+        return
+    if not default_group_is_restart_safe():
+        _warned_restart_unsafe = True
+        logger.warning(RESTART_UNSAFE)
+
 
 SETTINGS = settings(CheckpointConfig)
 
@@ -112,6 +137,7 @@ class CheckpointManager:
         alone = not (dist.is_available() and dist.is_initialized())
         if not alone:  # torch.distributed knows best where this process sits
             env = dataclasses.replace(env, rank=dist.get_rank(), world_size=dist.get_world_size())
+            _warn_if_restart_unsafe(env.rank, env.use_agent_store)
         self._group = (
             None
             if alone

@@ -245,3 +245,30 @@ def test_close_ends_every_thread_the_manager_started(tmp_path):
     left = set(threading.enumerate()) - before
     assert not left, sorted(t.name for t in left)
     assert os.listdir(tmp_path / "c" / "events")  # the history reached storage before its end
+
+
+@pytest.mark.parametrize(
+    ("shared_store", "built_here", "warned"),
+    [(True, False, True), (False, False, False), (True, True, False)],
+    ids=["tutorial-init-on-torchruns-store", "torchrun-without-a-shared-store", "init_distributed"],
+)
+def test_a_plain_init_process_group_on_torchruns_shared_store_is_named_once_with_the_fix(
+    tmp_path, monkeypatch, caplog, gloo_world, shared_store, built_here, warned
+):
+    """A tutorial loop keeps its own ``init_process_group`` under torchrun, and about half its
+    restarts after a kill -9 can fail or hang (issue 36). The manager says so once, with the fix;
+    not when torchrun's store is not shared, nor when ``init_distributed`` built the group."""
+    from elastictrain import dist as edist
+    from elastictrain.checkpoint import manager
+
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", str(shared_store))
+    monkeypatch.setattr(edist, "_built_on_a_fresh_store", built_here)
+    monkeypatch.setattr(manager, "_warned_restart_unsafe", False)
+    with caplog.at_level("WARNING", logger=manager.__name__):
+        for _ in range(2):
+            CheckpointManager(str(tmp_path / "c")).close()
+    said = [r.getMessage() for r in caplog.records if "connectFullMesh" in r.getMessage()]
+    assert len(said) == (1 if warned else 0), said
+    if warned:
+        assert "elastictrain.init_distributed()" in said[0]
+        assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in said[0]
