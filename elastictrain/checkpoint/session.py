@@ -27,6 +27,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
+import storage
 from elastictrain import dist as edist
 from elastictrain import knobs
 from elastictrain.checkpoint.api import Reason
@@ -37,6 +38,7 @@ from elastictrain.config import CheckpointConfig
 from elastictrain.control import Control
 from elastictrain.env import DistEnv
 from elastictrain.errors import Preempted, named_timeout
+from elastictrain.observe import goodput
 from elastictrain.observe.events import Event, EventLog, LastWords
 from elastictrain.observe.history import LAST_WORDS_WAIT_S, RunHistory
 from elastictrain.signals import StopSignals, parse_signal
@@ -169,8 +171,23 @@ class CheckpointSession:
         )
 
     def emit_end(self, step: int, **fields: Any) -> None:
+        """The run finished: rank 0 says so with the run's goodput, from its whole history."""
+        if self.is_rank0:
+            fields.update(self._goodput())
         self.events.emit(Event.END, step=step, **fields)
         self._flush_history()
+
+    def _goodput(self) -> dict[str, Any]:
+        """Effective training time and lost time by cause (``observe.goodput``), read from the
+        history once every earlier line is in it; nothing (and a warning) when it cannot be read:
+        the end of a run never fails for its report."""
+        try:
+            self.history.flush(wait_s=LAST_WORDS_WAIT_S)
+            history = self._ckpt.open_store().read_history()
+            return goodput.of_run(history, self.config.event_log, time.time()).fields()
+        except (storage.StorageError, OSError, ValueError) as e:
+            logger.warning("no goodput in the end event: the run's history is unreadable: %s", e)
+            return {}
 
     def _flush_history(self) -> None:
         """Before the process may exit: rank 0's last events reach the checkpoint location (or

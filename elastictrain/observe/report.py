@@ -14,6 +14,7 @@ import sys
 
 import storage
 from elastictrain.errors import EXIT_USER_ERROR
+from elastictrain.observe.goodput import goodput
 from elastictrain.observe.history import merge_lines
 from elastictrain.observe.timeline import build_timeline, summary
 
@@ -65,12 +66,14 @@ def main(argv: list[str]) -> int:
             file=sys.stderr,
         )
         print(summary(timeline))
+        print(goodput(timeline).line())
         return EXIT_USER_ERROR
     from elastictrain.observe import report_plot
 
     title = args.sources[0] if len(args.sources) == 1 else f"{len(args.sources)} sources"
     report_plot.render(timeline, args.output, title=os.path.basename(title.rstrip("/")) or title)
     print(summary(timeline))
+    print(goodput(timeline).line())
     print(f"wrote {args.output}")
     return 0
 

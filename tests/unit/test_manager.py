@@ -55,6 +55,17 @@ def test_custom_loop_stopped_and_resumed_equals_one_straight_run(tmp_path, async
     import storage
 
     assert storage.open_store(url).committed_steps() == [16, 20]
+    # The end event states the run's goodput over both attempts, from the history beside it.
+    from elastictrain.observe.goodput import CAUSES
+    from elastictrain.observe.history import merge_lines
+
+    history = storage.open_store(url).read_history()
+    events = merge_lines([data.decode() for _, data in history])
+    (end,) = [e for e in events if e["event"] == Event.END]
+    starts = [e["time"] for e in events if e["event"] == Event.START]
+    assert len(starts) == 2 and end["wall_s"] == pytest.approx(end["time"] - starts[0], abs=0.01)
+    assert set(end["lost_s"]) == set(CAUSES) and end["lost_s"]["restart"] > 0, end
+    assert 0 < end["effective_training_ratio"] < 1, end
 
 
 def test_crashes_resume_from_the_newest_local_copy_past_a_corrupt_one_and_end_equal(tmp_path):

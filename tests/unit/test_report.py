@@ -102,7 +102,7 @@ def test_timeline_of_a_run_still_going_says_so():
     assert tl.attempts[0].outcome == "running or killed" and tl.attempts[0].last_step == 10
 
 
-def test_timeline_counts_fp16_overflow_skips_and_keeps_the_eval_curve(tmp_path):
+def test_timeline_counts_fp16_overflow_skips_and_keeps_the_eval_curve(tmp_path, capsys):
     events = [
         *attempt(0, 2, 0, 0),
         ev(Event.PROGRESS, 2, step=10, loss=1.0, overflow_skips=3),
@@ -118,6 +118,7 @@ def test_timeline_counts_fp16_overflow_skips_and_keeps_the_eval_curve(tmp_path):
     assert "fp16 overflow skips 4" in text and "eval at 20: acc 0.75" in text, text
     assert report.main([write_log(tmp_path, events), "-o", str(tmp_path / "r.svg")]) == 0
     assert "Task.evaluate" in (tmp_path / "r.svg").read_text()  # the eval panel is drawn
+    assert "effective training time" in capsys.readouterr().out  # the goodput line
 
 
 def test_report_cli_errors_name_the_fix(tmp_path, capsys, monkeypatch):

@@ -1,0 +1,106 @@
+"""Goodput from a run's event history: the share of wall time spent in steps that count, and
+where the rest went, by cause.
+
+From the attempts ``timeline`` builds (each ``start`` event begins one):
+
+- **start-up**: an attempt's start event to its first completed step (process groups, the model,
+  the resume's load, the first step's own warm-up);
+- **detection**: a failed attempt's last step event to the first last words a rank left (a
+  SIGKILLed process says nothing, so this is what the survivors saw; none when no rank spoke);
+- **restart**: from there to the next attempt's start event (torchrun stopping and respawning the
+  workers, Python and torch imports, the rendezvous);
+- **redone steps**: steps the next attempt trained again (from its resume step to the highest step
+  the failed one reported), at the failed attempt's own step time;
+- **checkpoint blocking**: the training time each committed checkpoint held the loop
+  (``blocked_s``).
+
+What is left of the wall time is time in steps that count. Step events are periodic, so the
+highest step an attempt reported is a lower bound of what it trained: redone steps are a lower
+bound too, and detection an upper one. Each cause is a duration in the history, never a model.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+from dataclasses import dataclass, field
+
+from elastictrain.observe.history import merge_lines
+from elastictrain.observe.timeline import Attempt, Timeline, build_timeline
+
+CAUSES = ("start-up", "detection", "restart", "redone steps", "checkpoint blocking")
+
+
+@dataclass(frozen=True)
+class Goodput:
+    wall_s: float
+    lost_s: dict[str, float] = field(default_factory=dict)
+    """Seconds lost, by cause (``CAUSES``)."""
+
+    @property
+    def productive_s(self) -> float:
+        return max(0.0, self.wall_s - sum(self.lost_s.values()))
+
+    @property
+    def ratio(self) -> float:
+        """Effective training time: time in steps that count over wall time."""
+        return self.productive_s / self.wall_s if self.wall_s > 0 else 0.0
+
+    def fields(self) -> dict[str, float | dict[str, float]]:
+        """For the ``end`` event."""
+        return {
+            "effective_training_ratio": round(self.ratio, 4),
+            "wall_s": round(self.wall_s, 3),
+            "lost_s": {cause: round(s, 3) for cause, s in self.lost_s.items()},
+        }
+
+    def line(self) -> str:
+        lost = ", ".join(f"{cause} {s:.1f}s" for cause, s in self.lost_s.items() if s > 0)
+        return (
+            f"effective training time {self.ratio:.1%} of {self.wall_s:.1f}s wall"
+            f"{'; lost: ' + lost if lost else ''}"
+        )
+
+
+def goodput(timeline: Timeline, until: float | None = None) -> Goodput:
+    """The run's goodput from its first start to ``until`` (default: its last event)."""
+    attempts = timeline.attempts
+    if not attempts:
+        return Goodput(0.0, dict.fromkeys(CAUSES, 0.0))
+    end = until if until is not None else max(a.end or a.start for a in attempts)
+    lost = dict.fromkeys(CAUSES, 0.0)
+    for a in attempts:
+        if a.trained_at is not None:
+            lost["start-up"] += a.trained_at - a.start
+        lost["checkpoint blocking"] += sum(float(c.get("blocked_s") or 0) for c in a.checkpoints)
+    for a, nxt in timeline.restarts:
+        last_step_at = a.points[-1][0] if a.points else a.start
+        spoke = [float(w["time"]) for w in a.last_words.values() if "time" in w]
+        seen = min([t for t in spoke if t >= last_step_at], default=last_step_at)
+        lost["detection"] += max(0.0, seen - last_step_at)
+        lost["restart"] += max(0.0, nxt.start - seen)
+        redone = a.last_step - nxt.resumed_step if nxt.resumed else 0
+        lost["redone steps"] += max(0, redone) * _step_s(a)
+    return Goodput(max(0.0, end - attempts[0].start), lost)
+
+
+def of_run(history: list[tuple[str, bytes]], local_log: str | None, until: float) -> Goodput:
+    """The goodput of the run so far: its history beside the checkpoints (every attempt's events,
+    as rank 0 mirrored them) and this host's event log, if any, merged; for the ``end`` event."""
+    texts = [data.decode(errors="replace") for _, data in history]
+    if local_log and os.path.isfile(local_log):
+        with open(local_log, errors="replace") as f:
+            texts.append(f.read())
+    return goodput(build_timeline(merge_lines(texts)), until)
+
+
+def _step_s(a: Attempt) -> float:
+    """The attempt's median seconds a step, between its step events from its first completed
+    step on (the resume's load and the first step's warm-up are start-up); 0 without two."""
+    trained = [(t, s) for t, s in a.points if a.trained_at is not None and t >= a.trained_at]
+    rates = [
+        (t1 - t0) / (s1 - s0)
+        for (t0, s0), (t1, s1) in zip(trained, trained[1:], strict=False)
+        if s1 > s0 and t1 > t0
+    ]
+    return statistics.median(rates) if rates else 0.0

@@ -1,0 +1,61 @@
+"""elastictrain.observe.goodput: the effective training time of a run and its lost time by cause,
+from an event history with one kill and restart (every figure worked out by hand below)."""
+
+from __future__ import annotations
+
+import pytest
+
+from elastictrain.observe.events import Event
+from elastictrain.observe.goodput import goodput
+from elastictrain.observe.timeline import build_timeline
+
+
+def _history() -> list[dict]:
+    return [
+        # Attempt 0: started at 0, first step at 2, 0.1 s a step, a checkpoint at step 20 that
+        # held the loop 0.1 s; a worker is killed after step 30 and rank 0 says so at 5.5.
+        {"event": Event.START, "time": 0.0, "world_size": 2},
+        {"event": Event.RESUME, "time": 1.0, "step": 0, "fresh": True},
+        {"event": Event.FIRST_STEP, "time": 2.0, "step": 1},
+        {"event": Event.PROGRESS, "time": 3.0, "step": 10},
+        {"event": Event.CHECKPOINT, "time": 4.0, "step": 20, "blocked_s": 0.1},
+        {"event": Event.PROGRESS, "time": 5.0, "step": 30},
+        {"event": Event.EXIT, "time": 5.5, "rank": 0, "cause": "DistBackendError"},
+        # Attempt 1: torchrun's restart; it resumes from step 20 and trains steps 21-30 again.
+        {"event": Event.START, "time": 8.0, "world_size": 2, "restart_count": 1},
+        {"event": Event.RESUME, "time": 8.5, "step": 20, "tier": "durable"},
+        {"event": Event.FIRST_STEP, "time": 9.0, "step": 21},
+        {"event": Event.CHECKPOINT, "time": 15.0, "step": 80, "blocked_s": 0.2},
+        {"event": Event.END, "time": 20.0, "step": 100},
+    ]
+
+
+def test_lost_time_by_cause_and_the_effective_ratio_from_one_kill_and_restart():
+    g = goodput(build_timeline(_history()))
+    assert g.wall_s == 20.0
+    assert g.lost_s == pytest.approx(
+        {
+            "start-up": 2.0 + 1.0,  # each start event to its first completed step
+            "detection": 0.5,  # the last step event (5.0) to rank 0's last words (5.5)
+            "restart": 2.5,  # to the next start event
+            "redone steps": 1.0,  # steps 21-30 again, at attempt 0's 0.1 s a step
+            "checkpoint blocking": 0.3,
+        }
+    )
+    assert g.ratio == pytest.approx((20 - 7.3) / 20)
+    assert g.fields()["effective_training_ratio"] == pytest.approx(0.635)
+    assert "effective training time 63.5% of 20.0s wall" in g.line()
+
+
+def test_an_uninterrupted_run_loses_only_its_start_up_and_checkpoints():
+    events = [e for e in _history() if e["time"] < 5.2] + [
+        {"event": Event.END, "time": 6.0, "step": 40}
+    ]
+    g = goodput(build_timeline(events))
+    assert (g.wall_s, g.lost_s["detection"], g.lost_s["restart"], g.lost_s["redone steps"]) == (
+        6.0,
+        0.0,
+        0.0,
+        0.0,
+    )
+    assert g.ratio == pytest.approx((6.0 - 2.0 - 0.1) / 6.0)
