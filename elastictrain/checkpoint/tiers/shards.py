@@ -14,6 +14,10 @@ the copy of ``(rank - L) % W``, which it commits into a ``peer-`` folder once ev
 the sender's manifest. A node lost takes its copies with it; the next node holds them. The pairing
 follows the ranks, so it changes with the membership.
 
+Under HSDP with a replica of this rank's shards on another node (``RankCopyLayout.stands_in``),
+each copy holds every replica's chunks and names its twins, the replicas' copies stand in for
+each other, and only rank 0 (whose copy alone has the index) still sends one to its buddy.
+
 Copies are collective in one way: every rank must take them at the same steps, or a buddy would
 wait for a copy that never comes. So the ranks agree at each copy (one all-reduce of two integers)
 on whether every rank can go on (room, no failed write) and on the next interval (``auto``: the
