@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import socket
 import time
 from collections.abc import Callable, Iterator
@@ -159,14 +160,22 @@ class CheckpointSession:
         return self._ckpt.skipped
 
     def emit_start(self, **fields: Any) -> None:
-        """The ``start`` event that begins an attempt in the run report."""
+        """The ``start`` event that begins an attempt in the run report, every rank together: it
+        names each rank's training process (host, pid), gathered on rank 0 alone."""
+        mine = [socket.gethostname(), os.getpid()]
+        if self._gate is None:
+            processes = [mine]
+        else:
+            processes = [None] * self.env.world_size if self.is_rank0 else None
+            dist.gather_object(mine, processes, dst=0, group=self._gate)
         self.events.emit(
             Event.START,
             world_size=self.env.world_size,
             local_world_size=self.env.local_world_size,
             restart_count=self.env.restart_count,
             generation=self.generation,
-            host=socket.gethostname(),
+            host=mine[0],
+            processes=processes,
             **fields,
         )
 

@@ -56,6 +56,11 @@ class Attempt:
     skipped: list[dict[str, Any]] = field(default_factory=list)
     last_words: dict[int, dict[str, Any]] = field(default_factory=dict)
     """The ``exit`` event of each rank that left one, by rank."""
+    processes: list[list[Any]] | None = None
+    """Each rank's training process, [host, pid], from the ``start`` event."""
+    began: str = "fresh start"
+    """How this membership epoch began: a fresh start, a restart through torchrun, a relaunch
+    (a new torchrun, a scheduler's requeue), or a shrink or growth of the world size."""
 
     @property
     def last_step(self) -> int:
@@ -89,6 +94,7 @@ def build_timeline(events: list[dict[str, Any]]) -> Timeline:
                     resumed_step=attempts[-1].last_step if attempts else 0,
                     restart_count=int(e.get("restart_count", 0)),
                     generation=int(e.get("generation", 0)),
+                    processes=e.get("processes"),
                 )
             )
             max_steps = e.get("max_steps", max_steps)
@@ -140,6 +146,7 @@ def build_timeline(events: list[dict[str, Any]]) -> Timeline:
                 who = f"rank{'s' * (len(silent) > 1)} {', '.join(map(str, silent))}"
                 a.detail = f"{who} died without a word; {a.detail}"
     for a, nxt in zip(attempts, attempts[1:], strict=False):
+        nxt.began = _began(a, nxt)
         if nxt.world_size != a.world_size:
             # A node left or joined: the agents re-rendezvoused at another size. Whatever rank 0
             # saw (SIGTERM from its agent, a dead peer) was the symptom of that.
@@ -152,6 +159,15 @@ def build_timeline(events: list[dict[str, Any]]) -> Timeline:
                 "a worker or node died without a word (SIGKILL, OOM, crash)",
             )
     return Timeline(attempts, attempts[0].start if attempts else 0.0, max_steps)
+
+
+def _began(before: Attempt, a: Attempt) -> str:
+    if a.world_size != before.world_size:
+        grew = "grown" if a.world_size > before.world_size else "shrunk"
+        return f"{grew} {before.world_size} -> {a.world_size}"
+    if a.restart_count > before.restart_count:
+        return "restart through torchrun"
+    return "relaunch"  # torchrun's restart count began again: a new torchrun
 
 
 def _gist(message: str) -> str:
@@ -187,7 +203,8 @@ def summary(timeline: Timeline) -> str:
             step, metrics = a.evals[-1]
             extras += f", eval at {step}: " + " ".join(f"{k} {v:.4g}" for k, v in metrics.items())
         lines.append(
-            f"attempt {a.index} at +{a.start - timeline.t0:.1f}s: world size {a.world_size}, "
+            f"attempt {a.index} ({a.began}) at +{a.start - timeline.t0:.1f}s: "
+            f"world size {a.world_size}, "
             f"{f'steps {a.resumed_step}->{a.last_step}' if a.resumed else 'ended before resuming'}"
             f"{f' (from the {a.resumed_from})' if a.resumed_from else ''}"
             f", checkpoints {ckpts}{extras}; "

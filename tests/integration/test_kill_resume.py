@@ -45,6 +45,10 @@ def test_sigkill_workers_resume_bitwise(launch, tmp_path, nproc):
     starts = [e for e in events if e["event"] == Event.START]
     resumes = [e for e in events if e["event"] == Event.RESUME]
     assert [e["restart_count"] for e in starts] == [0, 1, 2]
+    # Each epoch names every rank's training process; a restart through torchrun replaces all.
+    pids = [[pid for _, pid in e["processes"]] for e in starts]
+    assert all(len(set(p)) == nproc for p in pids), pids
+    assert not set(pids[0]) & set(pids[1]) and not set(pids[1]) & set(pids[2]), pids
     assert resumes[0]["fresh"] and not resumes[1]["fresh"] and not resumes[2]["fresh"]
     assert 40 <= resumes[1]["step"] <= resumes[2]["step"] < 300
     assert resumes[1]["step"] % 40 == 0 and resumes[2]["step"] % 40 == 0

@@ -71,6 +71,15 @@ def test_timeline_names_each_restart_cause():
     assert timeline.build_timeline(both).attempts[0].outcome == Outcome.HANG
     text = timeline.summary(tl)
     assert text.count("\n") == 4 and "ended: hang (rank 1: no progress for 5.0s)" in text
+    # How each membership epoch began: torchrun's restart count, the world size.
+    assert [a.began for a in tl.attempts] == [
+        "fresh start",
+        "restart through torchrun",
+        "restart through torchrun",
+        "relaunch",
+        "shrunk 2 -> 1",
+    ]
+    assert "attempt 4 (shrunk 2 -> 1) at +40.0s" in text, text
 
 
 def test_a_kill_names_the_silent_rank_and_the_gist_of_what_its_peer_saw():
