@@ -67,7 +67,8 @@ def main() -> int:
     rank = int(os.environ["RANK"])
     os.environ["LOCAL_WORLD_SIZE"], os.environ["LOCAL_RANK"] = "2", str(rank % 2)
     init_distributed()
-    seen: dict = {"resumed": [], "differs": [], "tiers": [], "peer_bytes": [], "durable_bytes": []}
+    seen: dict = {k: [] for k in ("resumed", "differs", "tiers", "peer_bytes", "durable_bytes")}
+    seen["served_by"] = []
     refs: dict[int, dict] = {}
 
     def run(start_expected: int | None, until: int, replicas: int = 1, where: str = root) -> None:
@@ -99,6 +100,7 @@ def main() -> int:
             seen["tiers"].append(r.get("tier"))
             seen["peer_bytes"].append(r.get("peer_bytes"))
             seen["durable_bytes"].append(r.get("remote_bytes"))
+            seen["served_by"].append(r.get("served_by"))
 
     run(None, 12)  # fast copies at 5 and 10 (and their buddies'), none durable yet
     # 1. A replaced node: its folder is empty; its ranks' shards come from node 0's buddy copies.

@@ -32,5 +32,6 @@ def test_a_lost_node_resumes_from_its_buddy_skips_a_bad_copy_and_falls_back_when
     assert seen["hsdp_node0"] == ["own-r00000", "own-r00001"], seen
     assert seen["hsdp_node1"] == ["own-r00002", "own-r00003", "peer-r00000"], seen
     assert seen["peer_bytes"][3] > 0 and seen["durable_bytes"][3] == 0, seen
+    assert seen["served_by"][3] == {"0": [0, 1, 2, 3]}, seen  # node 0 served node 1's ranks too
     assert seen["durable_bytes"][2] > 0, seen
     assert seen["corrupt"] == [[20, Tier.FAST, True]], seen  # the buddy copy, named, at step 20

@@ -62,12 +62,11 @@ class Tally:
     served: dict[int, set[int]] = field(default_factory=dict)
     """Saved ranks by the rank whose node served them."""
 
-    def note(self, copy: Copy, n: int, here: bool) -> None:
+    def note(self, n: int, here: bool) -> None:
         if here:
             self.local_bytes += n
         else:
             self.peer_bytes += n
-        self.served.setdefault(copy.holder, set()).add(copy.rank)
 
 
 class _Refused(Exception):
@@ -96,7 +95,7 @@ def _exchange(
             continue
         try:
             out[i] = reader.read(copy, name, ranges)
-            tally.note(copy, len(out[i]), here=True)
+            tally.note(len(out[i]), here=True)
         except storage.StorageError as e:
             bad.append((copy, str(e)))
     asks = edist.all_gather_object([needs[i] for i in remote], group)
@@ -126,7 +125,7 @@ def _exchange(
         out[i] = bytearray(int(size.item()))
         if out[i]:
             dist.recv(edist.as_bytes_tensor(out[i]), holder, group=group)
-        tally.note(needs[i][0], len(out[i]), here=False)
+        tally.note(len(out[i]), here=False)
     for work in sends:
         work.wait()
     if edist.max_int(int(bool(bad) or failed_here), group):
@@ -205,6 +204,8 @@ def _load(
         return _in_copy(name, rank_of[file], sources[file])
 
     tables = exchange([(sources[n], held(t, n), None) for n, t in overlapped.items()])
+    for name in overlapped:  # by saved rank: a twin's copy serves the rank it stands in for
+        tally.served.setdefault(sources[name].holder, set()).add(rank_of[name])
     fetched.files.update(zip(overlapped.values(), tables, strict=True))
 
     # 3. The byte ranges of those files this rank needs.
