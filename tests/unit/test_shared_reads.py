@@ -41,8 +41,8 @@ MODES = ("ok", "corrupt", "unplanned")
 def _worker(rank: int, world: int, port: int, folder: str, blocks, out) -> None:
     try:
         store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=timedelta(seconds=30))
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
-                                timeout=timedelta(seconds=30))  # fmt: skip
+        timeout = timedelta(seconds=30)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
         ckpt = storage.open_store(folder)
         manifest = ckpt.read_manifest(1)
         for mode in MODES:  # one group for all three: spawning costs more than the test
