@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 import signal
 import sys
 
@@ -27,11 +28,17 @@ def main(argv: list[str] | None = None, early_signals: StopSignals | None = None
         except (ElasticTrainError, storage.StorageError) as e:
             print(f"error: {e}", file=sys.stderr)
             return EXIT_USER_ERROR
+    from elastictrain import supervisor
     from elastictrain.flags import parse_args
-    from elastictrain.runner import run
 
     try:
         cfg = parse_args(argv)
+        if cfg.replace_in_place and "RANK" in os.environ and supervisor.role() is None:
+            # The process torchrun watches: it never imports torch, and never exits on a death.
+            rank = int(os.environ["RANK"])
+            return supervisor.supervise(argv, max_replacements=cfg.max_replacements, rank=rank)
+        from elastictrain.runner import run
+
         return run(cfg, early_signals)
     except (ElasticTrainError, storage.StorageError) as e:
         # Expected failures: one clear line, no traceback to dig through, and a code that says which.

@@ -201,6 +201,16 @@ class RunConfig:
     """Seconds without a peer's heartbeat before every rank exits 8 naming it, so torchrun re-forms
     the group without a frozen host instead of waiting --collective-timeout. Above the 10 s stall
     a live rank must survive (swap storm, long GC). 0 turns liveness off."""
+    replace_in_place: bool = False
+    """Keep the ranks that did not fail training (--parallel ddp): each rank's process supervises
+    its training process and a pre-imported spare; a training process that dies (SIGKILL, OOM, a
+    segfault) is replaced by the spare, which receives the state from a survivor's memory, and
+    only the step in flight is redone. Anything else falls back to torchrun's restart of the
+    group (docs/faults.md, "In-place recovery")."""
+    replace_timeout: float = setting(60.0, metavar="SECONDS")
+    """Seconds the survivors wait for a replacement to join before falling back to a restart."""
+    max_replacements: int = setting(3, metavar="N")
+    """Replacements each rank's supervisor makes; past them a death restarts the group."""
     sample_log: str | None = setting(None, metavar="DIR")
     """Directory where every rank appends the dataset indices it trains on (the exactly-once ledger)."""
     log_every_seconds: float = setting(10.0, metavar="SECONDS")
@@ -229,6 +239,17 @@ class RunConfig:
                 f"--silent-timeout must be 0 (off) or at least twice --heartbeat-seconds "
                 f"({2 * self.heartbeat_seconds:g}s), got {self.silent_timeout!r}: a rank is only "
                 "silent after missing more than one beat."
+            )
+        if self.replace_in_place and self.parallel != "ddp":
+            raise ConfigError(
+                f"--replace-in-place keeps survivors training with --parallel ddp only; with "
+                f"--parallel {self.parallel} a dead rank's shards are in no survivor's memory. "
+                "Drop --replace-in-place (a death then restarts the group from the checkpoints)."
+            )
+        if not _positive(self.replace_timeout) or self.max_replacements < 0:
+            raise ConfigError(
+                f"--replace-timeout must be > 0 and --max-replacements 0 or more, got "
+                f"{self.replace_timeout!r} and {self.max_replacements!r}."
             )
         if not _positive(self.log_every_seconds):
             raise ConfigError(f"--log-every-seconds must be > 0, got {self.log_every_seconds!r}.")

@@ -52,15 +52,16 @@ def pick_device(env: DistEnv, model_devices: Sequence[torch.device] | None = Non
 class _InitWatchdog:
     """Hard bound on init: whatever gloo/nccl do internally, exit non-zero after the timeout."""
 
-    def __init__(self, timeout: float, rank: int) -> None:
-        self._timer = threading.Timer(timeout, self._fire, args=(timeout, rank))
+    def __init__(self, timeout: float, rank: int, flag: str) -> None:
+        self._timer = threading.Timer(timeout, self._fire, args=(timeout, rank, flag))
         self._timer.daemon = True
 
     @staticmethod
-    def _fire(timeout: float, rank: int) -> None:
+    def _fire(timeout: float, rank: int, flag: str) -> None:
         logger.error(
-            "process-group init did not finish within --init-timeout=%.0fs on rank %d; exiting so "
+            "process-group init did not finish within %s=%.0fs on rank %d; exiting so "
             "torchrun can restart the group",
+            flag,
             timeout,
             rank,
         )
@@ -80,6 +81,8 @@ class ProcessGroups:
     attempt: Attempt
     control: dist.ProcessGroup
     """gloo group with --checkpoint-timeout for resume/save gates (CPU tensors even on GPU jobs)."""
+    store: dist.Store | None = None
+    """The job's store (torchrun's), unprefixed: what outlives an attempt (``membership``)."""
 
 
 def init_process_groups(
@@ -90,8 +93,9 @@ def init_process_groups(
     collective_timeout: float,
     checkpoint_timeout: float,
     liveness: Liveness,
+    timeout_flag: str = "--init-timeout",
 ) -> ProcessGroups:
-    """``liveness`` watches the job's store from the first request on (a frozen store ignores its
+    """``timeout_flag``: what sets ``init_timeout``, named when it runs out. ``liveness`` watches the job's store from the first request on (a frozen store ignores its
     clients' timeouts) and announces this rank's first beat before the group's first barrier, so
     it is there for every rank once init returns."""
     backend = "nccl" if device.type == "cuda" else "gloo"
@@ -113,13 +117,15 @@ def init_process_groups(
         return ProcessGroups(
             attempt=Attempt(nonce="env", generation=time.time_ns()), control=control
         )
-    with _InitWatchdog(init_timeout, env.rank):
+    with _InitWatchdog(init_timeout, env.rank, timeout_flag):
         silent_s = liveness.silent_s if liveness.enabled else 0.0
         job_store = connect(env, timeout_s=init_timeout, silent_s=silent_s)
         liveness.watch_store(job_store)
         base = job_store.store
         # 90% of the budget, so a missing rank is reported by name before the hard bound fires.
-        attempt = handshake(base, env, 0.9 * init_timeout, flag_value=init_timeout)
+        attempt = handshake(
+            base, env, 0.9 * init_timeout, flag_value=init_timeout, flag=timeout_flag
+        )
         store = dist.PrefixStore(f"elastictrain/{attempt.nonce}/", base)
         dist.init_process_group(
             backend,
@@ -134,7 +140,7 @@ def init_process_groups(
         dist.barrier(group=control)
     global _built_on_a_fresh_store
     _built_on_a_fresh_store = True
-    return ProcessGroups(attempt=attempt, control=control)
+    return ProcessGroups(attempt=attempt, control=control, store=base)
 
 
 _built_on_a_fresh_store = False

@@ -69,7 +69,10 @@ def read_env(environ: Mapping[str, str] | None = None) -> DistEnv:
         use_agent_store=environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
         launched_by_torchrun=launched,
         under_agent="TORCHELASTIC_RUN_ID" in environ,
-        agent_pid=os.getppid() if "TORCHELASTIC_RUN_ID" in environ else None,
+        # Under --replace-in-place the parent is the rank's supervisor, which names the agent.
+        agent_pid=int(environ.get("ELASTICTRAIN_AGENT_PID", os.getppid()))
+        if "TORCHELASTIC_RUN_ID" in environ
+        else None,
     )
 
 

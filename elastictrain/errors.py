@@ -227,3 +227,10 @@ __all__ = [
 
 if __name__ == "__main__":
     print(markdown())
+
+
+class RecurringFailureError(ElasticTrainError):
+    """The same rank's training process died at the same step again (``--replace-in-place``):
+    every rank stops with this error instead of replacing it forever."""
+
+    exit_code = EXIT_CRASH

@@ -48,13 +48,18 @@ class Attempt:
 
 
 def handshake(
-    store: dist.Store, env: DistEnv, timeout: float, flag_value: float | None = None
+    store: dist.Store,
+    env: DistEnv,
+    timeout: float,
+    flag_value: float | None = None,
+    flag: str = "--init-timeout",
 ) -> Attempt:
     """Agree on a fresh attempt nonce; never trusts a value left by an earlier attempt.
 
-    ``flag_value`` is the --init-timeout to name in errors when ``timeout`` is a share of it.
+    ``flag_value`` is the ``flag`` (--init-timeout, or --replace-timeout for an in-place epoch) to
+    name in errors when ``timeout`` is a share of it.
     """
-    shown = f"{flag_value if flag_value is not None else timeout:.0f}s"
+    shown = f"{flag} ({flag_value if flag_value is not None else timeout:.0f}s)"
     deadline = time.monotonic() + timeout
     if env.rank == 0:
         return _lead(store, env, deadline, shown)
@@ -86,8 +91,8 @@ def _lead(store: dist.Store, env: DistEnv, deadline: float, shown: str) -> Attem
                 str(r) for r in range(1, env.world_size) if not store.check([f"{nonce}/join/{r}"])
             ]
             raise InitTimeoutError(
-                f"rank 0: ranks {missing} did not join within --init-timeout ({shown}). "
-                "Raise --init-timeout if nodes start far apart."
+                f"rank 0: ranks {missing} did not join within {shown}. "
+                "Raise it if nodes start far apart."
             ) from e
         store.set(f"{nonce}/outcome", _WELCOME)
     return Attempt(nonce=nonce, generation=generation)
@@ -101,8 +106,8 @@ def _join(store: dist.Store, env: DistEnv, deadline: float, shown: str) -> Attem
             return store.get(key).decode()
         except dist.DistStoreError as e:
             raise InitTimeoutError(
-                f"rank {env.rank}: rank 0 of this attempt did not answer within --init-timeout "
-                f"({shown}). Raise --init-timeout if nodes start far apart."
+                f"rank {env.rank}: rank 0 of this attempt did not answer within {shown}. "
+                "Raise it if nodes start far apart."
             ) from e
 
     nonce = wait(ATTEMPT_KEY)

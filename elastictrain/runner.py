@@ -9,28 +9,32 @@ timed out; 6 the torchrun agent died (orphaned worker); 7 storage stayed down pa
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from elastictrain import dist as edist
-from elastictrain import mesh, streams, training
+from elastictrain import membership, mesh, streams, supervisor, training
 from elastictrain.attempt import Attempt
+from elastictrain.checkpoint.resume.live import Live
 from elastictrain.checkpoint.session import CheckpointSession, install_stop_signals
 from elastictrain.config import RunConfig
 from elastictrain.data import GlobalBatchSampler
-from elastictrain.env import read_env
+from elastictrain.env import DistEnv, read_env
 from elastictrain.errors import EXIT_PREEMPTED, Preempted
 from elastictrain.liveness import Liveness
 from elastictrain.loader import check_micro_steps
+from elastictrain.membership import LiveState, PeerLost
 from elastictrain.observe.events import LastWords
 from elastictrain.observe.logs import setup_logging
 from elastictrain.observe.terminal import STATUS
 from elastictrain.signals import StopSignals
-from elastictrain.task import build_task
+from elastictrain.task import Task, build_task
 from elastictrain.watchdog import HangWatchdog
 
 logger = logging.getLogger(__name__)
@@ -38,9 +42,13 @@ logger = logging.getLogger(__name__)
 
 def run(cfg: RunConfig, early_signals: StopSignals | None = None) -> int:
     """Train one attempt; the exit code. ``early_signals``: stop-signal handlers ``__main__``
-    installed before importing torch, so a Ctrl-C even then is a graceful stop."""
+    installed before importing torch, so a Ctrl-C even then is a graceful stop.
+
+    Under ``--replace-in-place`` one attempt is a series of membership epochs in this process: a
+    peer's death ends an epoch (:class:`PeerLost`, this rank's state carried), and the next one
+    is built with the dead rank's replacement. A spare waits here first (``supervisor``)."""
     env = read_env()
-    agent_pid = os.getppid()  # under torchrun: the agent; recorded before anything can reparent us
+    agent_pid = os.getppid()  # the agent, or the supervisor: recorded before any reparenting
     setup_logging(env.rank)
     # Why this process ended early, for the run report: given to everything that may end it.
     last_words = LastWords(cfg.checkpoint.event_log, env.rank)
@@ -62,6 +70,12 @@ def run(cfg: RunConfig, early_signals: StopSignals | None = None) -> int:
         sampler.share(0, data.rank, data.size)  # validates the data-parallel size against the batch
     check_micro_steps(task.batch_size, data.size, cfg.grad_accum_steps)
     device = edist.pick_device(env, task.model_devices)
+    died_at = None
+    if supervisor.role() == "spare":
+        _warm(task)
+        died_at = supervisor.wait_for_go()
+        if died_at is None:  # the supervisor is gone or ended the spare's wait: nothing to do
+            return 0
     # Started before init: an orphan (agent gone) must exit even while it waits in init or resume.
     # The startup budget covers init + resume + the first step; init keeps its own hard bound.
     watchdog = HangWatchdog(
@@ -71,6 +85,49 @@ def run(cfg: RunConfig, early_signals: StopSignals | None = None) -> int:
         agent_pid=agent_pid if env.launched_by_torchrun else None,
         last_words=last_words,
     )
+    watchdog.start()
+    built = _Built(cfg, env, task, sampler, device, shape, watchdog, signals, last_words, agent_pid)
+    carry = None
+    try:
+        while True:
+            try:
+                return _epoch(built, carry, died_at)
+            except PeerLost as lost:
+                carry, died_at = lost.carry, None
+                logger.warning(
+                    "%s; this rank keeps its state at step %d and waits up to --replace-timeout "
+                    "(%.0fs) for the replacement",
+                    lost,
+                    carry.step,
+                    cfg.replace_timeout,
+                )
+    finally:
+        STATUS.close()  # never leave a terminal on a half-drawn line
+        watchdog.stop()
+        edist.shutdown()
+
+
+@dataclass(frozen=True)
+class _Built:
+    """What this process built once and keeps across membership epochs."""
+
+    cfg: RunConfig
+    env: DistEnv
+    task: Task
+    sampler: GlobalBatchSampler | None
+    device: torch.device
+    shape: mesh.MeshShape | None
+    watchdog: HangWatchdog
+    signals: StopSignals
+    last_words: LastWords
+    agent_pid: int
+
+
+def _epoch(b: _Built, carry: LiveState | None, died_at: float | None) -> int:
+    """One membership epoch: its process groups, checkpoint session and training. ``carry``: a
+    survivor's state from the epoch before; ``died_at``: this process replaces a dead one."""
+    cfg, env, watchdog = b.cfg, b.env, b.watchdog
+    in_place = carry is not None or died_at is not None
     # Beats carry the watchdog's step and phase; the watchdog asks liveness whether a peer in a
     # gate excuses a slow step.
     liveness = Liveness(
@@ -80,59 +137,85 @@ def run(cfg: RunConfig, early_signals: StopSignals | None = None) -> int:
         silent_s=cfg.silent_timeout,
         step=lambda: watchdog.step,
         phase=lambda: watchdog.phase_name,
-        last_words=last_words,
+        last_words=b.last_words,
     )
-    watchdog.start(excuse=liveness.excuse)
+    watchdog.excuse = liveness.excuse
+    recovering = (
+        watchdog.phase("in-place recovery", cfg.replace_timeout, "--replace-timeout")
+        if in_place
+        else contextlib.nullcontext()
+    )
     try:
-        t_init = time.monotonic()
-        groups = edist.init_process_groups(
-            env,
-            device,
-            init_timeout=cfg.init_timeout,
-            collective_timeout=cfg.collective_timeout,
-            checkpoint_timeout=cfg.checkpoint.checkpoint_timeout,
-            liveness=liveness,
-        )
-        attached = (
-            (lambda: os.getppid() == agent_pid) if env.launched_by_torchrun else (lambda: True)
-        )
-        session = CheckpointSession(
-            cfg.checkpoint,
-            env=env,
-            generation=groups.attempt.generation,
-            gate=groups.control,
-            # The default group (nccl on GPUs), on the training device: the per-step agreement must
-            # be as cheap as the step's own collectives, and time out like them.
-            agree_group=dist.group.WORLD,
-            agree_device=device,
-            watchdog=watchdog,
-            attached=attached,
-            signals=signals,
-            last_words=last_words,
-        )
+        with recovering:
+            t_init = time.monotonic()
+            groups = edist.init_process_groups(
+                env,
+                b.device,
+                # In place, the wait is for a replacement that is already imported: short.
+                init_timeout=cfg.replace_timeout if in_place else cfg.init_timeout,
+                collective_timeout=cfg.collective_timeout,
+                checkpoint_timeout=cfg.checkpoint.checkpoint_timeout,
+                liveness=liveness,
+                timeout_flag="--replace-timeout" if in_place else "--init-timeout",
+            )
+            attached = (
+                (lambda: os.getppid() == b.agent_pid)
+                if env.launched_by_torchrun
+                else (lambda: True)
+            )
+            session = CheckpointSession(
+                cfg.checkpoint,
+                env=env,
+                generation=groups.attempt.generation,
+                gate=groups.control,
+                # The default group (nccl on GPUs), on the training device: the per-step
+                # agreement must be as cheap as the step's own collectives, and time out like them.
+                agree_group=dist.group.WORLD,
+                agree_device=b.device,
+                watchdog=watchdog,
+                attached=attached,
+                signals=b.signals,
+                last_words=b.last_words,
+            )
+            epoch = membership.agree(
+                carry, died_at, group=groups.control, store=groups.store, rank=env.rank
+            )
         liveness.start()
         init_s = time.monotonic() - t_init
         logger.info(
-            "started: world size %d%s, restart %d, generation %d, device %s, init %.2fs",
+            "started: world size %d%s, restart %d, generation %d, device %s, init %.2fs%s",
             env.world_size,
-            f" (mesh {shape.describe()})" if shape else "",
+            f" (mesh {b.shape.describe()})" if b.shape else "",
             env.restart_count,
             groups.attempt.generation,
-            device,
+            b.device,
             init_s,
+            f", replacing rank(s) {epoch.replaced} in place" if epoch.in_place else "",
         )
-        session.emit_start(max_steps=cfg.max_steps, init_s=round(init_s, 4))
-        attempt = Attempt(cfg, env, task, sampler, device, groups, session, watchdog, shape)
+        session.emit_start(max_steps=cfg.max_steps, init_s=round(init_s, 4), **epoch.start_fields())
+        attempt = Attempt(cfg, env, b.task, b.sampler, b.device, groups, session, watchdog, b.shape)
+        live = None
+        if epoch.in_place:
+            mine = carry.payload if carry is not None and env.rank == epoch.source_rank else None
+            live = Live(mine, epoch.source_rank, epoch.last_committed)
         try:
-            return training.train(attempt)
+            return training.train(attempt, live)
         except Preempted:
             return EXIT_PREEMPTED
+        except PeerLost:
+            session.abandon()
+            raise
         except Exception as e:
             # Last words for the run report: why this attempt ended (it may also be a peer's death).
             session.last_words(type(e).__name__, str(e).splitlines()[0][:300])
             raise
     finally:
-        STATUS.close()  # never leave a terminal on a half-drawn line
         liveness.stop()
-        watchdog.stop()
-        edist.shutdown()
+        edist.shutdown()  # a next epoch builds its groups on a fresh store prefix
+
+
+def _warm(task: Task) -> None:
+    """A spare, before it waits: pay now what a replacement's first epoch would (the first
+    optimizer's construction imports torch._dynamo: most of a start's build time)."""
+    task.make_optimizer(task.model.parameters())
+    import torch.nn.parallel  # noqa: F401  (DDP, the wrap)

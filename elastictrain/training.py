@@ -14,12 +14,16 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from elastictrain import membership
 from elastictrain.attempt import Attempt
 from elastictrain.checkpoint.api import Reason
 from elastictrain.checkpoint.checkpointer import Resumed
+from elastictrain.checkpoint.resume.live import Live
 from elastictrain.checkpoint.state import TrainState
+from elastictrain.checkpoint.state import train_state as tstate
 from elastictrain.errors import named_timeout
 from elastictrain.loop import Trainer
+from elastictrain.membership import LiveState, PeerLost
 from elastictrain.observe import stragglers
 from elastictrain.observe.events import Event, SampleLog
 from elastictrain.observe.logs import CONTEXT
@@ -31,8 +35,10 @@ from elastictrain.precision import Precision
 logger = logging.getLogger(__name__)
 
 
-def train(attempt: Attempt) -> int:
-    """Every rank: resume, train to ``--max-steps``, commit the final checkpoint; 0 when done."""
+def train(attempt: Attempt, live: Live | None = None) -> int:
+    """Every rank: resume, train to ``--max-steps``, commit the final checkpoint; 0 when done.
+    ``live``: an in-place epoch, resumed from a survivor's memory. Raises :class:`PeerLost`
+    under ``--replace-in-place`` when a peer's process died, with this rank's state."""
     cfg, env, session = attempt.cfg, attempt.env, attempt.session
     t0 = time.monotonic()
     precision = Precision(cfg.precision, attempt.device)
@@ -40,9 +46,10 @@ def train(attempt: Attempt) -> int:
     # FSDP groups, Task.state a checkpoint cannot carry) leaves the location untouched.
     state = attempt.build_state(precision)
     t1 = time.monotonic()
-    session.preflight()
+    if live is None:  # an in-place epoch's location was proven by the epoch before
+        session.preflight()
     t2 = time.monotonic()
-    resumed = session.resume(state, attempt.device)
+    resumed = session.resume(state, attempt.device, live)
     t3 = time.monotonic()
     # Where a (re)start's time goes, for the first_step event. ddp_s (DDP wrap, loader,
     # bucket priming) runs from here to the loop's start, which adds its own clock to it.
@@ -74,6 +81,10 @@ def train(attempt: Attempt) -> int:
     run = _Run(attempt, state, trainer, resumed, scalars)
     try:
         return run.loop(startup)
+    except Exception as e:
+        if not cfg.replace_in_place or state.per_rank or not membership.is_peer_loss(e):
+            raise  # a stream's per-rank position is only gathered at checkpoints: restart
+        raise PeerLost(run.carry(), e) from e
     finally:
         loader.close()
         scalars.close()
@@ -103,6 +114,15 @@ class _Run:
         )
         self.progress.last_checkpoint = self.resumed.checkpoint_step
         self.loss = torch.zeros(())
+        self.completed = self.resumed.step
+        """Steps whose optimizer step ran: what this rank's state holds if a peer dies now."""
+
+    def carry(self) -> LiveState:
+        """This rank's state for the next membership epoch, as one flat file in memory."""
+        seen = time.time()
+        payload = tstate.to_bytes(tstate.capture(self.state, step=self.completed))
+        committed = self.attempt.session.last_committed
+        return LiveState(self.completed, payload, committed, failed_seen_at=seen)
 
     def report(self, step: int, slow=None) -> None:
         """Every rank (the means are one all-reduce); rank 0 logs and records."""
@@ -133,7 +153,7 @@ class _Run:
                 "--collective-timeout", cfg.collective_timeout, f"training step {step}"
             ):
                 self.loss = trainer.step(step)
-                done = step + 1
+                done = self.completed = step + 1
                 CONTEXT.step = done
                 if self.progress.live:
                     self._checkpoints_shown()

@@ -26,6 +26,7 @@ class Tier(Name):
     DURABLE = "durable"  # the --checkpoint-dir location: survives the job
     LOCAL = "local"  # a node's copy of the replicated state, in node memory
     FAST = "fast"  # every rank's shards in its node's memory and on a buddy node
+    LIVE = "live"  # a survivor's training memory, sent to a new epoch (--replace-in-place)
 
 
 class Reason(Name):

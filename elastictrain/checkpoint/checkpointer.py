@@ -4,6 +4,7 @@ between replicated (DDP) and sharded (FSDP2) state is the run's mode (``modes``)
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -19,6 +20,7 @@ from elastictrain.checkpoint.api import MUST_COMMIT, Reason, SaveOutcome, Tier
 from elastictrain.checkpoint.modes import Mode, mode_for
 from elastictrain.checkpoint.policies import StopTheRun
 from elastictrain.checkpoint.record import Failure, SaveRecord
+from elastictrain.checkpoint.resume import live as live_resume
 from elastictrain.checkpoint.resume.report import report_resume
 from elastictrain.checkpoint.state import train_state as tstate
 from elastictrain.checkpoint.tiers.local import LocalTier
@@ -184,13 +186,21 @@ class Checkpointer:
         return self.generation
 
     # -- resume --------------------------------------------------------------------------------
-    def resume(self, state: tstate.TrainState, device: torch.device) -> Resumed:
+    def resume(
+        self, state: tstate.TrainState, device: torch.device, live: live_resume.Live | None = None
+    ) -> Resumed:
         """Rank 0 picks the latest good checkpoint; its bytes reach every rank (``resume_read``),
         its tensors mapped to ``device``. Sharded: every rank reads the byte ranges of its own new
-        shards."""
+        shards. ``live``: an in-place epoch's state comes from a survivor's memory instead."""
         self._setup(state)
         t0 = time.monotonic()
-        restored = self.mode.fetch(self, state, device)
+        if live is not None:
+            live = dataclasses.replace(live, durable_step=self._newest_durable(live.durable_step))
+            restored = live_resume.fetch(
+                live, state, device, self.group, rank=self.rank, world_size=self.world_size
+            )
+        else:
+            restored = self.mode.fetch(self, state, device)
         if restored is None:
             return self._fresh()
         payload = restored.payload
@@ -208,6 +218,18 @@ class Checkpointer:
             is_writer=self.is_writer,
         )
         return Resumed(step=step, checkpoint_step=step, extra=payload.get("extra"))
+
+    def _newest_durable(self, known: int | None) -> int | None:
+        """Every rank: the newest committed step, from storage (only a dead rank 0 knew of its
+        last background commits); ``known`` if storage cannot say now."""
+        newest = known
+        if self.is_writer:
+            try:
+                newest = max(self.store.committed_steps(), default=known)
+            except storage.StorageError as e:
+                logger.warning("newest committed step unknown (%s); assuming %s", e, known)
+        newest = edist.broadcast_int(-1 if newest is None else newest, self.group)
+        return None if newest < 0 else newest
 
     def _fresh(self) -> Resumed:
         edist.barrier(self.group)

@@ -33,6 +33,7 @@ from elastictrain import dist as edist
 from elastictrain import knobs
 from elastictrain.checkpoint.api import Reason
 from elastictrain.checkpoint.checkpointer import Checkpointer, Resumed
+from elastictrain.checkpoint.resume.live import Live
 from elastictrain.checkpoint.schedule import CheckpointSchedule
 from elastictrain.checkpoint.state.train_state import TrainState
 from elastictrain.config import CheckpointConfig
@@ -214,14 +215,16 @@ class CheckpointSession:
             )
         self._probed = True
 
-    def resume(self, state: TrainState, device: torch.device) -> Resumed:
+    def resume(self, state: TrainState, device: torch.device, live: Live | None = None) -> Resumed:
         """Load the newest checkpoint that verifies into ``state`` on every rank, its tensors
         mapped to ``device``, then claim the location for this generation, fencing out older
-        writers. A checkpoint that does not fit raises before anything is claimed or changed."""
-        if not self._probed:
+        writers. A checkpoint that does not fit raises before anything is claimed or changed.
+        ``live``: an in-place epoch's state, from a survivor's memory (the location was proven
+        by the epoch before: no preflight)."""
+        if not self._probed and live is None:
             self.preflight()
         with self.gate("resume"):
-            resumed = self._ckpt.resume(state, device)
+            resumed = self._ckpt.resume(state, device, live)
             self._ckpt.claim()
         return resumed
 
@@ -290,6 +293,18 @@ class CheckpointSession:
         stop_hasher()
         if self._ckpt.failure is not None:
             self._ckpt.raise_failure()
+
+    def abandon(self) -> None:
+        """A peer's process died (``--replace-in-place``): end this epoch's session without a
+        collective. The signal handlers stay for the next epoch's session; a background persist
+        in flight goes on and commits, or is fenced off by the next epoch's generation. The
+        node-memory tier's copy in flight (a local write, never waiting on a peer) is finished
+        and its folder let go, so the next epoch's tier can take it."""
+        self._signals = None
+        if self._ckpt.local is not None:
+            self._ckpt.local.finish()
+        if self.is_rank0:
+            self.history.close(wait_s=LAST_WORDS_WAIT_S)
 
     @contextlib.contextmanager
     def gate(self, phase: str, what: str | None = None) -> Iterator[None]:

@@ -34,6 +34,15 @@ def report_resume(
             seconds,
             origin.steps_saved(step),
         )
+    elif origin.tier is Tier.LIVE:
+        logger.info(
+            "resumed in place from rank %d's memory at step %d (%d bytes, %.2fs; nothing read "
+            "from storage)",
+            origin.source_rank,
+            step,
+            nbytes,
+            seconds,
+        )
     elif origin.tier is Tier.LOCAL:
         logger.info(
             "resumed from the local checkpoint of step %d on rank %d (%d bytes, %.2fs; "

@@ -1,0 +1,64 @@
+"""Resume from a survivor's memory (``--replace-in-place``): the state of the newest step any
+survivor completed, sent to every rank of the new membership epoch.
+
+The bytes are the survivor's state as one flat file (``checkpoint.state``: tensors and a
+weights-only skeleton, never unpickled), checked on arrival by an XXH3-128 digest the sender
+computed. Every rank loads them, the survivors too: a survivor one step behind the newest needs
+them, and one load path for all is what makes the epoch bitwise a resume at that step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import xxhash
+
+from elastictrain import dist as edist
+from elastictrain.checkpoint.api import Restored, ResumeOrigin, Tier
+from elastictrain.checkpoint.state import train_state as tstate
+from elastictrain.errors import ElasticTrainError
+
+
+class LiveStateCorruptError(ElasticTrainError, RuntimeError):
+    """The state a survivor sent did not arrive as it left: the epoch falls back to a restart."""
+
+    exit_code = 1
+
+
+@dataclass(frozen=True)
+class Live:
+    """Where an in-place epoch's state comes from."""
+
+    payload: bytes | None
+    """This rank's state, if it is the source."""
+    source: int
+    durable_step: int | None
+    """The newest step committed to the durable tier, as the survivors knew it."""
+
+
+def fetch(
+    live: Live,
+    state: tstate.TrainState,
+    device: torch.device,
+    group: dist.ProcessGroup,
+    rank: int,
+    world_size: int,
+) -> Restored:
+    """Every rank: the source's state loaded into ``state``."""
+    source, payload = live.source, live.payload
+    digest = xxhash.xxh3_128_digest(payload) if rank == source else None
+    data = edist.broadcast_bytes(payload if rank == source else None, group, src=source)
+    expected = edist.broadcast_bytes(digest, group, src=source)
+    if xxhash.xxh3_128_digest(bytes(data)) != bytes(expected):
+        raise LiveStateCorruptError(
+            f"rank {rank}: the state rank {source} sent does not match its checksum"
+        )
+    loaded = tstate.from_bytes(data, map_location=device)
+    tstate.check_compatible(state, loaded, where=f"rank {source}'s memory")
+    tstate.restore(state, loaded)
+    origin = ResumeOrigin(
+        Tier.LIVE, remote_bytes=0, durable_step=live.durable_step, source_rank=source
+    )
+    return Restored(loaded, world_size, len(data), origin)

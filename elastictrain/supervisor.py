@@ -1,0 +1,153 @@
+"""``--replace-in-place``: the process torchrun starts supervises the rank's training process and
+keeps a spare, so a training process that dies is replaced without torchrun seeing a failure.
+
+Why a supervisor: torchrun stops every worker of a node when one exits, and every other node's
+agent restarts its workers when that node re-rendezvouses (``SubprocessContext._poll`` and
+``SimpleElasticAgent._invoke_run``). No flag changes that, so the process torchrun watches must
+not exit: it is this one, which imports no torch and does nothing but wait.
+
+- It starts the training process (``python -m elastictrain`` again, role ``worker``) and a spare
+  (role ``spare``), which imports torch and builds the task, then waits on its stdin.
+- When the training process dies by a signal (SIGKILL, the OOM killer, a segfault), the spare is
+  told to go (one line on its stdin: when the death was seen), becomes the rank's training
+  process and joins the survivors' next membership epoch (``membership``), and a new spare starts.
+- Any exit the training process chose (0, a bad flag, a hang it detected, a preemption) is this
+  process's exit: today's restart-all path, with all its guarantees. So is a death once
+  ``--max-replacements`` are used up.
+- Stop signals are forwarded to the training process alone. Its children live in their own
+  process group so that torchrun's ``killpg`` reaches them once, through here.
+- If the agent dies, this process kills both children and exits 6, as a training process would.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+
+ROLE = "ELASTICTRAIN_ROLE"
+"""Environment variable naming a child's role: ``worker`` (training from the start) or ``spare``."""
+AGENT_PID = "ELASTICTRAIN_AGENT_PID"
+"""The torchrun agent's pid, for children whose parent is the supervisor (``env.read_env``)."""
+GO = "go"
+
+EXIT_ORPHANED = 6  # errors.EXIT_ORPHANED; not imported: errors is cheap but this module is leaner
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+POLL_S = 0.05  # how often the death of the training process is looked for: the detection floor
+
+logger = logging.getLogger("elastictrain.supervisor")
+
+
+def role() -> str | None:
+    """This process's role under a supervisor, or None for the process torchrun started."""
+    return os.environ.get(ROLE)
+
+
+def wait_for_go() -> float | None:
+    """A spare: block until the supervisor says go; the time the death was seen (wall clock), or
+    None when the supervisor is gone (stdin closed): the spare then just exits."""
+    line = sys.stdin.readline()
+    if not line.startswith(GO):
+        return None
+    return float(line.split()[1])
+
+
+class Supervisor:
+    def __init__(self, argv: list[str], *, max_replacements: int, rank: int) -> None:
+        self.argv, self.rank = argv, rank
+        self.max_replacements = max_replacements
+        self.replaced = 0
+        self.agent_pid = os.getppid()
+        self.stopping: signal.Signals | None = None
+        self.worker = self._start("worker")
+        self.spare = self._start("spare")
+
+    def _start(self, role_name: str) -> subprocess.Popen:
+        env = {**os.environ, ROLE: role_name, AGENT_PID: str(os.getppid())}
+        return subprocess.Popen(
+            [sys.executable, "-m", "elastictrain", *self.argv],
+            env=env,
+            stdin=subprocess.PIPE if role_name == "spare" else None,
+            process_group=0,  # torchrun's killpg reaches this process alone; it forwards
+        )
+
+    def _forward(self, sig: int, _frame) -> None:
+        self.stopping = signal.Signals(sig)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.worker.pid, sig)
+
+    def run(self) -> int:
+        for sig in FORWARDED:
+            signal.signal(sig, self._forward)
+        try:
+            return self._watch()
+        finally:
+            self._end(self.spare)
+
+    def _watch(self) -> int:
+        while True:
+            code = self.worker.poll()
+            if code is None:
+                if os.getppid() != self.agent_pid:
+                    logger.error(
+                        "rank %d: the torchrun agent (pid %d) is gone; ending the training "
+                        "process and its spare",
+                        self.rank,
+                        self.agent_pid,
+                    )
+                    self._end(self.worker)
+                    return EXIT_ORPHANED
+                time.sleep(POLL_S)
+                continue
+            if code >= 0 or self.stopping is not None:
+                return code if code >= 0 else 128 - code
+            died = signal.Signals(-code)
+            if self.replaced >= self.max_replacements:
+                logger.error(
+                    "rank %d: the training process died (%s) and --max-replacements %d are used "
+                    "up: leaving it to torchrun to restart the group",
+                    self.rank,
+                    died.name,
+                    self.max_replacements,
+                )
+                return self._die_like(died)
+            self.replaced += 1
+            logger.warning(
+                "rank %d: the training process (pid %d) died (%s); its spare (pid %d) takes "
+                "its place (replacement %d of --max-replacements %d)",
+                self.rank,
+                self.worker.pid,
+                died.name,
+                self.spare.pid,
+                self.replaced,
+                self.max_replacements,
+            )
+            try:
+                self.spare.stdin.write(f"{GO} {time.time():.6f}\n".encode())
+                self.spare.stdin.flush()
+            except (BrokenPipeError, OSError):  # the spare died too: nothing left to do here
+                return self._die_like(died)
+            self.worker, self.spare = self.spare, self._start("spare")
+
+    def _die_like(self, died: signal.Signals) -> int:
+        """End as the training process did, so torchrun's failure record names the signal."""
+        self._end(self.spare)
+        signal.signal(died, signal.SIG_DFL)
+        os.kill(os.getpid(), died)
+        return 128 + died  # only for a signal that does not end a process (never here)
+
+    @staticmethod
+    def _end(proc: subprocess.Popen) -> None:
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            proc.wait()
+
+
+def supervise(argv: list[str], *, max_replacements: int, rank: int) -> int:
+    logging.basicConfig(level=logging.INFO, format="[elastictrain supervisor] %(message)s")
+    return Supervisor(argv, max_replacements=max_replacements, rank=rank).run()
