@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None, early_signals: StopSignals | None = None
         # Expected failures: one clear line, no traceback to dig through, and a code that says which.
         code = exit_code(e)
         # A crash keeps its cause's traceback (a dataset bug is found there); the rest need none.
-        trace = e if code == EXIT_CRASH else None
+        trace = e if code == EXIT_CRASH and getattr(e, "traceback_helps", True) else None
         logger.error("FAILED (exit %d): %s: %s", code, type(e).__name__, e, exc_info=trace)
         return code
 

@@ -38,6 +38,8 @@ class ElasticTrainError(Exception):
     """Base class of every error raised by ``elastictrain``."""
 
     exit_code = EXIT_USER_ERROR
+    traceback_helps = True
+    """Whether the log shows the traceback of a crash (exit 1); False when the message is all."""
 
 
 class ConfigError(ElasticTrainError, ValueError):
@@ -234,3 +236,4 @@ class RecurringFailureError(ElasticTrainError):
     every rank stops with this error instead of replacing it forever."""
 
     exit_code = EXIT_CRASH
+    traceback_helps = False  # the dead rank's own log has the cause

@@ -160,6 +160,15 @@ class Job:
             f"no worker with rank {rank} appeared within {timeout}s; log:\n{self.log()}"
         )
 
+    def kill_training_process(self, events: str, rank: int, epoch: int) -> int:
+        """Under --replace-in-place the process torchrun started is a supervisor: SIGKILL
+        ``rank``'s training process of membership epoch ``epoch`` (0-based: the start events
+        name each epoch's processes). Its pid."""
+        starts = [e for e in read_events(events) if e["event"] == "start"]
+        pid = starts[epoch]["processes"][rank][1]
+        os.kill(pid, signal.SIGKILL)
+        return pid
+
     def wait(self, timeout: float) -> int:
         try:
             return self.proc.wait(timeout=timeout)
