@@ -237,3 +237,10 @@ class RecurringFailureError(ElasticTrainError):
 
     exit_code = EXIT_CRASH
     traceback_helps = False  # the dead rank's own log has the cause
+
+
+class LiveStateCorruptError(ElasticTrainError, RuntimeError):
+    """``--replace-in-place``: the state a survivor sent did not match its checksum on arrival;
+    the epoch ends and torchrun restarts the group from the checkpoints."""
+
+    exit_code = EXIT_CRASH

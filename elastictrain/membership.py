@@ -90,15 +90,17 @@ class Epoch:
         return self.newest_step >= 0
 
     def start_fields(self) -> dict:
-        """What the ``start`` event records of an in-place epoch."""
-        if not self.in_place:
+        """What the ``start`` event records of an epoch that replaced ranks."""
+        if not self.replaced:
             return {}
         return {
-            "began": "replaced in place",
+            # No survivor: every rank was replaced (a second death during the recovery), so the
+            # state comes from the checkpoints, as after torchrun's restart.
+            "began": "replaced in place" if self.in_place else "replaced, from the checkpoints",
             "replaced_ranks": self.replaced,
             "failed_at": self.died_at,
             "detected_s": None if self.detected_s is None else round(self.detected_s, 4),
-            "resumed_step": self.newest_step,
+            **({"resumed_step": self.newest_step} if self.in_place else {}),
         }
 
 

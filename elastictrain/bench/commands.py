@@ -56,6 +56,12 @@ def build_parser() -> argparse.ArgumentParser:
     benches["persist"].add_argument(
         "--storage-option", action="append", default=[], metavar="KEY=VALUE"
     )
+    benches["recovery"].add_argument(
+        "--in-place",
+        action="store_true",
+        help="also run the same job with --replace-in-place and kill rank 1's training process: "
+        "kill -> the survivors' next completed step, beside the restart",
+    )
     benches["persist"].add_argument(
         "--device", default="cpu", help="where the state lives: cpu, or cuda for GPU memory"
     )
@@ -159,7 +165,7 @@ def main(argv: list[str]) -> int:
     if args.bench == "sharded":
         return bench.main(args.size, args.repeats, args.json, args.checkpoint_dir, args.replicas)
     if args.bench == "recovery":
-        return bench.main(args.size, args.json)
+        return bench.main(args.size, args.json, args.in_place)
     if args.bench == "tiers":
         return bench.main(
             args.size,

@@ -55,14 +55,53 @@ def _new_worker(job: Torchrun, old: set[int]) -> int | None:
     return pid if pid is not None and pid not in old else None
 
 
-def measure_elastictrain(workdir: str, size: int) -> dict[str, Any]:
+def _job_args(ckpt: str, ev: str, size: int) -> list[str]:
     layers = max(1, round(size / (8 * 1024 * 1024)))  # weights + momentum of 1024x1024 fp32 layers
-    ckpt, ev = os.path.join(workdir, "ckpt"), os.path.join(workdir, "events.jsonl")
-    args = ["-m", "elastictrain", "--checkpoint-dir", ckpt, "--event-log", ev,
+    return ["-m", "elastictrain", "--checkpoint-dir", ckpt, "--event-log", ev,
             "--max-steps", "1000000", "--checkpoint-every-steps", "20",
             "--task-option", "hidden=1024", "--task-option", f"layers={layers}",
             "--task-option", "batch_size=32"]  # fmt: skip
-    job = Torchrun(args, os.path.join(workdir, "job.log"), child_env())
+
+
+def measure_in_place(workdir: str, size: int) -> dict[str, Any]:
+    """The same job with --replace-in-place: SIGKILL rank 1's training process once the job has
+    a checkpoint; kill -> rank 0's (a survivor's) next completed step."""
+    ckpt, ev = os.path.join(workdir, "ckpt-in-place"), os.path.join(workdir, "in-place.jsonl")
+    args = [*_job_args(ckpt, ev, size), "--replace-in-place"]
+    job = Torchrun(args, os.path.join(workdir, "in-place.log"), child_env())
+    try:
+        wait_for(
+            lambda: any(e["event"] == Event.CHECKPOINT for e in events_in(ev)),
+            180,
+            "a checkpoint",
+            job,
+        )
+        (start,) = [e for e in events_in(ev) if e["event"] == Event.START]
+        t_kill = time.time()
+        os.kill(start["processes"][1][1], signal.SIGKILL)
+        first = wait_for(
+            lambda: [e for e in events_in(ev) if e["event"] == Event.FIRST_STEP and e["time"] > t_kill],
+            120, "the survivors' next step", job,
+        )[0]  # fmt: skip
+        after = [e for e in events_in(ev) if e["time"] > t_kill]
+        epoch = next(e for e in after if e["event"] == Event.START)
+        resume = next(e for e in after if e["event"] == Event.RESUME)
+    finally:
+        job.stop()
+    return {
+        "state_bytes": resume["bytes"],
+        "detect_s": epoch["detected_s"],
+        "init_s": epoch["init_s"],
+        "load_s": first["resume_s"],
+        "first_step_s": first["ddp_s"] + first["step_s"],
+        "total_s": first["time"] - t_kill,
+        "restart_count": epoch["restart_count"],
+    }
+
+
+def measure_elastictrain(workdir: str, size: int) -> dict[str, Any]:
+    ckpt, ev = os.path.join(workdir, "ckpt"), os.path.join(workdir, "events.jsonl")
+    job = Torchrun(_job_args(ckpt, ev, size), os.path.join(workdir, "job.log"), child_env())
     try:
         wait_for(
             lambda: any(e["event"] == Event.CHECKPOINT for e in events_in(ev)),
@@ -147,16 +186,18 @@ def measure_bare(workdir: str) -> dict[str, float]:
     }
 
 
-def run(size: int) -> dict[str, Any]:
+def run(size: int, in_place: bool = False) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as workdir:
         ours = measure_elastictrain(workdir, size)
         bare = measure_bare(workdir)
+        replaced = measure_in_place(workdir, size) if in_place else None
     budget = bare["total_s"] + ours["checkpoint_bytes"] / (ours["read_gbps"] * 1e9)
     return {
         "elastictrain": ours,
         "bare_torchrun": bare,
         "target_s": 1.2 * budget,
         "ratio_to_bare_plus_read": ours["total_s"] / budget,
+        **({"in_place": replaced} if replaced else {}),
     }
 
 
@@ -185,10 +226,20 @@ def table(r: dict[str, Any]) -> str:
         f"total / (bare restart + checkpoint / read bandwidth) = "
         f"{r['ratio_to_bare_plus_read']:.2f} (target <= 1.2)"
     )
+    if "in_place" in r:
+        ip = r["in_place"]
+        lines.append(
+            f"--replace-in-place, rank 1's training process SIGKILLed: kill -> the survivors' "
+            f"next step {ip['total_s']:.3f} s (failure seen {ip['detect_s']:.3f} s, epoch init "
+            f"{ip['init_s']:.3f} s, state from a survivor {ip['load_s']:.3f} s, DDP wrap + "
+            f"step {ip['first_step_s']:.3f} s; {ip['state_bytes'] / 1e6:.1f} MB; torchrun "
+            f"restarts {ip['restart_count']}), {ours['total_s'] / ip['total_s']:.1f}x faster "
+            "than the restart above"
+        )
     return "\n".join(lines)
 
 
-def main(size: int, as_json: bool) -> int:
-    result = run(size)
+def main(size: int, as_json: bool, in_place: bool = False) -> int:
+    result = run(size, in_place)
     print(json.dumps(result, indent=1) if as_json else table(result))
     return 0

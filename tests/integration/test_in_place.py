@@ -3,6 +3,8 @@ other ranks keep their processes and their state; torchrun never sees a failure.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 import storage
@@ -24,7 +26,9 @@ def _epoch_began(n: int):
 def test_killed_training_processes_are_replaced_in_place_bitwise(launch, tmp_path):
     """Rank 1's training process SIGKILLed mid-step, then rank 0's while its background persist
     is half-written: the survivors keep their pids, torchrun restarts nothing (--max-restarts 0),
-    the torn checkpoint is never committed, and the final state equals an uninterrupted run's."""
+    and the torn checkpoint is never committed. Then both, the second during the first's
+    recovery: the epoch falls back to the checkpoints. The final state equals an uninterrupted
+    run's."""
     ref_dir = str(tmp_path / "ref")
     ref_args = toy_args(ref_dir, str(tmp_path / "ref.jsonl"), max_steps=STEPS, every=1000)
     ref = launch([*ref_args, "--task-option", "step_time=0", *TOY_ARGS], name="ref")
@@ -40,24 +44,31 @@ def test_killed_training_processes_are_replaced_in_place_bitwise(launch, tmp_pat
     wait_for_event(ev, _epoch_began(1), 60, job)
     torn = _wait_half_written(run_dir, 60, job)
     killed.append(job.kill_training_process(ev, rank=0, epoch=1))
+    # Both processes, 50 ms apart: the second dies while the first's recovery runs, so no
+    # survivor holds the state and the epoch resumes from the checkpoints.
+    wait_for_event(ev, _epoch_began(2), 60, job)
+    job.kill_training_process(ev, rank=1, epoch=2)
+    time.sleep(0.05)
+    job.kill_training_process(ev, rank=0, epoch=2)
     assert job.wait(180) == 0, job.log()[-3000:]
     assert ref.wait(120) == 0, ref.log()[-3000:]
 
     events = read_events(ev)
     starts = [e for e in events if e["event"] == Event.START]
     pids = [[pid for _, pid in e["processes"]] for e in starts]
-    assert [e["restart_count"] for e in starts] == [0, 0, 0]
-    assert [e.get("replaced_ranks") for e in starts] == [None, [1], [0]]
+    assert [e["restart_count"] for e in starts] == [0, 0, 0, 0], starts
+    assert [e.get("replaced_ranks") for e in starts] == [None, [1], [0], [0, 1]]
     # Survivors keep their processes; each replacement is a new one.
     assert pids[1][0] == pids[0][0] and pids[2][1] == pids[1][1], pids
     assert pids[1][1] not in pids[0] and pids[2][0] not in pids[1], pids
     assert killed == [pids[0][1], pids[1][0]]
     resumes = [e for e in events if e["event"] == Event.RESUME]
-    assert [e.get("tier") for e in resumes[1:]] == ["live", "live"]
-    assert all(e["remote_bytes"] == 0 for e in resumes[1:])
+    assert [e.get("tier") for e in resumes[1:]] == ["live", "live", "durable"]
+    assert resumes[1]["remote_bytes"] == resumes[2]["remote_bytes"] == 0
+    assert starts[3]["began"] == "replaced, from the checkpoints"
     # Only the step in flight is redone: each epoch resumes at the newest step a survivor held.
     progress = [e["step"] for e in events if e["event"] == Event.FIRST_STEP]
-    assert [p - 1 for p in progress[1:]] == [e["step"] for e in resumes[1:]]
+    assert [p - 1 for p in progress[1:3]] == [e["step"] for e in resumes[1:3]]
     store = storage.open_store(run_dir)
     assert torn not in store.committed_steps()
     assert events[-1]["event"] == Event.END and events[-1]["step"] == STEPS

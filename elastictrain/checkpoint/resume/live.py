@@ -18,13 +18,7 @@ import xxhash
 from elastictrain import dist as edist
 from elastictrain.checkpoint.api import Restored, ResumeOrigin, Tier
 from elastictrain.checkpoint.state import train_state as tstate
-from elastictrain.errors import ElasticTrainError
-
-
-class LiveStateCorruptError(ElasticTrainError, RuntimeError):
-    """The state a survivor sent did not arrive as it left: the epoch falls back to a restart."""
-
-    exit_code = 1
+from elastictrain.errors import LiveStateCorruptError
 
 
 @dataclass(frozen=True)
