@@ -207,8 +207,13 @@ class RunConfig:
     segfault) is replaced by the spare, which receives the state from a survivor's memory, and
     only the step in flight is redone. Anything else falls back to torchrun's restart of the
     group (docs/faults.md, "In-place recovery")."""
+    replace_wait: float = setting(0.5, metavar="SECONDS")
+    """Seconds the survivors wait for a dead rank's replacement (its spare answers within a
+    tenth of a second) before going on without it: a rank not back by then is taken for lost with
+    its node, and the others continue at the smaller world size."""
     replace_timeout: float = setting(60.0, metavar="SECONDS")
-    """Seconds the survivors wait for a replacement to join before falling back to a restart."""
+    """Seconds an in-place recovery may take once its members are known (the new process groups,
+    the state from a survivor); past it, torchrun restarts the group."""
     max_replacements: int = setting(3, metavar="N")
     """Replacements each rank's supervisor makes; past them a death restarts the group."""
     sample_log: str | None = setting(None, metavar="DIR")
@@ -246,10 +251,14 @@ class RunConfig:
                 f"--parallel {self.parallel} a dead rank's shards are in no survivor's memory. "
                 "Drop --replace-in-place (a death then restarts the group from the checkpoints)."
             )
-        if not _positive(self.replace_timeout) or self.max_replacements < 0:
+        if not (_positive(self.replace_timeout) and _positive(self.replace_wait)):
             raise ConfigError(
-                f"--replace-timeout must be > 0 and --max-replacements 0 or more, got "
-                f"{self.replace_timeout!r} and {self.max_replacements!r}."
+                f"--replace-wait and --replace-timeout must be > 0, got {self.replace_wait!r} and "
+                f"{self.replace_timeout!r}."
+            )
+        if self.max_replacements < 0:
+            raise ConfigError(
+                f"--max-replacements must be 0 or more, got {self.max_replacements!r}."
             )
         if not _positive(self.log_every_seconds):
             raise ConfigError(f"--log-every-seconds must be > 0, got {self.log_every_seconds!r}.")

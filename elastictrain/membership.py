@@ -12,14 +12,18 @@ come from the survivor holding the newest step (``checkpoint.resume.live``).
 
 from __future__ import annotations
 
+import json
 import logging
 import re
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch.distributed as dist
 
 from elastictrain import dist as edist
-from elastictrain.errors import RecurringFailureError
+from elastictrain.errors import InitTimeoutError, RecurringFailureError
+from elastictrain.handshake import ATTEMPT_KEY
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +47,10 @@ class LiveState:
     last_committed: int | None
     failed_seen_at: float
     """Wall-clock time this rank saw the failure."""
+    nonce: str = ""
+    """The failed epoch's attempt nonce: where its members meet again (:func:`regroup`)."""
+    members: list[int] = field(default_factory=list)
+    """The failed epoch's members, by torchrun rank (its ranks in order)."""
 
 
 class PeerLost(Exception):
@@ -69,6 +77,63 @@ def _chain(error: BaseException | None):
         error = error.__cause__ or error.__context__
 
 
+_POLL_S = 0.01
+
+
+def regroup(
+    store: dist.Store, carry: LiveState, me: int, *, wait_s: float, timeout_s: float
+) -> list[int]:
+    """A survivor (torchrun rank ``me``): the next epoch's members, by torchrun rank.
+
+    Every member of the failed epoch that is back within ``wait_s`` (a survivor, or a dead
+    rank's replacement, which a supervisor sends within a tenth of a second) is in; a member
+    that is not (its whole node is gone) is dropped, and the epoch continues at the smaller world
+    size. One survivor decides (the first to claim it), every other rank reads the decision, so
+    all agree even when a replacement arrives at the deadline. One store request per poll: the
+    count, never W checks, except the decider's one look at who came.
+    """
+    nonce, members = carry.nonce, carry.members
+    _count_in(store, nonce, me)
+    deadline = time.monotonic() + wait_s
+    while store.add(f"{nonce}/back", 0) < len(members) and time.monotonic() < deadline:
+        time.sleep(_POLL_S)
+    if store.compare_set(f"{nonce}/decider", "", str(me)).decode() == str(me):
+        back = [m for m in members if store.check([f"{nonce}/back/{m}"])]
+        store.compare_set(f"{nonce}/members", "", json.dumps(back))
+    return _decision(store, nonce, me, timeout_s)
+
+
+def join_as_replacement(store: dist.Store, me: int, *, timeout_s: float) -> list[int] | None:
+    """A spare told to go (torchrun rank ``me``): the next epoch's members, or None when the
+    survivors decided without it (it came too late, and the epoch went on without this rank)."""
+    nonce = store.get(ATTEMPT_KEY).decode()  # the failed epoch's: the next is made after this
+    _count_in(store, nonce, me)
+    try:
+        members = _decision(store, nonce, me, timeout_s)
+    except InitTimeoutError:  # no failed epoch waits here: this spare's rank is not needed
+        return None
+    return members if me in members else None
+
+
+def _count_in(store: dist.Store, nonce: str, me: int) -> None:
+    store.set(f"{nonce}/back/{me}", b"1")
+    store.add(f"{nonce}/back", 1)
+
+
+def _decision(store: dist.Store, nonce: str, me: int, timeout_s: float) -> list[int]:
+    original = store.timeout
+    store.set_timeout(timedelta(seconds=timeout_s))
+    try:
+        return json.loads(store.get(f"{nonce}/members"))
+    except dist.DistStoreError as e:
+        raise InitTimeoutError(
+            f"rank {me}: the survivors did not agree on the next epoch's members within "
+            f"--replace-timeout ({timeout_s:.0f}s)"
+        ) from e
+    finally:
+        store.set_timeout(original)
+
+
 @dataclass(frozen=True)
 class Epoch:
     """How this membership epoch began, agreed by every rank."""
@@ -84,19 +149,28 @@ class Epoch:
     """When the first replaced rank's death was seen (its supervisor's clock)."""
     detected_s: float | None
     """From that death to the last survivor seeing it."""
+    previous_world_size: int | None = None
+    """The failed epoch's world size (None after a fresh start or torchrun's restart)."""
 
     @property
     def in_place(self) -> bool:
+        """Some rank survived with its state: it comes from memory, not the checkpoints."""
         return self.newest_step >= 0
 
     def start_fields(self) -> dict:
         """What the ``start`` event records of an epoch that replaced ranks."""
-        if not self.replaced:
+        if not self.replaced and not self.in_place:
             return {}
-        return {
+        if not self.in_place:
             # No survivor: every rank was replaced (a second death during the recovery), so the
             # state comes from the checkpoints, as after torchrun's restart.
-            "began": "replaced in place" if self.in_place else "replaced, from the checkpoints",
+            began = "replaced, from the checkpoints"
+        elif self.replaced:
+            began = "replaced in place"
+        else:
+            began = "shrunk in place"
+        return {
+            "began": began,
             "replaced_ranks": self.replaced,
             "failed_at": self.died_at,
             "detected_s": None if self.detected_s is None else round(self.detected_s, 4),
@@ -121,16 +195,17 @@ def agree(
         carry.last_committed if carry else None,
         carry.failed_seen_at if carry else None,
         died_at,
+        len(carry.members) if carry else 0,
     )
     everyone = edist.all_gather_object(mine, group)
-    steps = [s for s, _, _, _ in everyone]
+    steps = [s for s, _, _, _, _ in everyone]
     newest = max(steps)
-    replaced = [r for r, (_, _, _, d) in enumerate(everyone) if d is not None]
-    deaths = [d for _, _, _, d in everyone if d is not None]
-    seen = [t for _, _, t, _ in everyone if t is not None]
-    committed = [c for _, c, _, _ in everyone if c is not None]
+    replaced = [r for r, (_, _, _, d, _) in enumerate(everyone) if d is not None]
+    deaths = [d for _, _, _, d, _ in everyone if d is not None]
+    seen = [t for _, _, t, _, _ in everyone if t is not None]
+    committed = [c for _, c, _, _, _ in everyone if c is not None]
     # The earliest sign of the death: its supervisor's poll, or a survivor's failed collective.
-    died = min(deaths + seen) if deaths else None
+    died = min(deaths + seen) if deaths or seen else None
     epoch = Epoch(
         replaced=replaced,
         newest_step=newest,
@@ -138,6 +213,7 @@ def agree(
         last_committed=max(committed) if committed else None,
         died_at=died,
         detected_s=max(seen) - died if seen and died is not None else None,
+        previous_world_size=max(w for _, _, _, _, w in everyone) or None,
     )
     _refuse_recurring(epoch, group=group, store=store, rank=rank)
     return epoch

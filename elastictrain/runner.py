@@ -10,10 +10,10 @@ timed out; 6 the torchrun agent died (orphaned worker); 7 storage stayed down pa
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import time
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -27,6 +27,7 @@ from elastictrain.config import RunConfig
 from elastictrain.data import GlobalBatchSampler
 from elastictrain.env import DistEnv, read_env
 from elastictrain.errors import EXIT_PREEMPTED, Preempted
+from elastictrain.job_store import connect
 from elastictrain.liveness import Liveness
 from elastictrain.loader import check_micro_steps
 from elastictrain.membership import LiveState, PeerLost
@@ -107,7 +108,7 @@ def run(cfg: RunConfig, early_signals: StopSignals | None = None) -> int:
         edist.shutdown()
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class _Built:
     """What this process built once and keeps across membership epochs."""
 
@@ -124,10 +125,34 @@ class _Built:
 
 
 def _epoch(b: _Built, carry: LiveState | None, died_at: float | None) -> int:
-    """One membership epoch: its process groups, checkpoint session and training. ``carry``: a
-    survivor's state from the epoch before; ``died_at``: this process replaces a dead one."""
-    cfg, env, watchdog = b.cfg, b.env, b.watchdog
+    """One membership epoch: its members, process groups, checkpoint session and training.
+    ``carry``: a survivor's state from the epoch before; ``died_at``: this process replaces a
+    dead one."""
+    cfg, watchdog = b.cfg, b.watchdog
     in_place = carry is not None or died_at is not None
+
+    def recovering():
+        if not in_place:
+            return contextlib.nullcontext()
+        return watchdog.phase("in-place recovery", cfg.replace_timeout, "--replace-timeout")
+
+    t_init = time.monotonic()
+    with recovering():
+        members = _members(b, carry, died_at)
+    if b.env.rank not in members:
+        logger.warning(
+            "rank %d: the other ranks went on without this one (it was not back within "
+            "--replace-wait); this process has nothing left to do",
+            b.env.rank,
+        )
+        return 0
+    # The epoch's ranks are its members in torchrun's order: after a lost node, fewer of them.
+    env = dataclasses.replace(b.env, rank=members.index(b.env.rank), world_size=len(members))
+    data = mesh.data_ranks(b.shape, env.rank, env.world_size)
+    mesh.use(data)
+    if b.sampler is not None:
+        b.sampler.share(0, data.rank, data.size)  # the global batch over the new world size
+    check_micro_steps(b.task.batch_size, data.size, cfg.grad_accum_steps)
     # Beats carry the watchdog's step and phase; the watchdog asks liveness whether a peer in a
     # gate excuses a slow step.
     liveness = Liveness(
@@ -140,14 +165,8 @@ def _epoch(b: _Built, carry: LiveState | None, died_at: float | None) -> int:
         last_words=b.last_words,
     )
     watchdog.excuse = liveness.excuse
-    recovering = (
-        watchdog.phase("in-place recovery", cfg.replace_timeout, "--replace-timeout")
-        if in_place
-        else contextlib.nullcontext()
-    )
     try:
-        with recovering:
-            t_init = time.monotonic()
+        with recovering():
             groups = edist.init_process_groups(
                 env,
                 b.device,
@@ -182,27 +201,35 @@ def _epoch(b: _Built, carry: LiveState | None, died_at: float | None) -> int:
             )
         liveness.start()
         init_s = time.monotonic() - t_init
+        dropped = sorted(set(carry.members) - set(members)) if carry is not None else []
         logger.info(
-            "started: world size %d%s, restart %d, generation %d, device %s, init %.2fs%s",
+            "started: world size %d%s, restart %d, generation %d, device %s, init %.2fs%s%s",
             env.world_size,
             f" (mesh {b.shape.describe()})" if b.shape else "",
             env.restart_count,
             groups.attempt.generation,
             b.device,
             init_s,
-            f", replacing rank(s) {epoch.replaced} in place" if epoch.in_place else "",
+            f", replacing rank(s) {epoch.replaced} in place" if epoch.replaced else "",
+            f", without the lost rank(s) {dropped}" if dropped else "",
         )
-        session.emit_start(max_steps=cfg.max_steps, init_s=round(init_s, 4), **epoch.start_fields())
+        session.emit_start(
+            max_steps=cfg.max_steps,
+            init_s=round(init_s, 4),
+            **epoch.start_fields(),
+            **({"dropped_ranks": dropped} if dropped else {}),
+        )
         attempt = Attempt(cfg, env, b.task, b.sampler, b.device, groups, session, watchdog, b.shape)
         live = None
         if epoch.in_place:
             mine = carry.payload if carry is not None and env.rank == epoch.source_rank else None
-            live = Live(mine, epoch.source_rank, epoch.last_committed)
+            live = Live(mine, epoch.source_rank, epoch.last_committed, epoch.previous_world_size)
         try:
             return training.train(attempt, live)
         except Preempted:
             return EXIT_PREEMPTED
-        except PeerLost:
+        except PeerLost as lost:
+            lost.carry.nonce, lost.carry.members = groups.attempt.nonce, members
             session.abandon()
             raise
         except Exception as e:
@@ -212,6 +239,20 @@ def _epoch(b: _Built, carry: LiveState | None, died_at: float | None) -> int:
     finally:
         liveness.stop()
         edist.shutdown()  # a next epoch builds its groups on a fresh store prefix
+
+
+def _members(b: _Built, carry: LiveState | None, died_at: float | None) -> list[int]:
+    """The epoch's members by torchrun rank: everyone at a start; after a death, whoever is back
+    (``membership``), agreed through the job's store, which outlives every training process."""
+    cfg, me = b.cfg, b.env.rank
+    if carry is None and died_at is None:
+        return list(range(b.env.world_size))
+    store = connect(b.env, timeout_s=cfg.replace_timeout, silent_s=cfg.silent_timeout).store
+    if carry is not None:
+        return membership.regroup(
+            store, carry, me, wait_s=cfg.replace_wait, timeout_s=cfg.replace_timeout
+        )
+    return membership.join_as_replacement(store, me, timeout_s=cfg.replace_timeout) or []
 
 
 def _warm(task: Task) -> None:

@@ -4,22 +4,32 @@ other ranks keep their processes and their state; torchrun never sees a failure.
 from __future__ import annotations
 
 import time
+import uuid
 
 import pytest
 
 import storage
-from elastictrain.observe.events import Event, read_events
+from elastictrain.observe.events import Event, read_events, read_sample_log
+from tests.helpers.elastic import assert_exactly_once
 from tests.helpers.kill_during_persist import TOY, _wait_half_written
-from tests.helpers.launcher import assert_bitwise_equal, final_state, toy_args, wait_for_event
+from tests.helpers.launcher import (
+    TWO_NODES,
+    assert_bitwise_equal,
+    final_state,
+    node_env,
+    toy_args,
+    wait_for_event,
+)
+from tests.helpers.net import free_port
+from tests.helpers.restart_loop import wait_for_count
 
 STEPS = 160
 TOY_ARGS = tuple(a for opt in TOY for a in ("--task-option", opt))  # ~40 MB: a persist to aim at
 
 
-def _epoch_began(n: int):
-    """The first completed step of membership epoch ``n`` (its n-th first_step event)."""
-    seen = []
-    return lambda e: e["event"] == Event.FIRST_STEP and (seen.append(e) or len(seen) > n)
+def _wait_epoch_began(events: str, n: int, job) -> None:
+    """Until membership epoch ``n`` (0-based) completed its first step."""
+    wait_for_count(events, Event.FIRST_STEP, n + 1, 90, job)
 
 
 @pytest.mark.slow
@@ -39,14 +49,18 @@ def test_killed_training_processes_are_replaced_in_place_bitwise(launch, tmp_pat
         max_restarts=0,
         name="in-place",
     )
-    wait_for_event(ev, _epoch_began(0), 120, job)
+    _wait_epoch_began(ev, 0, job)
     killed = [job.kill_training_process(ev, rank=1, epoch=0)]
-    wait_for_event(ev, _epoch_began(1), 60, job)
+    _wait_epoch_began(ev, 1, job)
     torn = _wait_half_written(run_dir, 60, job)
     killed.append(job.kill_training_process(ev, rank=0, epoch=1))
     # Both processes, 50 ms apart: the second dies while the first's recovery runs, so no
     # survivor holds the state and the epoch resumes from the checkpoints.
-    wait_for_event(ev, _epoch_began(2), 60, job)
+    _wait_epoch_began(ev, 2, job)
+    t2 = read_events(ev)[-1]["time"]
+    newest = wait_for_event(
+        ev, lambda e: e["event"] == Event.CHECKPOINT and e["time"] > t2, 90, job
+    )
     job.kill_training_process(ev, rank=1, epoch=2)
     time.sleep(0.05)
     job.kill_training_process(ev, rank=0, epoch=2)
@@ -66,6 +80,7 @@ def test_killed_training_processes_are_replaced_in_place_bitwise(launch, tmp_pat
     assert [e.get("tier") for e in resumes[1:]] == ["live", "live", "durable"]
     assert resumes[1]["remote_bytes"] == resumes[2]["remote_bytes"] == 0
     assert starts[3]["began"] == "replaced, from the checkpoints"
+    assert resumes[3]["step"] >= newest["step"]
     # Only the step in flight is redone: each epoch resumes at the newest step a survivor held.
     progress = [e["step"] for e in events if e["event"] == Event.FIRST_STEP]
     assert [p - 1 for p in progress[1:3]] == [e["step"] for e in resumes[1:3]]
@@ -92,3 +107,71 @@ def test_a_death_that_recurs_at_one_step_ends_the_job_with_a_clear_error(launch,
     # stop before training.
     assert [e["restart_count"] for e in starts] == [0, 0], starts
     assert "RecurringFailureError" in log
+
+
+@pytest.mark.slow
+def test_a_lost_node_is_dropped_in_place_and_the_job_grows_back_through_torchrun(launch, tmp_path):
+    """Two simulated nodes of one rank (examples/two_nodes.sh). Node 1 (agent, supervisor,
+    training process and spare) is SIGKILLed: node 0's training process keeps its pid and trains
+    on at world size 1 from its own memory, with no restart. Node 1 comes back: torchrun grows
+    the job, node 0 commits its current step first. Every sample trains exactly once."""
+    port, run_id = free_port(), f"inplace-{uuid.uuid4().hex[:6]}"
+    ckpt, ev, samples = str(tmp_path / "shared"), str(tmp_path / "ev.jsonl"), tmp_path / "samples"
+    run = ["--max-steps", "600", "--event-log", ev, "--checkpoint-every-steps", "40"]
+    run += ["--sample-log", str(samples), "--log-every-seconds", "0.5", "--replace-in-place"]
+    run += ["--task-option", "dataset_size=1024", "--task-option", "batch_size=32"]
+    run += ["--task-option", "step_time=0.02", "--no-local-checkpoint"]
+    nodes = []
+    for node in (0, 1):
+        (tmp_path / f"host{node}").mkdir()
+        env = node_env(node, port, run_id, ckpt)
+        home = str(tmp_path / f"host{node}")
+        nodes.append(launch(run, script=TWO_NODES, env=env, cwd=home, name=f"node{node}"))
+    wait_for_event(
+        ev, lambda e: e["event"] == Event.PROGRESS and e["world_size"] == 2 and e["step"] >= 50, 150
+    )
+    t_kill = time.time()
+    nodes[1].kill()  # the whole node: its agent and every process under it, SIGKILL
+    alone = wait_for_event(
+        ev, lambda e: e["event"] == Event.FIRST_STEP and e["time"] > t_kill, 60, nodes[0]
+    )
+    wait_for_event(
+        ev, lambda e: e["event"] == Event.CHECKPOINT and e["time"] > alone["time"], 60, nodes[0]
+    )
+    back = launch(
+        run,
+        script=TWO_NODES,
+        env=node_env(1, port, run_id, ckpt),
+        cwd=str(tmp_path / "host1"),
+        name="node1-back",
+    )
+    assert nodes[0].wait(240) == 0, nodes[0].log()[-3000:]
+    assert back.wait(60) == 0, back.log()[-3000:]
+
+    events = read_events(ev)
+    starts = [e for e in events if e["event"] == Event.START]
+    shrunk = next(e for e in starts if e["time"] > t_kill)
+    before = [e for e in starts if e["time"] < t_kill][-1]
+    assert (shrunk["began"], shrunk["world_size"], shrunk["dropped_ranks"]) == (
+        "shrunk in place",
+        1,
+        [1],
+    )
+    assert shrunk["restart_count"] == before["restart_count"]  # torchrun restarted nothing
+    assert shrunk["processes"][0][1] == before["processes"][0][1]  # node 0 kept its process
+    resume = next(e for e in events if e["event"] == Event.RESUME and e["time"] > t_kill)
+    assert (resume["tier"], resume["remote_bytes"]) == ("live", 0), resume
+    assert alone["step"] == resume["step"] + 1
+    grown = [e for e in starts if e["time"] > shrunk["time"]]
+    assert grown and grown[-1]["world_size"] == 2, grown
+    # The growth is torchrun's: new processes (its restart count moves only on failures).
+    assert grown[0]["processes"][0][1] != shrunk["processes"][0][1], grown
+    # The agent stops the shrunk group with SIGTERM for the growth: its step is committed first.
+    preempted = [e["step"] for e in events if e["event"] == Event.PREEMPTED]
+    assert preempted and preempted[-1] >= alone["step"], preempted
+    assert events[-1]["event"] == Event.END and events[-1]["step"] == 600
+    ledger = assert_exactly_once(
+        read_sample_log(str(samples)), dataset_size=1024, batch_size=32, max_steps=600
+    )
+    assert 1 in ledger["world_sizes"] and 2 in ledger["world_sizes"], ledger
+    print(f"\nnode SIGKILLed -> node 0's next step at world size 1: {alone['time'] - t_kill:.2f}s")

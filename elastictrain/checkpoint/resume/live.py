@@ -30,6 +30,8 @@ class Live:
     source: int
     durable_step: int | None
     """The newest step committed to the durable tier, as the survivors knew it."""
+    saved_world_size: int | None = None
+    """The failed epoch's world size (smaller now when a lost node's ranks were dropped)."""
 
 
 def fetch(
@@ -55,4 +57,4 @@ def fetch(
     origin = ResumeOrigin(
         Tier.LIVE, remote_bytes=0, durable_step=live.durable_step, source_rank=source
     )
-    return Restored(loaded, world_size, len(data), origin)
+    return Restored(loaded, live.saved_world_size or world_size, len(data), origin)
