@@ -80,19 +80,29 @@ def _chain(error: BaseException | None):
 _POLL_S = 0.01
 
 
-def regroup(
-    store: dist.Store, carry: LiveState, me: int, *, wait_s: float, timeout_s: float
-) -> list[int]:
-    """A survivor (torchrun rank ``me``): the next epoch's members, by torchrun rank.
+def publish(store: dist.Store, nonce: str, members: list[int]) -> None:
+    """Rank 0, as an epoch starts: its members, by torchrun rank, for a replacement to read."""
+    store.set(f"{nonce}/members-of", json.dumps(members))
 
-    Every member of the failed epoch that is back within ``wait_s`` (a survivor, or a dead
-    rank's replacement, which a supervisor sends within a tenth of a second) is in; a member
-    that is not (its whole node is gone) is dropped, and the epoch continues at the smaller world
-    size. One survivor decides (the first to claim it), every other rank reads the decision, so
-    all agree even when a replacement arrives at the deadline. One store request per poll: the
-    count, never W checks, except the decider's one look at who came.
+
+def regroup(
+    store: dist.Store,
+    nonce: str,
+    members: list[int],
+    me: int,
+    *,
+    wait_s: float,
+    timeout_s: float,
+) -> list[int]:
+    """Every rank back from the failed epoch ``nonce`` (``members``, by torchrun rank), survivor
+    or replacement: the next epoch's members.
+
+    Every member that is back within ``wait_s`` (a survivor, or a dead rank's replacement, which
+    a supervisor sends within a tenth of a second) is in; a member that is not (its whole node is
+    gone) is dropped, and the epoch continues at the smaller world size. The first rank to claim
+    it decides, every other rank reads the decision, so all agree even when a replacement arrives
+    at the deadline. One store request per poll (the count), and one look at who came.
     """
-    nonce, members = carry.nonce, carry.members
     _count_in(store, nonce, me)
     deadline = time.monotonic() + wait_s
     while store.add(f"{nonce}/back", 0) < len(members) and time.monotonic() < deadline:
@@ -100,18 +110,19 @@ def regroup(
     if store.compare_set(f"{nonce}/decider", "", str(me)).decode() == str(me):
         back = [m for m in members if store.check([f"{nonce}/back/{m}"])]
         store.compare_set(f"{nonce}/members", "", json.dumps(back))
-    return _decision(store, nonce, me, timeout_s)
+    return _get_json(store, f"{nonce}/members", me, timeout_s)
 
 
-def join_as_replacement(store: dist.Store, me: int, *, timeout_s: float) -> list[int] | None:
+def join_as_replacement(
+    store: dist.Store, me: int, *, wait_s: float, timeout_s: float
+) -> list[int] | None:
     """A spare told to go (torchrun rank ``me``): the next epoch's members, or None when the
-    survivors decided without it (it came too late, and the epoch went on without this rank)."""
+    epoch goes on without this rank (it came back too late)."""
     nonce = store.get(ATTEMPT_KEY).decode()  # the failed epoch's: the next is made after this
-    _count_in(store, nonce, me)
-    try:
-        members = _decision(store, nonce, me, timeout_s)
-    except InitTimeoutError:  # no failed epoch waits here: this spare's rank is not needed
+    members = _get_json(store, f"{nonce}/members-of", me, timeout_s)
+    if me not in members:  # that epoch already went on without this rank
         return None
+    members = regroup(store, nonce, members, me, wait_s=wait_s, timeout_s=timeout_s)
     return members if me in members else None
 
 
@@ -120,11 +131,11 @@ def _count_in(store: dist.Store, nonce: str, me: int) -> None:
     store.add(f"{nonce}/back", 1)
 
 
-def _decision(store: dist.Store, nonce: str, me: int, timeout_s: float) -> list[int]:
+def _get_json(store: dist.Store, key: str, me: int, timeout_s: float) -> list[int]:
     original = store.timeout
     store.set_timeout(timedelta(seconds=timeout_s))
     try:
-        return json.loads(store.get(f"{nonce}/members"))
+        return json.loads(store.get(key))
     except dist.DistStoreError as e:
         raise InitTimeoutError(
             f"rank {me}: the survivors did not agree on the next epoch's members within "
@@ -185,11 +196,14 @@ def agree(
     group: dist.ProcessGroup,
     store: dist.Store | None,
     rank: int,
+    members: list[int] | None = None,
+    dropped: list[int] = (),
 ) -> Epoch:
     """Every rank, at the start of every epoch: one small all-gather says who survived with what
-    and who is a replacement. Rank 0 also asks the job's store whether a failure recurs (the same
-    rank replaced at the same step before, in this job): that ends the job with a clear error on
-    every rank, since replacing it again would only repeat it."""
+    and who is a replacement. ``members``: the epoch's torchrun ranks, in its rank order;
+    ``dropped``: the failed epoch's members not back. Rank 0 also asks the job's store whether a
+    failure recurs (a process of the same torchrun rank lost at the same step before, in this
+    job): that ends the job with a clear error on every rank, since going on would repeat it."""
     mine = (
         carry.step if carry else -1,
         carry.last_committed if carry else None,
@@ -215,21 +229,23 @@ def agree(
         detected_s=max(seen) - died if seen and died is not None else None,
         previous_world_size=max(w for _, _, _, _, w in everyone) or None,
     )
-    _refuse_recurring(epoch, group=group, store=store, rank=rank)
+    members = members if members is not None else list(range(len(everyone)))
+    lost = sorted({members[r] for r in replaced} | set(dropped)) if newest >= 0 else []
+    _refuse_recurring(lost, newest, group=group, store=store, rank=rank)
     return epoch
 
 
 def _refuse_recurring(
-    epoch: Epoch, *, group: dist.ProcessGroup, store: dist.Store | None, rank: int
+    lost: list[int], step: int, *, group: dist.ProcessGroup, store: dist.Store | None, rank: int
 ) -> None:
     verdict = ""
     if rank == 0 and store is not None:
         if store.check([RECURRING_KEY]):
             verdict = store.get(RECURRING_KEY).decode()
-        for r in epoch.replaced if epoch.in_place else ():
-            if store.add(f"elastictrain/replaced/rank-{r}/step-{epoch.newest_step}", 1) > 1:
+        for r in lost:
+            if store.add(f"elastictrain/lost/rank-{r}/step-{step}", 1) > 1:
                 verdict = (
-                    f"rank {r}'s training process died twice at step {epoch.newest_step} "
+                    f"rank {r}'s training process died twice at step {step} "
                     "(a failure that recurs there: a bad sample, a kernel or driver fault, a "
                     "memory limit): replacing it again would only repeat it. See that rank's log "
                     "for how it died, fix the cause, and relaunch"

@@ -26,7 +26,7 @@ from elastictrain.checkpoint.session import CheckpointSession, install_stop_sign
 from elastictrain.config import RunConfig
 from elastictrain.data import GlobalBatchSampler
 from elastictrain.env import DistEnv, read_env
-from elastictrain.errors import EXIT_PREEMPTED, Preempted
+from elastictrain.errors import EXIT_INIT_TIMEOUT, EXIT_PREEMPTED, Preempted
 from elastictrain.job_store import connect
 from elastictrain.liveness import Liveness
 from elastictrain.loader import check_micro_steps
@@ -140,12 +140,16 @@ def _epoch(b: _Built, carry: LiveState | None, died_at: float | None) -> int:
     with recovering():
         members = _members(b, carry, died_at)
     if b.env.rank not in members:
-        logger.warning(
-            "rank %d: the other ranks went on without this one (it was not back within "
-            "--replace-wait); this process has nothing left to do",
+        # This rank's node is alive (this process runs), only its replacement was late (its
+        # spare was still starting): torchrun's restart brings the job back to full size, the
+        # others committing their step first (they stop as on a preemption).
+        logger.error(
+            "rank %d: the other ranks went on without this one (its replacement was not back "
+            "within --replace-wait); exiting %d so torchrun restarts the group at full size",
             b.env.rank,
+            EXIT_INIT_TIMEOUT,
         )
-        return 0
+        return EXIT_INIT_TIMEOUT
     # The epoch's ranks are its members in torchrun's order: after a lost node, fewer of them.
     env = dataclasses.replace(b.env, rank=members.index(b.env.rank), world_size=len(members))
     data = mesh.data_ranks(b.shape, env.rank, env.world_size)
@@ -196,12 +200,20 @@ def _epoch(b: _Built, carry: LiveState | None, died_at: float | None) -> int:
                 signals=b.signals,
                 last_words=b.last_words,
             )
+            if env.rank == 0 and groups.store is not None and cfg.replace_in_place:
+                membership.publish(groups.store, groups.attempt.nonce, members)
+            dropped = sorted(set(carry.members) - set(members)) if carry is not None else []
             epoch = membership.agree(
-                carry, died_at, group=groups.control, store=groups.store, rank=env.rank
+                carry,
+                died_at,
+                group=groups.control,
+                store=groups.store,
+                rank=env.rank,
+                members=members,
+                dropped=dropped,
             )
         liveness.start()
         init_s = time.monotonic() - t_init
-        dropped = sorted(set(carry.members) - set(members)) if carry is not None else []
         logger.info(
             "started: world size %d%s, restart %d, generation %d, device %s, init %.2fs%s%s",
             env.world_size,
@@ -248,11 +260,10 @@ def _members(b: _Built, carry: LiveState | None, died_at: float | None) -> list[
     if carry is None and died_at is None:
         return list(range(b.env.world_size))
     store = connect(b.env, timeout_s=cfg.replace_timeout, silent_s=cfg.silent_timeout).store
+    times = {"wait_s": cfg.replace_wait, "timeout_s": cfg.replace_timeout}
     if carry is not None:
-        return membership.regroup(
-            store, carry, me, wait_s=cfg.replace_wait, timeout_s=cfg.replace_timeout
-        )
-    return membership.join_as_replacement(store, me, timeout_s=cfg.replace_timeout) or []
+        return membership.regroup(store, carry.nonce, carry.members, me, **times)
+    return membership.join_as_replacement(store, me, **times) or []
 
 
 def _warm(task: Task) -> None:

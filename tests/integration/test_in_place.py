@@ -43,10 +43,14 @@ def test_killed_training_processes_are_replaced_in_place_bitwise(launch, tmp_pat
     ref_args = toy_args(ref_dir, str(tmp_path / "ref.jsonl"), max_steps=STEPS, every=1000)
     ref = launch([*ref_args, "--task-option", "step_time=0", *TOY_ARGS], name="ref")
     run_dir, ev = str(tmp_path / "run"), str(tmp_path / "run.jsonl")
-    extra = ("--replace-in-place", "--no-local-checkpoint", "--keep-last", "2", *TOY_ARGS)
+    # A replacement whose spare is still importing (this machine is loaded) is waited for: the
+    # default --replace-wait (0.5 s) would drop its rank and restart (the lost-node test below).
+    extra = ("--replace-in-place", "--replace-wait", "10", "--no-local-checkpoint", *TOY_ARGS)
     job = launch(
-        toy_args(run_dir, ev, max_steps=STEPS, every=10, step_time=0, extra=extra),
-        max_restarts=0,
+        toy_args(
+            run_dir, ev, max_steps=STEPS, every=10, step_time=0, extra=(*extra, "--keep-last", "2")
+        ),
+        max_restarts=1,  # the fallback, if the double kill lands inside the handshake
         name="in-place",
     )
     _wait_epoch_began(ev, 0, job)
@@ -70,17 +74,20 @@ def test_killed_training_processes_are_replaced_in_place_bitwise(launch, tmp_pat
     events = read_events(ev)
     starts = [e for e in events if e["event"] == Event.START]
     pids = [[pid for _, pid in e["processes"]] for e in starts]
-    assert [e["restart_count"] for e in starts] == [0, 0, 0, 0], starts
-    assert [e.get("replaced_ranks") for e in starts] == [None, [1], [0], [0, 1]]
+    assert [e["restart_count"] for e in starts[:3]] == [0, 0, 0], starts
+    assert [e.get("replaced_ranks") for e in starts[:3]] == [None, [1], [0]]
     # Survivors keep their processes; each replacement is a new one.
     assert pids[1][0] == pids[0][0] and pids[2][1] == pids[1][1], pids
     assert pids[1][1] not in pids[0] and pids[2][0] not in pids[1], pids
     assert killed == [pids[0][1], pids[1][0]]
     resumes = [e for e in events if e["event"] == Event.RESUME]
-    assert [e.get("tier") for e in resumes[1:]] == ["live", "live", "durable"]
+    assert [e.get("tier") for e in resumes[1:3]] == ["live", "live"]
     assert resumes[1]["remote_bytes"] == resumes[2]["remote_bytes"] == 0
-    assert starts[3]["began"] == "replaced, from the checkpoints"
-    assert resumes[3]["step"] >= newest["step"]
+    # The double kill: both replaced in place, or (a death inside the new epoch's handshake)
+    # torchrun's restart; either way no survivor holds the state, which comes from the checkpoints.
+    last = starts[-1]
+    assert last.get("began") == "replaced, from the checkpoints" or last["restart_count"] == 1
+    assert resumes[-1]["tier"] == "durable" and resumes[-1]["step"] >= newest["step"]
     # Only the step in flight is redone: each epoch resumes at the newest step a survivor held.
     progress = [e["step"] for e in events if e["event"] == Event.FIRST_STEP]
     assert [p - 1 for p in progress[1:3]] == [e["step"] for e in resumes[1:3]]
