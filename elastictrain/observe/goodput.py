@@ -9,6 +9,9 @@ From the attempts ``timeline`` builds (each ``start`` event begins one):
   SIGKILLed process says nothing, so this is what the survivors saw; none when no rank spoke);
 - **restart**: from there to the next attempt's start event (torchrun stopping and respawning the
   workers, Python and torch imports, the rendezvous);
+- **replacement**: an in-place epoch (``--replace-in-place``), from the last survivor seeing the
+  failure to the epoch's start event (the members agreed, the new process groups); its detection
+  is its own record's (``detected_s``), and its start-up includes the state from a survivor;
 - **redone steps**: steps the next attempt trained again (from its resume step to the highest step
   the failed one reported), at the failed attempt's own step time;
 - **checkpoint blocking**: the training time each committed checkpoint held the loop
@@ -28,7 +31,7 @@ from dataclasses import dataclass, field
 from elastictrain.observe.history import merge_lines
 from elastictrain.observe.timeline import Attempt, Timeline, build_timeline
 
-CAUSES = ("start-up", "detection", "restart", "redone steps", "checkpoint blocking")
+CAUSES = ("start-up", "detection", "replacement", "restart", "redone steps", "checkpoint blocking")
 
 
 @dataclass(frozen=True)
@@ -74,13 +77,19 @@ def goodput(timeline: Timeline, until: float | None = None) -> Goodput:
             lost["start-up"] += a.trained_at - a.start
         lost["checkpoint blocking"] += sum(float(c.get("blocked_s") or 0) for c in a.checkpoints)
     for a, nxt in timeline.restarts:
+        redone = a.last_step - nxt.resumed_step if nxt.resumed else 0
+        lost["redone steps"] += max(0, redone) * _step_s(a)
+        if nxt.in_place is not None and nxt.in_place.get("failed_at"):
+            # The epoch's own record: when the death was first seen, and by the last survivor.
+            failed, detected = float(nxt.in_place["failed_at"]), nxt.in_place.get("detected_s")
+            lost["detection"] += max(0.0, detected or 0.0)
+            lost["replacement"] += max(0.0, nxt.start - failed - (detected or 0.0))
+            continue
         last_step_at = a.points[-1][0] if a.points else a.start
         spoke = [float(w["time"]) for w in a.last_words.values() if "time" in w]
         seen = min([t for t in spoke if t >= last_step_at], default=last_step_at)
         lost["detection"] += max(0.0, seen - last_step_at)
         lost["restart"] += max(0.0, nxt.start - seen)
-        redone = a.last_step - nxt.resumed_step if nxt.resumed else 0
-        lost["redone steps"] += max(0, redone) * _step_s(a)
     return Goodput(max(0.0, end - attempts[0].start), lost)
 
 

@@ -19,6 +19,7 @@ _CAUSE_COLOURS = {
     Outcome.HANG: "tab:purple",
     Outcome.PREEMPTION: "tab:orange",
     Outcome.MEMBERSHIP: "tab:brown",
+    Outcome.LOST: "tab:green",  # in place: the others kept training
 }
 
 
@@ -63,8 +64,9 @@ def draw(timeline: Timeline, title: str) -> Figure:
         # word of one attempt to the first trained step of the next.
         colour = _CAUSE_COLOURS.get(prev.outcome, "grey")
         back = (nxt.trained_at or nxt.start) - t0
+        style = ":" if nxt.in_place is not None else "--"  # dotted: recovered in place
         for ax in (steps, ckpt, world):
-            ax.axvline(nxt.start - t0, color=colour, ls="--", lw=1)
+            ax.axvline(nxt.start - t0, color=colour, ls=style, lw=1)
             if prev.end is not None:
                 ax.axvspan(prev.end - t0, back, color="grey", alpha=0.15, lw=0)
         steps.annotate(
@@ -77,7 +79,7 @@ def draw(timeline: Timeline, title: str) -> Figure:
             rotation=90,
             va="bottom",
         )
-        loss.axvline(nxt.resumed_step, color=colour, ls="--", lw=1)
+        loss.axvline(nxt.resumed_step, color=colour, ls=style, lw=1)
     if timeline.max_steps:
         steps.axhline(timeline.max_steps, color="black", lw=0.5, ls=":")
     steps.set(ylabel="completed steps", title=f"{title}: steps over time (v = checkpoint)")
@@ -115,7 +117,7 @@ def draw(timeline: Timeline, title: str) -> Figure:
     loss.set(
         xlabel="step",
         ylabel="loss (mean over ranks)",
-        title="loss across restarts (dashed: resume)",
+        title="loss across restarts (dashed: resume after a restart; dotted: in place)",
     )
     if not any(a.losses for a in timeline.attempts):
         # Library mode logs checkpoints, not progress: say so rather than draw an empty frame.

@@ -20,6 +20,7 @@ class Outcome(Name):
     SILENT = "silent peer"
     MEMBERSHIP = "membership change"
     KILL = "kill"
+    LOST = "process lost, recovered in place"  # --replace-in-place: the others kept training
     RUNNING = "running or killed"
     STOPPED = "stopped"
 
@@ -60,7 +61,19 @@ class Attempt:
     """Each rank's training process, [host, pid], from the ``start`` event."""
     began: str = "fresh start"
     """How this membership epoch began: a fresh start, a restart through torchrun, a relaunch
-    (a new torchrun, a scheduler's requeue), or a shrink or growth of the world size."""
+    (a new torchrun, a scheduler's requeue), a shrink or growth of the world size, or in place
+    (``--replace-in-place``: a replacement, a lost node dropped)."""
+    in_place: dict[str, Any] | None = None
+    """An in-place epoch's start fields: began, replaced_ranks, dropped_ranks (torchrun ranks),
+    failed_at (the earliest sign of the death), detected_s."""
+
+    @property
+    def stall_s(self) -> float | None:
+        """An in-place epoch: from the failure to its first completed step (what the survivors
+        stood still)."""
+        if self.in_place is None or self.trained_at is None or not self.in_place.get("failed_at"):
+            return None
+        return self.trained_at - float(self.in_place["failed_at"])
 
     @property
     def last_step(self) -> int:
@@ -95,6 +108,7 @@ def build_timeline(events: list[dict[str, Any]]) -> Timeline:
                     restart_count=int(e.get("restart_count", 0)),
                     generation=int(e.get("generation", 0)),
                     processes=e.get("processes"),
+                    in_place=_in_place_fields(e),
                 )
             )
             max_steps = e.get("max_steps", max_steps)
@@ -147,7 +161,10 @@ def build_timeline(events: list[dict[str, Any]]) -> Timeline:
                 a.detail = f"{who} died without a word; {a.detail}"
     for a, nxt in zip(attempts, attempts[1:], strict=False):
         nxt.began = _began(a, nxt)
-        if nxt.world_size != a.world_size:
+        if nxt.in_place is not None and a.outcome == Outcome.RUNNING:
+            # The others kept their processes: one died (or a node did), the epoch went on.
+            a.outcome, a.detail = Outcome.LOST, nxt.began
+        elif nxt.world_size != a.world_size:
             # A node left or joined: the agents re-rendezvoused at another size. Whatever rank 0
             # saw (SIGTERM from its agent, a dead peer) was the symptom of that.
             a.detail = f"world size {a.world_size} -> {nxt.world_size}; {a.outcome} {a.detail}"
@@ -161,7 +178,18 @@ def build_timeline(events: list[dict[str, Any]]) -> Timeline:
     return Timeline(attempts, attempts[0].start if attempts else 0.0, max_steps)
 
 
+def _in_place_fields(start: dict[str, Any]) -> dict[str, Any] | None:
+    keys = ("began", "replaced_ranks", "dropped_ranks", "failed_at", "detected_s")
+    return {k: start.get(k) for k in keys} if start.get("began") else None
+
+
 def _began(before: Attempt, a: Attempt) -> str:
+    if a.in_place is not None:
+        ranks = a.in_place.get("replaced_ranks") or a.in_place.get("dropped_ranks") or []
+        size = (
+            f", {before.world_size} -> {a.world_size}" if a.world_size != before.world_size else ""
+        )
+        return f"{a.in_place['began']}: rank {', '.join(map(str, ranks))}{size}"
     if a.world_size != before.world_size:
         grew = "grown" if a.world_size > before.world_size else "shrunk"
         return f"{grew} {before.world_size} -> {a.world_size}"
@@ -202,8 +230,9 @@ def summary(timeline: Timeline) -> str:
         if a.evals:
             step, metrics = a.evals[-1]
             extras += f", eval at {step}: " + " ".join(f"{k} {v:.4g}" for k, v in metrics.items())
+        stall = f"; stall {a.stall_s:.2f}s" if a.stall_s is not None else ""
         lines.append(
-            f"attempt {a.index} ({a.began}) at +{a.start - timeline.t0:.1f}s: "
+            f"attempt {a.index} ({a.began}{stall}) at +{a.start - timeline.t0:.1f}s: "
             f"world size {a.world_size}, "
             f"{f'steps {a.resumed_step}->{a.last_step}' if a.resumed else 'ended before resuming'}"
             f"{f' (from the {a.resumed_from})' if a.resumed_from else ''}"

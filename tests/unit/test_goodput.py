@@ -7,7 +7,7 @@ import pytest
 
 from elastictrain.observe.events import Event
 from elastictrain.observe.goodput import goodput
-from elastictrain.observe.timeline import build_timeline
+from elastictrain.observe.timeline import Outcome, build_timeline, summary
 
 
 def _history() -> list[dict]:
@@ -37,6 +37,7 @@ def test_lost_time_by_cause_and_the_effective_ratio_from_one_kill_and_restart():
         {
             "start-up": 2.0 + 1.0,  # each start event to its first completed step
             "detection": 0.5,  # the last step event (5.0) to rank 0's last words (5.5)
+            "replacement": 0.0,  # no in-place epoch
             "restart": 2.5,  # to the next start event
             "redone steps": 1.0,  # steps 21-30 again, at attempt 0's 0.1 s a step
             "checkpoint blocking": 0.3,
@@ -59,3 +60,33 @@ def test_an_uninterrupted_run_loses_only_its_start_up_and_checkpoints():
         0.0,
     )
     assert g.ratio == pytest.approx((6.0 - 2.0 - 0.1) / 6.0)
+
+
+def test_an_in_place_recovery_is_its_own_cause_from_its_own_record():
+    """--replace-in-place: rank 1's process dies at 5.0 (its record's failed_at), the last
+    survivor sees it 0.05 s later, the epoch starts at 5.2 at the step in flight and trains again
+    at 5.4. Its time is a replacement, not a restart, and the report says how it began."""
+    events = [e for e in _history() if e["time"] < 5.2 and e["event"] != Event.EXIT] + [
+        {
+            "event": Event.START,
+            "time": 5.2,
+            "world_size": 2,
+            "began": "replaced in place",
+            "replaced_ranks": [1],
+            "failed_at": 5.0,
+            "detected_s": 0.05,
+        },
+        {"event": Event.RESUME, "time": 5.3, "step": 30, "tier": "live"},
+        {"event": Event.FIRST_STEP, "time": 5.4, "step": 31},
+        {"event": Event.END, "time": 12.4, "step": 100},
+    ]
+    timeline = build_timeline(events)
+    g = goodput(timeline)
+    assert (g.lost_s["detection"], g.lost_s["replacement"], g.lost_s["restart"]) == pytest.approx(
+        (0.05, 0.15, 0.0)
+    )
+    assert g.lost_s["redone steps"] == 0.0  # the step in flight only: it never completed
+    first, second = timeline.attempts
+    assert first.outcome == Outcome.LOST and second.began == "replaced in place: rank 1"
+    assert second.stall_s == pytest.approx(0.4)
+    assert "(replaced in place: rank 1; stall 0.40s)" in summary(timeline)

@@ -1,0 +1,68 @@
+"""elastictrain.membership: who is in the next epoch after a death, agreed through a real
+TCPStore, and which errors mean a peer's process is gone."""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from elastictrain.handshake import ATTEMPT_KEY
+from elastictrain.membership import is_peer_loss, join_as_replacement, publish, regroup
+
+
+def _store() -> dist.TCPStore:
+    return dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=10))
+
+
+def _client(server: dist.TCPStore) -> dist.TCPStore:
+    return dist.TCPStore("127.0.0.1", server.port, None, False, timedelta(seconds=10))
+
+
+def _back(server, nonce, members, ranks, results, *, wait_s=0.3, late=()):
+    def one(r):
+        if r in late:
+            time.sleep(wait_s + 0.5)
+            results[r] = join_as_replacement(_client(server), r, wait_s=wait_s, timeout_s=5)
+            return
+        results[r] = regroup(_client(server), nonce, members, r, wait_s=wait_s, timeout_s=5)
+
+    threads = [threading.Thread(target=one, args=(r,)) for r in ranks]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+
+
+def test_everyone_back_decides_at_once_without_waiting():
+    server = _store()
+    server.set(ATTEMPT_KEY, "n1")
+    publish(server, "n1", [0, 1, 2])
+    results: dict = {}
+    t0 = time.monotonic()
+    _back(server, "n1", [0, 1, 2], [0, 1, 2], results, wait_s=5.0)
+    assert time.monotonic() - t0 < 2.0  # not the 5 s wait: the count was full
+    assert results == {0: [0, 1, 2], 1: [0, 1, 2], 2: [0, 1, 2]}
+
+
+def test_a_member_not_back_within_the_wait_is_dropped_and_a_late_one_learns_it():
+    """Rank 2's node is gone (never back); rank 3's replacement comes after the decision: both are
+    out, every rank that is back agrees on the same members, the late one gets None."""
+    server = _store()
+    server.set(ATTEMPT_KEY, "n2")
+    publish(server, "n2", [0, 1, 2, 3])
+    results: dict = {}
+    _back(server, "n2", [0, 1, 2, 3], [0, 1, 3], results, late=(3,))
+    assert results == {0: [0, 1], 1: [0, 1], 3: None}
+
+
+def test_peer_loss_is_told_from_this_ranks_own_errors():
+    gone = RuntimeError("[pair.cc:537] Read error [127.0.0.1]:1: Connection reset by peer. ...")
+    assert is_peer_loss(gone)
+    wrapped = ValueError("step failed")
+    wrapped.__cause__ = gone
+    assert is_peer_loss(wrapped)
+    assert not is_peer_loss(RuntimeError("CUDA out of memory"))
+    assert not is_peer_loss(ValueError("bad batch"))
