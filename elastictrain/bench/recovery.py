@@ -79,11 +79,18 @@ def measure_in_place(workdir: str, size: int) -> dict[str, Any]:
         (start,) = [e for e in events_in(ev) if e["event"] == Event.START]
         t_kill = time.time()
         os.kill(start["processes"][1][1], signal.SIGKILL)
-        first = wait_for(
-            lambda: [e for e in events_in(ev) if e["event"] == Event.FIRST_STEP and e["time"] > t_kill],
-            120, "the survivors' next step", job,
-        )[0]  # fmt: skip
-        after = [e for e in events_in(ev) if e["time"] > t_kill]
+
+        def since_kill() -> list[dict[str, Any]]:
+            return [e for e in events_in(ev) if e["time"] > t_kill]
+
+        wait_for(
+            lambda: any(e["event"] == Event.FIRST_STEP for e in since_kill()),
+            120,
+            "the survivors' next step",
+            job,
+        )
+        after = since_kill()
+        first = next(e for e in after if e["event"] == Event.FIRST_STEP)
         epoch = next(e for e in after if e["event"] == Event.START)
         resume = next(e for e in after if e["event"] == Event.RESUME)
     finally:
