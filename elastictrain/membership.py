@@ -42,8 +42,9 @@ class LiveState:
 
     step: int
     """Completed steps its state holds (the step in flight is dropped: its optimizer never ran)."""
-    payload: bytes
-    """The state at ``step`` as a flat file (``checkpoint.state``): never unpickled."""
+    captured: dict
+    """The state at ``step``: references to this process's live tensors (``capture``), turned
+    into a flat file only on the rank that sends it (nothing touches them before it does)."""
     last_committed: int | None
     failed_seen_at: float
     """Wall-clock time this rank saw the failure."""

@@ -23,6 +23,7 @@ from elastictrain import membership, mesh, streams, supervisor, training
 from elastictrain.attempt import Attempt
 from elastictrain.checkpoint.resume.live import Live
 from elastictrain.checkpoint.session import CheckpointSession, install_stop_signals
+from elastictrain.checkpoint.state import train_state as tstate
 from elastictrain.config import RunConfig
 from elastictrain.data import GlobalBatchSampler
 from elastictrain.env import DistEnv, read_env
@@ -234,7 +235,8 @@ def _epoch(b: _Built, carry: LiveState | None, died_at: float | None) -> int:
         attempt = Attempt(cfg, env, b.task, b.sampler, b.device, groups, session, watchdog, b.shape)
         live = None
         if epoch.in_place:
-            mine = carry.payload if carry is not None and env.rank == epoch.source_rank else None
+            sends = carry is not None and env.rank == epoch.source_rank
+            mine = tstate.to_bytes(carry.captured) if sends else None
             live = Live(mine, epoch.source_rank, epoch.last_committed, epoch.previous_world_size)
         try:
             return training.train(attempt, live)

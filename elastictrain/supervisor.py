@@ -72,7 +72,9 @@ class Supervisor:
             [sys.executable, "-m", "elastictrain", *self.argv],
             env=env,
             stdin=subprocess.PIPE if role_name == "spare" else None,
-            process_group=0,  # torchrun's killpg reaches this process alone; it forwards
+            # A group of its own (Popen's process_group=0 is 3.11+): torchrun's killpg reaches
+            # this process alone, and it forwards.
+            preexec_fn=os.setpgrp,  # noqa: PLW1509 - nothing but setpgid runs before exec
         )
 
     def _forward(self, sig: int, _frame) -> None:
@@ -91,6 +93,13 @@ class Supervisor:
     def _watch(self) -> int:
         while True:
             code = self.worker.poll()
+            if code is None and self.spare.poll() is not None:  # the spare died (OOM?): anew
+                logger.warning(
+                    "rank %d: the spare exited (%s); starting another",
+                    self.rank,
+                    self.spare.returncode,
+                )
+                self.spare = self._start("spare")
             if code is None:
                 if os.getppid() != self.agent_pid:
                     logger.error(

@@ -118,11 +118,11 @@ class _Run:
         """Steps whose optimizer step ran: what this rank's state holds if a peer dies now."""
 
     def carry(self) -> LiveState:
-        """This rank's state for the next membership epoch, as one flat file in memory."""
+        """This rank's state for the next membership epoch (its live tensors, not copied)."""
         seen = time.time()
-        payload = tstate.to_bytes(tstate.capture(self.state, step=self.completed))
+        captured = tstate.capture(self.state, step=self.completed)
         committed = self.attempt.session.last_committed
-        return LiveState(self.completed, payload, committed, failed_seen_at=seen)
+        return LiveState(self.completed, captured, committed, failed_seen_at=seen)
 
     def report(self, step: int, slow=None) -> None:
         """Every rank (the means are one all-reduce); rank 0 logs and records."""
