@@ -64,6 +64,23 @@ def start_time(pid: int) -> str | None:
         return None
 
 
+def _training_process(worker: int) -> int:
+    """The process that trains for the worker torchrun started: itself, or under
+    ``--replace-in-place`` its supervisor's oldest child (the spare is always the newest)."""
+    supervised = [c for c in children(worker) if _has_role(c)]
+    if not supervised:
+        return worker
+    return min(supervised, key=lambda c: int(start_time(c) or 0))
+
+
+def _has_role(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return b"\0ELASTICTRAIN_ROLE=" in b"\0" + f.read()
+    except OSError:
+        return False
+
+
 def _zombie(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -108,7 +125,7 @@ class Chaos:
             workers = children(agent)
             if not workers:
                 return None
-            target = self.rng.choice(workers)
+            target = _training_process(self.rng.choice(workers))
             signal_all([target], signal.SIGKILL if fault == "kill-worker" else signal.SIGSTOP)
             return target
         if fault == "kill-node":

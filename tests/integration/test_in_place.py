@@ -23,7 +23,7 @@ from tests.helpers.launcher import (
 from tests.helpers.net import free_port
 from tests.helpers.restart_loop import wait_for_count
 
-STEPS = 160
+STEPS = 120
 TOY_ARGS = tuple(a for opt in TOY for a in ("--task-option", opt))  # ~40 MB: a persist to aim at
 
 
@@ -48,7 +48,7 @@ def test_killed_training_processes_are_replaced_in_place_bitwise(launch, tmp_pat
     extra = ("--replace-in-place", "--replace-wait", "10", "--no-local-checkpoint", *TOY_ARGS)
     job = launch(
         toy_args(
-            run_dir, ev, max_steps=STEPS, every=10, step_time=0, extra=(*extra, "--keep-last", "2")
+            run_dir, ev, max_steps=STEPS, every=20, step_time=0, extra=(*extra, "--keep-last", "2")
         ),
         max_restarts=1,  # the fallback, if the double kill lands inside the handshake
         name="in-place",
@@ -124,7 +124,7 @@ def test_a_lost_node_is_dropped_in_place_and_the_job_grows_back_through_torchrun
     the job, node 0 commits its current step first. Every sample trains exactly once."""
     port, run_id = free_port(), f"inplace-{uuid.uuid4().hex[:6]}"
     ckpt, ev, samples = str(tmp_path / "shared"), str(tmp_path / "ev.jsonl"), tmp_path / "samples"
-    run = ["--max-steps", "600", "--event-log", ev, "--checkpoint-every-steps", "40"]
+    run = ["--max-steps", "480", "--event-log", ev, "--checkpoint-every-steps", "40"]
     run += ["--sample-log", str(samples), "--log-every-seconds", "0.5", "--replace-in-place"]
     run += ["--task-option", "dataset_size=1024", "--task-option", "batch_size=32"]
     run += ["--task-option", "step_time=0.02", "--no-local-checkpoint"]
@@ -176,9 +176,9 @@ def test_a_lost_node_is_dropped_in_place_and_the_job_grows_back_through_torchrun
     # The agent stops the shrunk group with SIGTERM for the growth: its step is committed first.
     preempted = [e["step"] for e in events if e["event"] == Event.PREEMPTED]
     assert preempted and preempted[-1] >= alone["step"], preempted
-    assert events[-1]["event"] == Event.END and events[-1]["step"] == 600
+    assert events[-1]["event"] == Event.END and events[-1]["step"] == 480
     ledger = assert_exactly_once(
-        read_sample_log(str(samples)), dataset_size=1024, batch_size=32, max_steps=600
+        read_sample_log(str(samples)), dataset_size=1024, batch_size=32, max_steps=480
     )
     assert 1 in ledger["world_sizes"] and 2 in ledger["world_sizes"], ledger
     print(f"\nnode SIGKILLed -> node 0's next step at world size 1: {alone['time'] - t_kill:.2f}s")
