@@ -27,7 +27,7 @@ from elastictrain.checkpoint.state import train_state as tstate
 from elastictrain.config import RunConfig
 from elastictrain.data import GlobalBatchSampler
 from elastictrain.env import DistEnv, read_env
-from elastictrain.errors import EXIT_INIT_TIMEOUT, EXIT_PREEMPTED, Preempted
+from elastictrain.errors import EXIT_INIT_TIMEOUT, EXIT_PREEMPTED, ConfigError, Preempted
 from elastictrain.job_store import connect
 from elastictrain.liveness import Liveness
 from elastictrain.loader import check_micro_steps
@@ -72,6 +72,13 @@ def run(cfg: RunConfig, early_signals: StopSignals | None = None) -> int:
         sampler.share(0, data.rank, data.size)  # validates the data-parallel size against the batch
     check_micro_steps(task.batch_size, data.size, cfg.grad_accum_steps)
     device = edist.pick_device(env, task.model_devices)
+    if cfg.replace_in_place and device.type != "cpu":
+        # NCCL cannot drop a dead peer the way gloo's connection reset does: its communicators
+        # must be aborted and rebuilt, which this path does not do yet (docs/faults.md).
+        raise ConfigError(
+            f"--replace-in-place runs on CPU process groups (gloo) for now; this rank trains on "
+            f"{device}. Drop --replace-in-place: a death then restarts the group."
+        )
     died_at = None
     if supervisor.role() == "spare":
         _warm(task)

@@ -57,8 +57,16 @@ def wait_for_go() -> float | None:
 
 
 class Supervisor:
-    def __init__(self, argv: list[str], *, max_replacements: int, rank: int) -> None:
-        self.argv, self.rank = argv, rank
+    def __init__(
+        self,
+        argv: list[str],
+        *,
+        max_replacements: int,
+        rank: int,
+        program: tuple[str, ...] = ("-m", "elastictrain"),
+    ) -> None:
+        """``program``: what the children run (the runner; a test's stand-in)."""
+        self.argv, self.rank, self.program = argv, rank, program
         self.max_replacements = max_replacements
         self.replaced = 0
         self.agent_pid = os.getppid()
@@ -69,7 +77,7 @@ class Supervisor:
     def _start(self, role_name: str) -> subprocess.Popen:
         env = {**os.environ, ROLE: role_name, AGENT_PID: str(os.getppid())}
         return subprocess.Popen(
-            [sys.executable, "-m", "elastictrain", *self.argv],
+            [sys.executable, *self.program, *self.argv],
             env=env,
             stdin=subprocess.PIPE if role_name == "spare" else None,
             # A group of its own (Popen's process_group=0 is 3.11+): torchrun's killpg reaches
@@ -145,7 +153,8 @@ class Supervisor:
     def _die_like(self, died: signal.Signals) -> int:
         """End as the training process did, so torchrun's failure record names the signal."""
         self._end(self.spare)
-        signal.signal(died, signal.SIG_DFL)
+        if died not in (signal.SIGKILL, signal.SIGSTOP):  # those two have no handler to reset
+            signal.signal(died, signal.SIG_DFL)
         os.kill(os.getpid(), died)
         return 128 + died  # only for a signal that does not end a process (never here)
 

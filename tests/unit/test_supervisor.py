@@ -1,0 +1,92 @@
+"""elastictrain.supervisor with a stand-in for the training process (no torch): a child that
+dies by a signal is replaced by the spare, any exit it chose is the supervisor's own, the budget
+of replacements is kept, and a stop signal reaches the training process once."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+# The stand-in: a spare waits for "go" and records it; a training process writes its pid and
+# then does what the file named by STANDIN_DO says (sleep, or exit with a code).
+STANDIN = r"""
+import os, signal, sys, time
+d = os.environ["STANDIN_DIR"]
+if os.environ["ELASTICTRAIN_ROLE"] == "spare":
+    line = sys.stdin.readline()
+    if not line.startswith("go"):
+        sys.exit(0)
+    open(os.path.join(d, "went"), "a").write(line)
+open(os.path.join(d, f"pid-{os.getpid()}"), "w").close()
+signal.signal(signal.SIGTERM, lambda *a: sys.exit(75))
+action = open(os.path.join(d, "do")).read().strip() if os.path.exists(os.path.join(d, "do")) else "sleep"
+if action.startswith("exit"):
+    sys.exit(int(action.split()[1]))
+time.sleep(60)
+"""
+
+
+@pytest.fixture
+def standin(tmp_path):
+    script = tmp_path / "standin.py"
+    script.write_text(STANDIN)
+    return tmp_path, str(script)
+
+
+def _supervise(d, script: str, max_replacements: int) -> subprocess.Popen:
+    """A supervisor in a process of its own (it may end by its child's signal), as torchrun
+    starts it; this test is its agent."""
+    code = (
+        "import sys; from elastictrain.supervisor import Supervisor; "
+        f"sys.exit(Supervisor([], max_replacements={max_replacements}, rank=3, "
+        f"program=({script!r},)).run())"
+    )
+    env = {**os.environ, "STANDIN_DIR": str(d)}
+    return subprocess.Popen([sys.executable, "-c", code], env=env)
+
+
+def _training_pids(d) -> list[int]:
+    return sorted(int(p.name[4:]) for p in d.glob("pid-*"))
+
+
+def _wait(predicate, timeout=20.0):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def test_a_child_killed_by_a_signal_is_replaced_by_the_spare_until_the_budget_is_used(standin):
+    d, script = standin
+    sup = _supervise(d, script, max_replacements=1)
+    _wait(lambda: len(_training_pids(d)) == 1)
+    (first,) = _training_pids(d)
+    os.kill(first, signal.SIGKILL)
+    _wait(lambda: (d / "went").exists() and len(_training_pids(d)) == 2)
+    assert sup.poll() is None  # torchrun sees nothing
+    (second,) = set(_training_pids(d)) - {first}
+    os.kill(second, signal.SIGKILL)
+    # The budget is used up: it ends as its training process did, for torchrun's record.
+    assert sup.wait(20) == -signal.SIGKILL
+    assert (d / "went").read_text().count("go") == 1
+
+
+def test_an_exit_the_training_process_chose_is_passed_on(standin):
+    d, script = standin
+    (d / "do").write_text("exit 4")  # e.g. a hang it detected
+    assert _supervise(d, script, max_replacements=3).wait(20) == 4
+    assert not (d / "went").exists()
+
+
+def test_a_stop_signal_is_forwarded_to_the_training_process_once(standin):
+    d, script = standin
+    sup = _supervise(d, script, max_replacements=3)
+    _wait(lambda: len(_training_pids(d)) == 1)
+    sup.send_signal(signal.SIGTERM)
+    assert sup.wait(20) == 75  # the stand-in's preemption exit, after one SIGTERM
+    assert not (d / "went").exists()
