@@ -23,7 +23,7 @@ from tests.helpers.launcher import (
 from tests.helpers.net import free_port
 from tests.helpers.restart_loop import wait_for_count
 
-STEPS = 120
+STEPS = 140
 TOY_ARGS = tuple(a for opt in TOY for a in ("--task-option", opt))  # ~40 MB: a persist to aim at
 
 
@@ -35,21 +35,20 @@ def _wait_epoch_began(events: str, n: int, job) -> None:
 @pytest.mark.slow
 def test_killed_training_processes_are_replaced_in_place_bitwise(launch, tmp_path):
     """Rank 1's training process SIGKILLed mid-step, then rank 0's while its background persist
-    is half-written: the survivors keep their pids, torchrun restarts nothing (--max-restarts 0),
-    and the torn checkpoint is never committed. Then both, the second during the first's
-    recovery: the epoch falls back to the checkpoints. The final state equals an uninterrupted
-    run's."""
+    is half-written, then rank 0's while it writes its node's local copy: the survivors keep
+    their pids, torchrun restarts nothing, and no torn copy is ever committed. Then both, the
+    second during the first's recovery: the epoch falls back to the checkpoints. The final state
+    equals an uninterrupted run's."""
     ref_dir = str(tmp_path / "ref")
     ref_args = toy_args(ref_dir, str(tmp_path / "ref.jsonl"), max_steps=STEPS, every=1000)
     ref = launch([*ref_args, "--task-option", "step_time=0", *TOY_ARGS], name="ref")
-    run_dir, ev = str(tmp_path / "run"), str(tmp_path / "run.jsonl")
+    run_dir, ev, shm = str(tmp_path / "run"), str(tmp_path / "run.jsonl"), str(tmp_path / "shm")
     # A replacement whose spare is still importing (this machine is loaded) is waited for: the
     # default --replace-wait (0.5 s) would drop its rank and restart (the lost-node test below).
-    extra = ("--replace-in-place", "--replace-wait", "10", "--no-local-checkpoint", *TOY_ARGS)
+    extra = ["--replace-in-place", "--replace-wait", "10", "--keep-last", "2", *TOY_ARGS]
+    extra += ["--local-checkpoint-dir", shm, "--local-every-steps", "5"]
     job = launch(
-        toy_args(
-            run_dir, ev, max_steps=STEPS, every=20, step_time=0, extra=(*extra, "--keep-last", "2")
-        ),
+        toy_args(run_dir, ev, max_steps=STEPS, every=20, step_time=0, extra=tuple(extra)),
         max_restarts=1,  # the fallback, if the double kill lands inside the handshake
         name="in-place",
     )
@@ -58,41 +57,46 @@ def test_killed_training_processes_are_replaced_in_place_bitwise(launch, tmp_pat
     _wait_epoch_began(ev, 1, job)
     torn = _wait_half_written(run_dir, 60, job)
     killed.append(job.kill_training_process(ev, rank=0, epoch=1))
+    _wait_epoch_began(ev, 2, job)
+    torn_copy = _wait_half_written(shm, 60, job)
+    killed.append(job.kill_training_process(ev, rank=0, epoch=2))
+    _wait_epoch_began(ev, 3, job)
+    copies = storage.open_store(shm)
+    assert all(c.ok for c in copies.list()), copies.list()  # every committed copy verifies
+    print(f"\nkilled writing local copy {torn_copy}: committed {copies.committed_steps()}")
     # Both processes, 50 ms apart: the second dies while the first's recovery runs, so no
     # survivor holds the state and the epoch resumes from the checkpoints.
-    _wait_epoch_began(ev, 2, job)
-    t2 = read_events(ev)[-1]["time"]
+    t3 = read_events(ev)[-1]["time"]
     newest = wait_for_event(
-        ev, lambda e: e["event"] == Event.CHECKPOINT and e["time"] > t2, 90, job
+        ev, lambda e: e["event"] == Event.CHECKPOINT and e["time"] > t3, 90, job
     )
-    job.kill_training_process(ev, rank=1, epoch=2)
+    job.kill_training_process(ev, rank=1, epoch=3)
     time.sleep(0.05)
-    job.kill_training_process(ev, rank=0, epoch=2)
+    job.kill_training_process(ev, rank=0, epoch=3)
     assert job.wait(180) == 0, job.log()[-3000:]
     assert ref.wait(120) == 0, ref.log()[-3000:]
 
     events = read_events(ev)
     starts = [e for e in events if e["event"] == Event.START]
     pids = [[pid for _, pid in e["processes"]] for e in starts]
-    assert [e["restart_count"] for e in starts[:3]] == [0, 0, 0], starts
-    assert [e.get("replaced_ranks") for e in starts[:3]] == [None, [1], [0]]
+    assert [e["restart_count"] for e in starts[:4]] == [0, 0, 0, 0], starts
+    assert [e.get("replaced_ranks") for e in starts[:4]] == [None, [1], [0], [0]]
     # Survivors keep their processes; each replacement is a new one.
-    assert pids[1][0] == pids[0][0] and pids[2][1] == pids[1][1], pids
-    assert pids[1][1] not in pids[0] and pids[2][0] not in pids[1], pids
-    assert killed == [pids[0][1], pids[1][0]]
+    assert pids[1][0] == pids[0][0] and pids[2][1] == pids[1][1] == pids[3][1], pids
+    assert pids[1][1] not in pids[0] and pids[2][0] not in pids[1] and pids[3][0] not in pids[2]
+    assert killed == [pids[0][1], pids[1][0], pids[2][0]]
     resumes = [e for e in events if e["event"] == Event.RESUME]
-    assert [e.get("tier") for e in resumes[1:3]] == ["live", "live"]
-    assert resumes[1]["remote_bytes"] == resumes[2]["remote_bytes"] == 0
+    assert [e.get("tier") for e in resumes[1:4]] == ["live", "live", "live"]
+    assert all(e["remote_bytes"] == 0 for e in resumes[1:4])
     # The double kill: both replaced in place, or (a death inside the new epoch's handshake)
     # torchrun's restart; either way no survivor holds the state, which comes from the checkpoints.
     last = starts[-1]
     assert last.get("began") == "replaced, from the checkpoints" or last["restart_count"] == 1
-    assert resumes[-1]["tier"] == "durable" and resumes[-1]["step"] >= newest["step"]
+    assert resumes[-1]["tier"] in ("local", "durable") and resumes[-1]["step"] >= newest["step"]
     # Only the step in flight is redone: each epoch resumes at the newest step a survivor held.
     progress = [e["step"] for e in events if e["event"] == Event.FIRST_STEP]
-    assert [p - 1 for p in progress[1:3]] == [e["step"] for e in resumes[1:3]]
-    store = storage.open_store(run_dir)
-    assert torn not in store.committed_steps()
+    assert [p - 1 for p in progress[1:4]] == [e["step"] for e in resumes[1:4]]
+    assert torn not in storage.open_store(run_dir).committed_steps()
     assert events[-1]["event"] == Event.END and events[-1]["step"] == STEPS
     assert_bitwise_equal(final_state(run_dir), final_state(ref_dir))
 
