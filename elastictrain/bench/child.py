@@ -11,6 +11,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from elastictrain.tools.chaos import descendants
+
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -78,7 +80,9 @@ class Torchrun:
             return f.read()
 
     def stop(self) -> None:
-        for pid in [*self.workers().values(), self.proc.pid]:
+        # Every descendant: under --replace-in-place the supervisors' children are in process
+        # groups of their own, out of the agent's session group's reach.
+        for pid in [*descendants(self.proc.pid), self.proc.pid]:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         with contextlib.suppress(ProcessLookupError):
