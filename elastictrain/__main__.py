@@ -36,7 +36,12 @@ def main(argv: list[str] | None = None, early_signals: StopSignals | None = None
         if cfg.replace_in_place and "RANK" in os.environ and supervisor.role() is None:
             # The process torchrun watches: it never imports torch, and never exits on a death.
             rank = int(os.environ["RANK"])
-            return supervisor.supervise(argv, max_replacements=cfg.max_replacements, rank=rank)
+            return supervisor.supervise(
+                argv,
+                max_replacements=cfg.max_replacements,
+                rank=rank,
+                stopped_s=cfg.silent_timeout or None,
+            )
         from elastictrain.runner import run
 
         return run(cfg, early_signals)

@@ -82,7 +82,9 @@ class Liveness:
         self.interval_s, self.silent_s = interval_s, silent_s
         self._store: dist.Store | None = None
         self._step, self._phase = step, phase
-        self._on_silent = on_silent or self._exit
+        self._on_silent = on_silent or self.exit_silent
+        self.store_lost = False
+        """Set when the silence is the store's own (nothing can be agreed without it)."""
         self._clock = clock
         self._host = host or socket.gethostname()
         self._seq = 0
@@ -197,6 +199,7 @@ class Liveness:
         except Exception as e:
             quiet = self._clock() - self._last_ok
             if quiet >= self.silent_s:
+                self.store_lost = True
                 return (
                     f"{self._store_name} stopped answering for {quiet:.0f}s ({type(e).__name__}: "
                     f"{str(e).splitlines()[0][:120]}); its host is frozen or unreachable"
@@ -245,7 +248,8 @@ class Liveness:
             gated = doc.get("gated") or ([0] if _in_gate(self._seen[0]) else [])
         return f"rank(s) {gated} inside a gate" if gated else None
 
-    def _exit(self, reason: str) -> None:
+    def exit_silent(self, reason: str) -> None:
+        """The default on a silence: say so, leave last words, exit 8."""
         line = (
             f"PEER SILENT: {reason} (--silent-timeout={self.silent_s:g}s, beats every "
             f"{self.interval_s:g}s); exiting {EXIT_PEER_SILENT} so torchrun re-forms the group "

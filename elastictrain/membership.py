@@ -14,7 +14,10 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
+import socket
+import stat
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -255,3 +258,36 @@ def _refuse_recurring(
     verdict = edist.broadcast_bytes(verdict.encode() if rank == 0 else None, group).decode()
     if verdict:
         raise RecurringFailureError(verdict)
+
+
+def break_collectives(keep_port: int) -> int:
+    """Shut down every TCP connection of this process but those to the job's store (remote port
+    ``keep_port``); the number shut.
+
+    Why: a frozen peer (SIGSTOP, a wedged host) keeps its sockets open, so a gloo collective
+    waiting on it blocks until --collective-timeout, and gloo cannot abort one. Shutting the
+    connections from under it fails the collective at once, as a dead peer's reset does, so this
+    rank leaves the epoch with its state (:class:`PeerLost`) and the survivors regroup without
+    the silent rank. The epoch's groups are being given up anyway; the store is kept, since the
+    next epoch is agreed through it.
+    """
+    shut = 0
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            if not stat.S_ISSOCK(os.fstat(int(name)).st_mode):
+                continue
+            sock = socket.socket(fileno=os.dup(int(name)))
+        except OSError:
+            continue
+        with sock:
+            try:
+                tcp = sock.family in (socket.AF_INET, socket.AF_INET6)
+                if not tcp or sock.type != socket.SOCK_STREAM:
+                    continue  # a loader worker's pipe, a unix socket: not the group's
+                if sock.getpeername()[1] == keep_port:
+                    continue
+                sock.shutdown(socket.SHUT_RDWR)  # the connection itself, for every fd of it
+                shut += 1
+            except (OSError, IndexError, TypeError):  # not connected, not TCP: not gloo's
+                continue
+    return shut

@@ -26,7 +26,7 @@ from elastictrain.checkpoint.session import CheckpointSession, install_stop_sign
 from elastictrain.checkpoint.state import train_state as tstate
 from elastictrain.config import RunConfig
 from elastictrain.data import GlobalBatchSampler
-from elastictrain.env import DistEnv, read_env
+from elastictrain.env import DistEnv, read_env, rendezvous_store
 from elastictrain.errors import EXIT_INIT_TIMEOUT, EXIT_PREEMPTED, ConfigError, Preempted
 from elastictrain.job_store import connect
 from elastictrain.liveness import Liveness
@@ -82,6 +82,7 @@ def run(cfg: RunConfig, early_signals: StopSignals | None = None) -> int:
     died_at = None
     if supervisor.role() == "spare":
         _warm(task)
+        logger.info("spare for rank %d ready (pid %d): waiting to stand in", env.rank, os.getpid())
         died_at = supervisor.wait_for_go()
         if died_at is None:  # the supervisor is gone or ended the spare's wait: nothing to do
             return 0
@@ -175,6 +176,9 @@ def _epoch(b: _Built, carry: LiveState | None, died_at: float | None) -> int:
         step=lambda: watchdog.step,
         phase=lambda: watchdog.phase_name,
         last_words=b.last_words,
+        on_silent=(lambda reason: _drop_silent(liveness, reason, b.env))
+        if cfg.replace_in_place
+        else None,
     )
     watchdog.excuse = liveness.excuse
     try:
@@ -260,6 +264,24 @@ def _epoch(b: _Built, carry: LiveState | None, died_at: float | None) -> int:
     finally:
         liveness.stop()
         edist.shutdown()  # a next epoch builds its groups on a fresh store prefix
+
+
+def _drop_silent(liveness: Liveness, reason: str, env: DistEnv) -> None:
+    """--replace-in-place, a peer silent past --silent-timeout (a frozen host): fail this epoch's
+    collectives now, so the survivors regroup without it, instead of exiting 8 for a restart. A
+    silent store is still an exit: nothing can be agreed without it."""
+    if liveness.store_lost:
+        liveness.exit_silent(reason)
+        return
+    store = rendezvous_store(env)
+    shut = membership.break_collectives(store.port if store else env.master_port)
+    logger.error(
+        "PEER SILENT: %s (--silent-timeout=%gs); this epoch's %d connections shut so the others "
+        "go on without it",
+        reason,
+        liveness.silent_s,
+        shut,
+    )
 
 
 def _members(b: _Built, carry: LiveState | None, died_at: float | None) -> list[int]:

@@ -64,9 +64,12 @@ class Supervisor:
         max_replacements: int,
         rank: int,
         program: tuple[str, ...] = ("-m", "elastictrain"),
+        stopped_s: float | None = None,
     ) -> None:
-        """``program``: what the children run (the runner; a test's stand-in)."""
+        """``program``: what the children run (the runner; a test's stand-in). ``stopped_s``:
+        how long the training process may stay stopped (--silent-timeout) before it is ended."""
         self.argv, self.rank, self.program = argv, rank, program
+        self.stopped_s, self._stopped_at = stopped_s, None
         self.max_replacements = max_replacements
         self.replaced = 0
         self.agent_pid = os.getppid()
@@ -118,6 +121,7 @@ class Supervisor:
                     )
                     self._end(self.worker)
                     return EXIT_ORPHANED
+                self._end_if_stopped_too_long()
                 time.sleep(POLL_S)
                 continue
             if code >= 0 or self.stopping is not None:
@@ -150,6 +154,25 @@ class Supervisor:
                 return self._die_like(died)
             self.worker, self.spare = self.spare, self._start("spare")
 
+    def _end_if_stopped_too_long(self) -> None:
+        """A training process stopped (SIGSTOP, a debugger) past ``stopped_s``: the others have
+        gone on without it after --silent-timeout, so end it; its replacement then finds the
+        epoch went on, and exits 3 for torchrun to grow the group back."""
+        if self.stopped_s is None or _state(self.worker.pid) != "T":
+            self._stopped_at = None
+            return
+        now = time.monotonic()
+        self._stopped_at = self._stopped_at or now
+        if now - self._stopped_at > self.stopped_s:
+            logger.error(
+                "rank %d: the training process (pid %d) has been stopped for %.0fs; ending it",
+                self.rank,
+                self.worker.pid,
+                now - self._stopped_at,
+            )
+            self.worker.kill()
+            self._stopped_at = None
+
     def _die_like(self, died: signal.Signals) -> int:
         """End as the training process did, so torchrun's failure record names the signal."""
         self._end(self.spare)
@@ -166,6 +189,17 @@ class Supervisor:
             proc.wait()
 
 
-def supervise(argv: list[str], *, max_replacements: int, rank: int) -> int:
+def _state(pid: int) -> str | None:
+    """A process's state letter from /proc (``T``: stopped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
+def supervise(
+    argv: list[str], *, max_replacements: int, rank: int, stopped_s: float | None = None
+) -> int:
     logging.basicConfig(level=logging.INFO, format="[elastictrain supervisor] %(message)s")
-    return Supervisor(argv, max_replacements=max_replacements, rank=rank).run()
+    return Supervisor(argv, max_replacements=max_replacements, rank=rank, stopped_s=stopped_s).run()

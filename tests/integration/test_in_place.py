@@ -3,6 +3,7 @@ other ranks keep their processes and their state; torchrun never sees a failure.
 
 from __future__ import annotations
 
+import signal
 import time
 import uuid
 
@@ -25,6 +26,15 @@ from tests.helpers.restart_loop import wait_for_count
 
 STEPS = 140
 TOY_ARGS = tuple(a for opt in TOY for a in ("--task-option", opt))  # ~40 MB: a persist to aim at
+
+
+def _wait_spares(job, rank: int, n: int) -> None:
+    """Until ``rank`` has had ``n`` spares ready (imported and built): a kill before its spare is
+    ready (seconds, on a loaded machine) is a different case, a rank back too late."""
+    deadline = time.monotonic() + 120
+    while job.log().count(f"spare for rank {rank} ready") < n:
+        assert time.monotonic() < deadline and job.proc.poll() is None, job.log()[-3000:]
+        time.sleep(0.1)
 
 
 def _wait_epoch_began(events: str, n: int, job) -> None:
@@ -53,11 +63,14 @@ def test_killed_training_processes_are_replaced_in_place_bitwise(launch, tmp_pat
         name="in-place",
     )
     _wait_epoch_began(ev, 0, job)
+    _wait_spares(job, rank=1, n=1)
     killed = [job.kill_training_process(ev, rank=1, epoch=0)]
     _wait_epoch_began(ev, 1, job)
+    _wait_spares(job, rank=0, n=1)
     torn = _wait_half_written(run_dir, 60, job)
     killed.append(job.kill_training_process(ev, rank=0, epoch=1))
     _wait_epoch_began(ev, 2, job)
+    _wait_spares(job, rank=0, n=2)
     torn_copy = _wait_half_written(shm, 60, job)
     killed.append(job.kill_training_process(ev, rank=0, epoch=2))
     _wait_epoch_began(ev, 3, job)
@@ -70,6 +83,8 @@ def test_killed_training_processes_are_replaced_in_place_bitwise(launch, tmp_pat
     newest = wait_for_event(
         ev, lambda e: e["event"] == Event.CHECKPOINT and e["time"] > t3, 90, job
     )
+    _wait_spares(job, rank=0, n=3)
+    _wait_spares(job, rank=1, n=2)
     job.kill_training_process(ev, rank=1, epoch=3)
     time.sleep(0.05)
     job.kill_training_process(ev, rank=0, epoch=3)
@@ -121,68 +136,81 @@ def test_a_death_that_recurs_at_one_step_ends_the_job_with_a_clear_error(launch,
 
 
 @pytest.mark.slow
-def test_a_lost_node_is_dropped_in_place_and_the_job_grows_back_through_torchrun(launch, tmp_path):
-    """Two simulated nodes of one rank (examples/two_nodes.sh). Node 1 (agent, supervisor,
-    training process and spare) is SIGKILLed: node 0's training process keeps its pid and trains
-    on at world size 1 from its own memory, with no restart. Node 1 comes back: torchrun grows
-    the job, node 0 commits its current step first. Every sample trains exactly once."""
+def test_a_frozen_then_a_lost_node_is_dropped_in_place_and_the_job_grows_back(launch, tmp_path):
+    """Two simulated nodes of one rank (examples/two_nodes.sh). Node 1 freezes (SIGSTOP: its
+    sockets stay open): after --silent-timeout node 0 shuts the epoch's connections and trains on
+    alone, from its own memory, its process and restart count unchanged. The frozen node is
+    killed and comes back: torchrun grows the job (node 0 commits its step first). Then node 1 is
+    SIGKILLed: node 0 goes on alone again, in place. Every sample trains exactly once."""
     port, run_id = free_port(), f"inplace-{uuid.uuid4().hex[:6]}"
     ckpt, ev, samples = str(tmp_path / "shared"), str(tmp_path / "ev.jsonl"), tmp_path / "samples"
-    run = ["--max-steps", "480", "--event-log", ev, "--checkpoint-every-steps", "40"]
+    run = ["--max-steps", "640", "--event-log", ev, "--checkpoint-every-steps", "40"]
     run += ["--sample-log", str(samples), "--log-every-seconds", "0.5", "--replace-in-place"]
+    run += ["--silent-timeout", "4", "--heartbeat-seconds", "1", "--no-local-checkpoint"]
     run += ["--task-option", "dataset_size=1024", "--task-option", "batch_size=32"]
-    run += ["--task-option", "step_time=0.02", "--no-local-checkpoint"]
-    nodes = []
-    for node in (0, 1):
-        (tmp_path / f"host{node}").mkdir()
+    run += ["--task-option", "step_time=0.03"]
+
+    def start_node(node: int, name: str):
+        home = tmp_path / f"host{node}"
+        home.mkdir(exist_ok=True)
         env = node_env(node, port, run_id, ckpt)
-        home = str(tmp_path / f"host{node}")
-        nodes.append(launch(run, script=TWO_NODES, env=env, cwd=home, name=f"node{node}"))
-    wait_for_event(
-        ev, lambda e: e["event"] == Event.PROGRESS and e["world_size"] == 2 and e["step"] >= 50, 150
-    )
+        return launch(run, script=TWO_NODES, env=env, cwd=str(home), name=name)
+
+    def alone_after(t: float) -> dict:
+        """Node 0's first step after ``t``, in an epoch without node 1."""
+        return wait_for_event(
+            ev, lambda e: e["event"] == Event.FIRST_STEP and e["time"] > t, 60, nodes[0]
+        )
+
+    def at_two(after_step: int) -> None:
+        wait_for_event(
+            ev,
+            lambda e: (
+                e["event"] == Event.PROGRESS and e["world_size"] == 2 and e["step"] >= after_step
+            ),
+            150,
+        )
+
+    nodes = [start_node(0, "node0"), start_node(1, "node1")]
+    at_two(50)
+    t_freeze = time.time()
+    nodes[1].signal_node(signal.SIGSTOP)  # a frozen host: every process stopped, sockets open
+    thawed = alone_after(t_freeze)
+    nodes[1].kill()  # what a cluster does with a frozen host, in the end
+    back = start_node(1, "node1-back")
+    at_two(thawed["step"] + 40)
     t_kill = time.time()
-    nodes[1].kill()  # the whole node: its agent and every process under it, SIGKILL
-    alone = wait_for_event(
-        ev, lambda e: e["event"] == Event.FIRST_STEP and e["time"] > t_kill, 60, nodes[0]
-    )
-    wait_for_event(
-        ev, lambda e: e["event"] == Event.CHECKPOINT and e["time"] > alone["time"], 60, nodes[0]
-    )
-    back = launch(
-        run,
-        script=TWO_NODES,
-        env=node_env(1, port, run_id, ckpt),
-        cwd=str(tmp_path / "host1"),
-        name="node1-back",
-    )
+    back.kill()  # the whole node: its agent and every process under it, SIGKILL
+    lost = alone_after(t_kill)
     assert nodes[0].wait(240) == 0, nodes[0].log()[-3000:]
-    assert back.wait(60) == 0, back.log()[-3000:]
 
     events = read_events(ev)
     starts = [e for e in events if e["event"] == Event.START]
-    shrunk = next(e for e in starts if e["time"] > t_kill)
-    before = [e for e in starts if e["time"] < t_kill][-1]
-    assert (shrunk["began"], shrunk["world_size"], shrunk["dropped_ranks"]) == (
-        "shrunk in place",
-        1,
-        [1],
-    )
-    assert shrunk["restart_count"] == before["restart_count"]  # torchrun restarted nothing
-    assert shrunk["processes"][0][1] == before["processes"][0][1]  # node 0 kept its process
-    resume = next(e for e in events if e["event"] == Event.RESUME and e["time"] > t_kill)
-    assert (resume["tier"], resume["remote_bytes"]) == ("live", 0), resume
-    assert alone["step"] == resume["step"] + 1
-    grown = [e for e in starts if e["time"] > shrunk["time"]]
-    assert grown and grown[-1]["world_size"] == 2, grown
-    # The growth is torchrun's: new processes (its restart count moves only on failures).
-    assert grown[0]["processes"][0][1] != shrunk["processes"][0][1], grown
+    shrinks = [e for e in starts if e.get("began") == "shrunk in place"]
+    assert [(e["world_size"], e["dropped_ranks"]) for e in shrinks] == [(1, [1]), (1, [1])]
+    frozen, killed = shrinks
+    before = [e for e in starts if e["time"] < t_freeze][-1]
+    # In place: node 0 kept its process and torchrun restarted nothing.
+    assert frozen["processes"][0][1] == before["processes"][0][1]
+    assert frozen["restart_count"] == before["restart_count"]
+    grown = next(e for e in starts if frozen["time"] < e["time"] < killed["time"])
+    assert grown["world_size"] == 2 and grown["processes"][0][1] != frozen["processes"][0][1]
+    assert killed["processes"][0][1] == grown["processes"][0][1]
+    for shrink, first in ((frozen, thawed), (killed, lost)):
+        resume = next(
+            e for e in events if e["event"] == Event.RESUME and e["time"] > shrink["time"]
+        )
+        assert (resume["tier"], resume["remote_bytes"]) == ("live", 0), resume
+        assert first["step"] == resume["step"] + 1
     # The agent stops the shrunk group with SIGTERM for the growth: its step is committed first.
     preempted = [e["step"] for e in events if e["event"] == Event.PREEMPTED]
-    assert preempted and preempted[-1] >= alone["step"], preempted
-    assert events[-1]["event"] == Event.END and events[-1]["step"] == 480
+    assert preempted and preempted[0] >= thawed["step"], preempted
+    assert events[-1]["event"] == Event.END and events[-1]["step"] == 640
     ledger = assert_exactly_once(
-        read_sample_log(str(samples)), dataset_size=1024, batch_size=32, max_steps=480
+        read_sample_log(str(samples)), dataset_size=1024, batch_size=32, max_steps=640
     )
-    assert 1 in ledger["world_sizes"] and 2 in ledger["world_sizes"], ledger
-    print(f"\nnode SIGKILLed -> node 0's next step at world size 1: {alone['time'] - t_kill:.2f}s")
+    assert ledger["world_sizes"] == [1, 2], ledger
+    print(
+        f"\nnode frozen -> node 0's next step at world size 1: {thawed['time'] - t_freeze:.2f}s "
+        f"(--silent-timeout 4); node SIGKILLed -> {lost['time'] - t_kill:.2f}s"
+    )
