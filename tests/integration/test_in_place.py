@@ -17,6 +17,7 @@ from tests.helpers.launcher import (
     TWO_NODES,
     assert_bitwise_equal,
     final_state,
+    job_env,
     node_env,
     toy_args,
     wait_for_event,
@@ -24,7 +25,7 @@ from tests.helpers.launcher import (
 from tests.helpers.net import free_port
 from tests.helpers.restart_loop import wait_for_count
 
-STEPS = 140
+STEPS = 220
 TOY_ARGS = tuple(a for opt in TOY for a in ("--task-option", opt))  # ~40 MB: a persist to aim at
 
 
@@ -58,9 +59,10 @@ def test_killed_training_processes_are_replaced_in_place_bitwise(launch, tmp_pat
     extra = ["--replace-in-place", "--replace-wait", "10", "--keep-last", "2", *TOY_ARGS]
     extra += ["--local-checkpoint-dir", shm, "--local-every-steps", "5"]
     job = launch(
-        toy_args(run_dir, ev, max_steps=STEPS, every=20, step_time=0, extra=tuple(extra)),
+        toy_args(run_dir, ev, max_steps=STEPS, every=20, step_time=0.05, extra=tuple(extra)),
         max_restarts=1,  # the fallback, if the double kill lands inside the handshake
         name="in-place",
+        env=job_env(ELASTICTRAIN_LOG_LEVEL="INFO"),  # every rank's spare says when it is ready
     )
     _wait_epoch_began(ev, 0, job)
     _wait_spares(job, rank=1, n=1)
@@ -182,7 +184,11 @@ def test_a_frozen_then_a_lost_node_is_dropped_in_place_and_the_job_grows_back(la
     t_kill = time.time()
     back.kill()  # the whole node: its agent and every process under it, SIGKILL
     lost = alone_after(t_kill)
-    assert nodes[0].wait(240) == 0, nodes[0].log()[-3000:]
+    wait_for_event(ev, lambda e: e["event"] == Event.END, 120, nodes[0])
+    # Training is over. torchrun's agent now waits in its exit barrier for the lost node's agent
+    # (torch's 300 s, then it exits 0): it never learnt that node left (docs/faults.md).
+    assert "FINISHED 640 steps" in nodes[0].log()
+    nodes[0].kill()
 
     events = read_events(ev)
     starts = [e for e in events if e["event"] == Event.START]
