@@ -63,6 +63,13 @@ def _job_args(ckpt: str, ev: str, size: int) -> list[str]:
             "--task-option", "batch_size=32"]  # fmt: skip
 
 
+def _wait_checkpoint(ev: str, job: Torchrun) -> None:
+    """Until the job has committed a checkpoint: the kill then has something to resume."""
+    wait_for(
+        lambda: any(e["event"] == Event.CHECKPOINT for e in events_in(ev)), 180, "a checkpoint", job
+    )
+
+
 def measure_in_place(workdir: str, size: int) -> dict[str, Any]:
     """The same job with --replace-in-place: SIGKILL rank 1's training process once the job has
     a checkpoint; kill -> rank 0's (a survivor's) next completed step."""
@@ -70,12 +77,7 @@ def measure_in_place(workdir: str, size: int) -> dict[str, Any]:
     args = [*_job_args(ckpt, ev, size), "--replace-in-place"]
     job = Torchrun(args, os.path.join(workdir, "in-place.log"), child_env())
     try:
-        wait_for(
-            lambda: any(e["event"] == Event.CHECKPOINT for e in events_in(ev)),
-            180,
-            "a checkpoint",
-            job,
-        )
+        _wait_checkpoint(ev, job)
         (start,) = [e for e in events_in(ev) if e["event"] == Event.START]
         t_kill = time.time()
         os.kill(start["processes"][1][1], signal.SIGKILL)
@@ -110,12 +112,7 @@ def measure_elastictrain(workdir: str, size: int) -> dict[str, Any]:
     ckpt, ev = os.path.join(workdir, "ckpt"), os.path.join(workdir, "events.jsonl")
     job = Torchrun(_job_args(ckpt, ev, size), os.path.join(workdir, "job.log"), child_env())
     try:
-        wait_for(
-            lambda: any(e["event"] == Event.CHECKPOINT for e in events_in(ev)),
-            180,
-            "a checkpoint",
-            job,
-        )
+        _wait_checkpoint(ev, job)
         old = set(job.workers().values())
         t_kill = time.time()
         os.kill(job.workers()[1], signal.SIGKILL)
