@@ -115,7 +115,7 @@ def test_bench_recovery_against_a_slow_remote_gives_sane_figures():
 @pytest.mark.slow
 def test_bench_sharded_gives_sane_figures(tmp_path):
     out = run_single(
-        ["bench", "sharded", "--size", "24MB", "--repeats", "1", "--json",
+        ["bench", "sharded", "--size", "24MB", "--repeats", "3", "--json",
          "--checkpoint-dir", str(tmp_path)],
         REPO_ROOT,
         240,
