@@ -17,8 +17,8 @@ from elastictrain.version import __version__
 if TYPE_CHECKING:
     from elastictrain.checkpoint.manager import CheckpointManager
     from elastictrain.checkpoint.readers.load import load_checkpoint
-    from elastictrain.dist import init_distributed
     from elastictrain.errors import Preempted
+    from elastictrain.library import init_distributed
     from elastictrain.task import Task, eval_shard
 
 _LAZY = {
@@ -26,7 +26,7 @@ _LAZY = {
     "Preempted": "elastictrain.errors",
     "Task": "elastictrain.task",
     "eval_shard": "elastictrain.task",
-    "init_distributed": "elastictrain.dist",
+    "init_distributed": "elastictrain.library",
     "load_checkpoint": "elastictrain.checkpoint.readers.load",
 }
 

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from elastictrain import knobs
-from elastictrain.env import DistEnv, read_env
+from elastictrain.env import DistEnv
 from elastictrain.errors import EXIT_INIT_TIMEOUT
 from elastictrain.handshake import Attempt, handshake
 from elastictrain.job_store import connect
@@ -233,50 +233,3 @@ def all_gather_object(obj: Any, group: dist.ProcessGroup | None) -> list[Any]:
 def shutdown() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
-
-
-def init_distributed(
-    *,
-    init_timeout: float = 900.0,
-    timeout: float = 600.0,
-    backend: str | None = None,
-    silent_timeout: float = 15.0,
-) -> torch.device:
-    """Library mode's ``init_process_group``: the runner's restart-safe handshake for your loop.
-
-    Call it once, first thing, on every rank under ``torchrun``; then build your model on the
-    returned device and wrap it in DDP as usual. It picks ``cuda:LOCAL_RANK`` (nccl) when CUDA is
-    present, else the CPU (gloo), and builds the default process group on a store no earlier
-    attempt has written to, so a restart after a SIGKILL never connects to dead workers (plain
-    ``init_process_group`` does, now and then: "Gloo connectFullMesh failed"). Run without
-    torchrun it initialises nothing and returns the device for a single process.
-
-    Args:
-        init_timeout: seconds for the handshake and process-group creation.
-        timeout: seconds a collective may wait for the slowest rank.
-        backend: ``"gloo"`` or ``"nccl"``; default from the device.
-        silent_timeout: seconds without a peer's heartbeat before this rank exits 8 naming it, so
-            torchrun re-forms the group without a frozen host (``elastictrain.liveness``, beats
-            every 2 s from a thread of its own); 0 turns it off.
-
-    Raises:
-        InitTimeoutError: a rank did not join within ``init_timeout``.
-        StoreSilentError: the job's store (torchrun's rendezvous store, ``job_store``) accepted
-            the connection and did not answer within ``silent_timeout``: its host is frozen.
-    """
-    env = read_env()
-    device = pick_device(env)
-    if backend == "gloo":
-        device = torch.device("cpu")
-    if env.launched_by_torchrun and not dist.is_initialized():
-        liveness = Liveness(env.rank, env.world_size, interval_s=2.0, silent_s=silent_timeout)
-        init_process_groups(
-            env,
-            device,
-            init_timeout=init_timeout,
-            collective_timeout=timeout,
-            checkpoint_timeout=timeout,
-            liveness=liveness,
-        )
-        liveness.start()  # a daemon: it ends with the process
-    return device

@@ -25,8 +25,10 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from elastictrain import dist as edist
+from elastictrain.env import DistEnv, rendezvous_store
 from elastictrain.errors import InitTimeoutError, RecurringFailureError
 from elastictrain.handshake import ATTEMPT_KEY
+from elastictrain.job_store import connect
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +84,28 @@ def _chain(error: BaseException | None):
 
 
 _POLL_S = 0.01
+
+
+def next_members(
+    env: DistEnv,
+    carry: LiveState | None,
+    died_at: float | None,
+    *,
+    wait_s: float,
+    timeout_s: float,
+    silent_s: float,
+) -> list[int]:
+    """The epoch's members by torchrun rank (``env``: torchrun's): everyone at a start; after a
+    death, whoever is back (:func:`regroup`), agreed through the job's store, which outlives every
+    training process. Empty when the epoch went on without this replacement."""
+    if carry is None and died_at is None:
+        return list(range(env.world_size))
+    store = connect(env, timeout_s=timeout_s, silent_s=silent_s).store
+    if carry is not None:
+        return regroup(
+            store, carry.nonce, carry.members, env.rank, wait_s=wait_s, timeout_s=timeout_s
+        )
+    return join_as_replacement(store, env.rank, wait_s=wait_s, timeout_s=timeout_s) or []
 
 
 def publish(store: dist.Store, nonce: str, members: list[int]) -> None:
@@ -258,6 +282,25 @@ def _refuse_recurring(
     verdict = edist.broadcast_bytes(verdict.encode() if rank == 0 else None, group).decode()
     if verdict:
         raise RecurringFailureError(verdict)
+
+
+def drop_silent(liveness, reason: str, env: DistEnv) -> None:
+    """A peer silent past --silent-timeout (a frozen host), in place: fail this epoch's
+    collectives now (:func:`break_collectives`), so the survivors regroup without it, instead of
+    exiting 8 for a restart. A silent store is still an exit: nothing can be agreed without it.
+    ``liveness``: the epoch's :class:`~elastictrain.liveness.Liveness`."""
+    if liveness.store_lost:
+        liveness.exit_silent(reason)
+        return
+    store = rendezvous_store(env)
+    shut = break_collectives(store.port if store else env.master_port)
+    logger.error(
+        "PEER SILENT: %s (--silent-timeout=%gs); this epoch's %d connections shut so the others "
+        "go on without it",
+        reason,
+        liveness.silent_s,
+        shut,
+    )
 
 
 def break_collectives(keep_port: int) -> int:

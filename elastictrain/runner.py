@@ -26,9 +26,8 @@ from elastictrain.checkpoint.session import CheckpointSession, install_stop_sign
 from elastictrain.checkpoint.state import train_state as tstate
 from elastictrain.config import RunConfig
 from elastictrain.data import GlobalBatchSampler
-from elastictrain.env import DistEnv, read_env, rendezvous_store
+from elastictrain.env import DistEnv, read_env
 from elastictrain.errors import EXIT_INIT_TIMEOUT, EXIT_PREEMPTED, ConfigError, Preempted
-from elastictrain.job_store import connect
 from elastictrain.liveness import Liveness
 from elastictrain.loader import check_micro_steps
 from elastictrain.membership import LiveState, PeerLost
@@ -147,7 +146,14 @@ def _epoch(b: _Built, carry: LiveState | None, died_at: float | None) -> int:
 
     t_init = time.monotonic()
     with recovering():
-        members = _members(b, carry, died_at)
+        members = membership.next_members(
+            b.env,
+            carry,
+            died_at,
+            wait_s=cfg.replace_wait,
+            timeout_s=cfg.replace_timeout,
+            silent_s=cfg.silent_timeout,
+        )
     if b.env.rank not in members:
         # This rank's node is alive (this process runs), only its replacement was late (its
         # spare was still starting): torchrun's restart brings the job back to full size, the
@@ -176,7 +182,7 @@ def _epoch(b: _Built, carry: LiveState | None, died_at: float | None) -> int:
         step=lambda: watchdog.step,
         phase=lambda: watchdog.phase_name,
         last_words=b.last_words,
-        on_silent=(lambda reason: _drop_silent(liveness, reason, b.env))
+        on_silent=(lambda reason: membership.drop_silent(liveness, reason, b.env))
         if cfg.replace_in_place
         else None,
     )
@@ -264,37 +270,6 @@ def _epoch(b: _Built, carry: LiveState | None, died_at: float | None) -> int:
     finally:
         liveness.stop()
         edist.shutdown()  # a next epoch builds its groups on a fresh store prefix
-
-
-def _drop_silent(liveness: Liveness, reason: str, env: DistEnv) -> None:
-    """--replace-in-place, a peer silent past --silent-timeout (a frozen host): fail this epoch's
-    collectives now, so the survivors regroup without it, instead of exiting 8 for a restart. A
-    silent store is still an exit: nothing can be agreed without it."""
-    if liveness.store_lost:
-        liveness.exit_silent(reason)
-        return
-    store = rendezvous_store(env)
-    shut = membership.break_collectives(store.port if store else env.master_port)
-    logger.error(
-        "PEER SILENT: %s (--silent-timeout=%gs); this epoch's %d connections shut so the others "
-        "go on without it",
-        reason,
-        liveness.silent_s,
-        shut,
-    )
-
-
-def _members(b: _Built, carry: LiveState | None, died_at: float | None) -> list[int]:
-    """The epoch's members by torchrun rank: everyone at a start; after a death, whoever is back
-    (``membership``), agreed through the job's store, which outlives every training process."""
-    cfg, me = b.cfg, b.env.rank
-    if carry is None and died_at is None:
-        return list(range(b.env.world_size))
-    store = connect(b.env, timeout_s=cfg.replace_timeout, silent_s=cfg.silent_timeout).store
-    times = {"wait_s": cfg.replace_wait, "timeout_s": cfg.replace_timeout}
-    if carry is not None:
-        return membership.regroup(store, carry.nonce, carry.members, me, **times)
-    return membership.join_as_replacement(store, me, **times) or []
 
 
 def _warm(task: Task) -> None:

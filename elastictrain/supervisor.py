@@ -199,7 +199,16 @@ def _state(pid: int) -> str | None:
 
 
 def supervise(
-    argv: list[str], *, max_replacements: int, rank: int, stopped_s: float | None = None
+    argv: list[str],
+    *,
+    max_replacements: int,
+    rank: int,
+    stopped_s: float | None = None,
+    program: tuple[str, ...] = ("-m", "elastictrain"),
 ) -> int:
+    """``program``: what the children run after the interpreter: the runner, or library mode's
+    script with the interpreter's own options (``sys.orig_argv``)."""
     logging.basicConfig(level=logging.INFO, format="[elastictrain supervisor] %(message)s")
-    return Supervisor(argv, max_replacements=max_replacements, rank=rank, stopped_s=stopped_s).run()
+    return Supervisor(
+        argv, max_replacements=max_replacements, rank=rank, program=program, stopped_s=stopped_s
+    ).run()

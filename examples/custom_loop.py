@@ -4,7 +4,10 @@
         examples/custom_loop.py --checkpoint-dir ./checkpoints-custom --steps 2000
 
 Kill a worker (kill -9) while it runs: torchrun restarts both, resume() loads the newest checkpoint
-and the loop carries on, ending bit for bit where an uninterrupted run ends. Send torchrun SIGTERM
+and the loop carries on, ending bit for bit where an uninterrupted run ends. With
+--replace-in-place (CPU/gloo) nothing restarts: the dead rank's pre-imported spare takes its
+place, the other rank keeps its process and its state, and the step in flight is redone
+(CheckpointManager.run; README, "Library mode"). Send torchrun SIGTERM
 (a preemption) or press Ctrl-C: every rank commits the current step and exits 75; run the command
 again to continue. Also runs without torchrun, as one process: python examples/custom_loop.py.
 
@@ -38,9 +41,15 @@ def main() -> None:
     p.add_argument("--step-time", type=float, default=0.0, help="simulated compute, seconds")
     p.add_argument("--event-log", default=None)
     p.add_argument("--hang-timeout", type=float, default=600.0, help="seconds without a step")
+    p.add_argument("--replace-in-place", action="store_true", help="survivors keep training")
+    p.add_argument("--replace-wait", type=float, default=0.5, help="seconds for a replacement")
     args = p.parse_args()
 
-    elastictrain.init_distributed()  # restart-safe init_process_group; a no-op without torchrun
+    # Restart-safe init_process_group; a no-op without torchrun. In place, the process torchrun
+    # started supervises this script's training process and a spare from here on.
+    elastictrain.init_distributed(
+        replace_in_place=args.replace_in_place, replace_wait=args.replace_wait
+    )
     distributed = dist.is_initialized()
     code = 0
     try:
@@ -54,9 +63,6 @@ def main() -> None:
 
 
 def train(args: argparse.Namespace, distributed: bool) -> None:
-    rank = dist.get_rank() if distributed else 0
-    world = dist.get_world_size() if distributed else 1
-
     torch.manual_seed(0)  # identical initial weights on every rank
     model = ToyModel()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
@@ -72,24 +78,40 @@ def train(args: argparse.Namespace, distributed: bool) -> None:
         hang_timeout=args.hang_timeout,  # a stopped peer: stacks, exit 4, torchrun restarts
     ) as ckpt:
         start = ckpt.resume(model, optimizer, scheduler)  # before DDP: it broadcasts from rank 0
-        if rank == 0:
+        if not distributed or dist.get_rank() == 0:
+            world = dist.get_world_size() if distributed else 1
             print(f"starting at step {start} (world size {world}); saved extra: {ckpt.extra}")
-        net = DDP(model) if distributed else model
-        loss = torch.tensor((ckpt.extra or {}).get("loss", float("nan")))  # if no step is left
-        for step in range(start, args.steps):
+
+        def train_step(step: int, net: nn.Module) -> dict:
+            """Forward and backward; the optimizer steps after it (in ckpt.run, or below)."""
+            # Read every step: a lost node changes them under CheckpointManager.run.
+            rank = dist.get_rank() if distributed else 0
+            world = dist.get_world_size() if distributed else 1
             # The batch is a function of the step alone: a resumed run sees exactly the same data.
             order = torch.randperm(len(data), generator=torch.Generator().manual_seed(step))
             x, y = data[order[: args.batch_size][rank::world]]
-            optimizer.zero_grad(set_to_none=True)
             loss = mse(net(x), y)
             loss.backward()
-            optimizer.step()
-            scheduler.step()
             time.sleep(args.step_time)
-            ckpt.step(step + 1, model, optimizer, scheduler, extra={"loss": loss.item()})
-        ckpt.save(args.steps, model, optimizer, scheduler, {"loss": loss.item()}, final=True)
-    if rank == 0:
-        print(f"finished {args.steps} steps, loss {loss.item():.5f}")
+            return {"loss": loss.item()}
+
+        wrap = DDP if distributed else (lambda m: m)
+        if args.replace_in_place:  # a peer's death is recovered inside run()
+            extra = ckpt.run(
+                train_step, model, optimizer, scheduler, start=start, stop=args.steps, wrap=wrap
+            )
+        else:
+            net, extra = wrap(model), ckpt.extra
+            for step in range(start, args.steps):
+                optimizer.zero_grad(set_to_none=True)
+                extra = train_step(step, net)
+                optimizer.step()
+                scheduler.step()
+                ckpt.step(step + 1, model, optimizer, scheduler, extra=extra)
+        extra = extra or {"loss": float("nan")}  # when no step was left to run
+        ckpt.save(args.steps, model, optimizer, scheduler, extra, final=True)
+    if not distributed or dist.get_rank() == 0:
+        print(f"finished {args.steps} steps, loss {extra['loss']:.5f}")
 
 
 if __name__ == "__main__":

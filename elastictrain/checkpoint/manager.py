@@ -19,14 +19,13 @@ does beyond this (data sharding, per-step seeding) stays your loop's business.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import difflib
-import inspect
 import logging
 import os
 import threading
 import time
-import warnings
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -34,13 +33,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from elastictrain import library, membership
 from elastictrain.checkpoint.api import Reason
-from elastictrain.checkpoint.session import CheckpointSession, install_stop_signals
+from elastictrain.checkpoint.manager_args import config_from, signature
+from elastictrain.checkpoint.resume.live import Live
+from elastictrain.checkpoint.session import CheckpointSession, Resumed, install_stop_signals
+from elastictrain.checkpoint.state import train_state as tstate
 from elastictrain.checkpoint.state.train_state import TrainState, unwrap
-from elastictrain.config import CheckpointConfig, settings
 from elastictrain.dist import default_group_is_restart_safe
 from elastictrain.env import read_env
 from elastictrain.errors import ConfigError, Preempted
+from elastictrain.membership import LiveState
 from elastictrain.observe.events import LastWords
 from elastictrain.watchdog import HangWatchdog
 
@@ -70,19 +73,6 @@ def _warn_if_restart_unsafe(rank: int, on_agent_store: bool) -> None:
     if not default_group_is_restart_safe():
         _warned_restart_unsafe = True
         logger.warning(RESTART_UNSAFE)
-
-
-SETTINGS = settings(CheckpointConfig)
-
-
-# The keywords of earlier releases, accepted for one more with a warning naming the new one.
-RENAMED = {
-    "url": "checkpoint_dir",
-    "every_steps": "checkpoint_every_steps",
-    "every_seconds": "checkpoint_every_seconds",
-    "async_save": "async_checkpoint",
-    "timeout_s": "checkpoint_timeout",
-}
 
 
 class CheckpointManager:
@@ -117,36 +107,15 @@ class CheckpointManager:
         hang_timeout: float | None = None,
         **settings: Any,
     ) -> None:
-        settings = _renamed(settings)
-        if checkpoint_dir is not None:
-            settings["checkpoint_dir"] = checkpoint_dir
-        unknown = sorted(set(settings) - set(SETTINGS))
-        if unknown:
-            close = difflib.get_close_matches(unknown[0], SETTINGS, n=1)
-            hint = f"; did you mean {close[0]}?" if close else f"; it takes {', '.join(SETTINGS)}"
-            raise ConfigError(f"CheckpointManager got an unknown argument {unknown[0]!r}{hint}")
-        if "checkpoint_dir" not in settings:
-            raise ConfigError(
-                "CheckpointManager needs checkpoint_dir: a local path or any fsspec URL, e.g. "
-                "CheckpointManager('s3://bucket/run1')."
-            )
         if hang_timeout is not None and not hang_timeout > 0:
             raise ConfigError(f"hang_timeout must be > 0, got {hang_timeout!r}.")
-        config = CheckpointConfig(**settings)
+        config = config_from(checkpoint_dir, settings)
         env = read_env()
-        alone = not (dist.is_available() and dist.is_initialized())
-        if not alone:  # torch.distributed knows best where this process sits
-            env = dataclasses.replace(env, rank=dist.get_rank(), world_size=dist.get_world_size())
+        if dist.is_available() and dist.is_initialized():
+            env = dataclasses.replace(env, rank=dist.get_rank())
             _warn_if_restart_unsafe(env.rank, env.use_agent_store)
-        self._group = (
-            None
-            if alone
-            else dist.new_group(
-                backend="gloo", timeout=timedelta(seconds=config.checkpoint_timeout)
-            )
-        )
         # Why this process ended early, for the run report: given to all that may end it.
-        last_words = LastWords(config.event_log, env.rank)
+        self._last_words = LastWords(config.event_log, env.rank)
         self._watchdog = None
         if hang_timeout is not None:
             self._watchdog = HangWatchdog(
@@ -154,7 +123,7 @@ class CheckpointManager:
                 startup_s=config.checkpoint_timeout,
                 agent_pid=os.getppid() if env.under_agent else None,  # our parent is the agent
                 budget_names=("hang_timeout", "checkpoint_timeout"),
-                last_words=last_words,
+                last_words=self._last_words,
             ).start()
         # Python only lets the main thread install signal handlers.
         main_thread = threading.current_thread() is threading.main_thread()
@@ -164,20 +133,38 @@ class CheckpointManager:
                 "stopping; build it in the main thread, or pass preempt_signals=()",
                 "/".join(config.preempt_signals),
             )
+        self._signals = (
+            install_stop_signals(config, last_words=self._last_words) if main_thread else None
+        )
+        self.config = config
+        self._open_session()
+        self.map_location = map_location
+        self._resumed = False
+        self.extra: dict[str, Any] | None = None
+        """The ``extra`` dict saved with the checkpoint :meth:`resume` loaded, else None."""
+
+    def _open_session(self) -> None:
+        """This epoch's gloo group and checkpoint session (a new one after an in-place recovery)."""
+        config, env = self.config, read_env()
+        alone = not (dist.is_available() and dist.is_initialized())
+        if not alone:  # torch.distributed knows best where this process sits
+            env = dataclasses.replace(env, rank=dist.get_rank(), world_size=dist.get_world_size())
+        self._group = (
+            None
+            if alone
+            else dist.new_group(
+                backend="gloo", timeout=timedelta(seconds=config.checkpoint_timeout)
+            )
+        )
         self._session = CheckpointSession(
             config,
             env=env,
             generation=time.time_ns(),  # claim() lifts it above every earlier writer's
             gate=self._group,
             watchdog=self._watchdog,
-            signals=install_stop_signals(config, last_words=last_words) if main_thread else None,
-            last_words=last_words,
+            signals=self._signals,
+            last_words=self._last_words,
         )
-        self.config = config
-        self.map_location = map_location
-        self._resumed = False
-        self.extra: dict[str, Any] | None = None
-        """The ``extra`` dict saved with the checkpoint :meth:`resume` loaded, else None."""
 
     @property
     def last_committed(self) -> int | None:
@@ -199,11 +186,83 @@ class CheckpointManager:
             StorageNotUsableError: the location is missing, read-only, unreachable, or the
                 credentials are rejected (the message says which).
         """
-        device = torch.device(self.map_location or _first_device(unwrap(model)))
-        self._session.emit_start()
-        resumed = self._session.resume(TrainState(model, optimizer, scheduler), device)
-        self._resumed, self.extra = True, resumed.extra
+        resumed = self._resume_epoch(TrainState(model, optimizer, scheduler), carry=None)
+        self._resumed = True
         return resumed.step
+
+    def _resume_epoch(self, state: TrainState, carry: LiveState | None) -> Resumed:
+        """Every rank, as an epoch begins. In place (``init_distributed(replace_in_place=True)``)
+        the ranks first agree how it began (``library.agree``), and the state comes from the
+        survivor holding the newest step when one does; otherwise from the checkpoints."""
+        device = torch.device(self.map_location or _first_device(unwrap(state.model)))
+        epoch = library.agree(carry, self._group) if library.current() else None
+        self._session.emit_start(**(epoch.start_fields() if epoch else {}))
+        live = None
+        if epoch is not None and epoch.in_place:
+            sends = carry is not None and self._session.env.rank == epoch.source_rank
+            mine = tstate.to_bytes(carry.captured) if sends else None
+            live = Live(mine, epoch.source_rank, epoch.last_committed, epoch.previous_world_size)
+        resumed = self._session.resume(state, device, live)
+        self.extra = resumed.extra
+        return resumed
+
+    def run(
+        self,
+        train_step: Callable[[int, nn.Module], dict[str, Any] | None],
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: Any = None,
+        *,
+        start: int,
+        stop: int,
+        wrap: Callable[[nn.Module], nn.Module] | None = None,
+    ) -> dict[str, Any] | None:
+        """Train steps ``start`` .. ``stop - 1``: for each, ``train_step(step, net)`` (the forward
+        and backward passes; it returns the step's ``extra`` or None), then the optimizer and
+        scheduler steps and :meth:`step`. ``net`` is ``wrap(model)`` (e.g. ``DDP``). Returns the
+        last step's ``extra``.
+
+        Under ``init_distributed(replace_in_place=True)``, a peer's death is recovered here: this
+        rank keeps its state at the newest completed step, the ranks regroup with the dead rank's
+        replacement (or without a lost node), the state of the newest step any survivor holds is
+        loaded everywhere, ``net`` is wrapped anew and the step in flight is redone. So
+        ``train_step`` must run every collective of its step itself (DDP's backward does) and
+        read the rank and world size from ``torch.distributed`` each time (they change when a
+        node is dropped), and its batch must depend on the step alone. Anything else raises.
+        """
+        self._require_resumed("run")
+        wrap = wrap or (lambda m: m)
+        net, step, extra = wrap(model), start, self.extra
+        while step < stop:
+            try:
+                optimizer.zero_grad(set_to_none=True)
+                extra = train_step(step, net)
+                optimizer.step()
+                if scheduler is not None:
+                    scheduler.step()
+                step += 1  # completed: what this rank's state holds from here on
+                self.step(step, model, optimizer, scheduler, extra)
+            except Exception as e:
+                if library.current() is None or not membership.is_peer_loss(e):
+                    raise
+                step = self._recover(e, TrainState(model, optimizer, scheduler, extra), step)
+                net, extra = wrap(model), self.extra
+        return extra
+
+    def _recover(self, error: Exception, state: TrainState, step: int) -> int:
+        """A peer's process died during ``step``: the next epoch, resumed in place; its step."""
+        carry = LiveState(step, tstate.capture(state, step=step), self.last_committed, time.time())
+        logger.warning("a peer's training process is gone at step %d (%s); regrouping", step, error)
+        self._session.abandon()
+        self._group = None  # the failed epoch's: its default group's teardown ends it
+        phase = contextlib.nullcontext()
+        if self._watchdog is not None:
+            timeout = library.current().settings.replace_timeout
+            phase = self._watchdog.phase("in-place recovery", timeout, "replace_timeout")
+        with phase:
+            library.regroup(carry)
+            self._open_session()
+            return self._resume_epoch(state, carry).step
 
     def step(
         self,
@@ -288,41 +347,7 @@ class CheckpointManager:
         self.close()
 
 
-def _signature() -> inspect.Signature:
-    """What ``help(CheckpointManager)`` and IDEs show: every setting by name, with its default."""
-    keyword = inspect.Parameter.KEYWORD_ONLY
-    defaults = CheckpointConfig(checkpoint_every_steps=None)
-    params = [
-        inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
-        inspect.Parameter("checkpoint_dir", inspect.Parameter.POSITIONAL_OR_KEYWORD),
-    ]
-    params += [
-        inspect.Parameter(name, keyword, default=getattr(defaults, name))
-        for name in SETTINGS
-        if name != "checkpoint_dir"
-    ]
-    params += [
-        inspect.Parameter("map_location", keyword, default=None),
-        inspect.Parameter("hang_timeout", keyword, default=None),
-    ]
-    return inspect.Signature(params, return_annotation=None)
-
-
-CheckpointManager.__init__.__signature__ = _signature()
-
-
-def _renamed(settings: dict[str, Any]) -> dict[str, Any]:
-    out = {}
-    for name, value in settings.items():
-        if name in RENAMED:
-            warnings.warn(
-                f"CheckpointManager({name}=...) is deprecated: use {RENAMED[name]}=...",
-                FutureWarning,
-                stacklevel=3,
-            )
-            name = RENAMED[name]
-        out[name] = value
-    return out
+CheckpointManager.__init__.__signature__ = signature()
 
 
 def _first_device(model: nn.Module) -> torch.device:
