@@ -94,8 +94,10 @@ def init_process_groups(
     checkpoint_timeout: float,
     liveness: Liveness,
     timeout_flag: str = "--init-timeout",
+    store_up: bool = False,
 ) -> ProcessGroups:
-    """``timeout_flag``: what sets ``init_timeout``, named when it runs out. ``liveness`` watches the job's store from the first request on (a frozen store ignores its
+    """``timeout_flag``: what sets ``init_timeout``, named when it runs out. ``store_up``: an
+    in-place epoch, whose store answered moments ago (``job_store.connect``). ``liveness`` watches the job's store from the first request on (a frozen store ignores its
     clients' timeouts) and announces this rank's first beat before the group's first barrier, so
     it is there for every rank once init returns."""
     backend = "nccl" if device.type == "cuda" else "gloo"
@@ -119,7 +121,7 @@ def init_process_groups(
         )
     with _InitWatchdog(init_timeout, env.rank, timeout_flag):
         silent_s = liveness.silent_s if liveness.enabled else 0.0
-        job_store = connect(env, timeout_s=init_timeout, silent_s=silent_s)
+        job_store = connect(env, timeout_s=init_timeout, silent_s=silent_s, store_up=store_up)
         liveness.watch_store(job_store)
         base = job_store.store
         # 90% of the budget, so a missing rank is reported by name before the hard bound fires.

@@ -82,12 +82,17 @@ class JobStore:
     """Where it is, for messages: "torchrun's rendezvous store at node0:29400"."""
 
 
-def connect(env: DistEnv, *, timeout_s: float, silent_s: float) -> JobStore:
+def connect(env: DistEnv, *, timeout_s: float, silent_s: float, store_up: bool = False) -> JobStore:
     """The store this attempt's handshake and process groups use (see the module's doc).
 
     ``timeout_s``: how long to wait for its host to listen (--init-timeout: nodes start apart).
     ``silent_s``: how long a host that accepts the connection may take to answer it
     (--silent-timeout; 0: as long as ``timeout_s``).
+    ``store_up``: the store answered this job moments ago (an in-place epoch): no wait for its
+    host to listen. That wait connects a bare socket and closes it unused, and torch 2.13's
+    libuv store server can stall every client for 5 s on such a connection (measured: one
+    in-place recovery in three at 4 ranks, ``bench recovery --in-place``); a start has to take
+    that risk, since the store's host may not be up yet, a recovery need not.
 
     Raises:
         InitTimeoutError: nothing listened at the store's address within ``timeout_s``.
@@ -96,7 +101,7 @@ def connect(env: DistEnv, *, timeout_s: float, silent_s: float) -> JobStore:
     rendezvous = rendezvous_store(env)
     if rendezvous is not None:
         name = f"torchrun's rendezvous store at {rendezvous}"
-        store = _client(rendezvous, name, timeout_s, silent_s)
+        store = _client(rendezvous, name, timeout_s, silent_s, store_up)
         if env.rank == 0:
             logger.info("the workers share %s (named by the agent's command line)", name)
         # Several runs may share one rendezvous endpoint: their keys must never meet.
@@ -112,12 +117,12 @@ def connect(env: DistEnv, *, timeout_s: float, silent_s: float) -> JobStore:
                 address,
             )
         name = f"torchrun's shared store at {address}"
-        return JobStore(_client(address, name, timeout_s, silent_s), name)
+        return JobStore(_client(address, name, timeout_s, silent_s, store_up), name)
     if env.world_size == 1 and env.master_port == 0:
         return JobStore(dist.HashStore(), "a store of this process")
     name = f"rank 0's store at {address}"
     if env.rank != 0:
-        return JobStore(_client(address, name, timeout_s, silent_s), name)
+        return JobStore(_client(address, name, timeout_s, silent_s, store_up), name)
     # Not under a sharing agent: rank 0 hosts the store, like init_method="env://".
     hosted = dist.TCPStore(
         address.host,
@@ -135,10 +140,12 @@ def _client(
     name: str,
     timeout_s: float,
     silent_s: float,
+    store_up: bool = False,
     clock: Callable[[], float] = time.monotonic,
 ) -> dist.TCPStore:
     deadline = clock() + timeout_s
-    _wait_until_listening(address, name, deadline, timeout_s, clock)
+    if not store_up:
+        _wait_until_listening(address, name, deadline, timeout_s, clock)
     # Something listens: a live server answers the client's first request in milliseconds.
     bound = silent_s if silent_s > 0 else max(0.001, deadline - clock())
     wait = timedelta(seconds=max(1.0, deadline - clock()))

@@ -170,13 +170,20 @@ def start(
     return device
 
 
+def leave(carry: LiveState) -> None:
+    """A survivor, the moment it sees a peer's death: ``membership.leave`` (the others' blocked
+    collectives fail, and this rank is counted back for the next epoch)."""
+    failed = _epoch
+    carry.nonce, carry.members = failed.groups.attempt.nonce, failed.members
+    membership.leave(carry, failed.groups.store, failed.env)
+
+
 def regroup(carry: LiveState) -> Epoch:
-    """A survivor, after a peer's death: tear down the failed epoch's groups and build the next
+    """A survivor, after :func:`leave`: tear down the failed epoch's groups and build the next
     one's with whoever is back. Raises ``SystemExit(3)`` if the others went on without it."""
     global _epoch
     failed = _epoch
-    carry.nonce, carry.members = failed.groups.attempt.nonce, failed.members
-    failed.liveness.stop()
+    failed.liveness.stop(wait=False)
     edist.shutdown()
     _epoch = _open(failed.env, failed.device, failed.settings, carry, None)
     return _epoch
@@ -222,6 +229,7 @@ def _open(
         checkpoint_timeout=settings.timeout,
         liveness=liveness,
         timeout_flag="replace_timeout" if in_place else "init_timeout",
+        store_up=in_place,
     )
     if here.rank == 0 and groups.store is not None:
         membership.publish(groups.store, groups.attempt.nonce, members)

@@ -148,12 +148,14 @@ class Liveness:
             self._thread.start()
         return self
 
-    def stop(self) -> None:
+    def stop(self, wait: bool = True) -> None:
         """End the beats, saying so in a last one: a rank that finished (or left by an error that
         its peers see in their collectives) is not silent while its peers still close up, e.g.
-        rank 0 committing the final checkpoint."""
+        rank 0 committing the final checkpoint. ``wait=False``: not for the beat thread, which
+        may be inside a store request for seconds (an in-place epoch ends; the thread is a
+        daemon, and ends at its next wake)."""
         self._stop.set()
-        if self._thread.is_alive() and self._thread is not threading.current_thread():
+        if wait and self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(self.interval_s + 1.0)
         if self._store is not None:  # announced: peers may be watching this rank
             with contextlib.suppress(Exception):  # best effort: the store may be gone already

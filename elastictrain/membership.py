@@ -57,6 +57,8 @@ class LiveState:
     """The failed epoch's attempt nonce: where its members meet again (:func:`regroup`)."""
     members: list[int] = field(default_factory=list)
     """The failed epoch's members, by torchrun rank (its ranks in order)."""
+    counted_in: bool = False
+    """Counted back for the next epoch already (:func:`leave`)."""
 
 
 class PeerLost(Exception):
@@ -100,10 +102,16 @@ def next_members(
     training process. Empty when the epoch went on without this replacement."""
     if carry is None and died_at is None:
         return list(range(env.world_size))
-    store = connect(env, timeout_s=timeout_s, silent_s=silent_s).store
+    store = connect(env, timeout_s=timeout_s, silent_s=silent_s, store_up=True).store
     if carry is not None:
         return regroup(
-            store, carry.nonce, carry.members, env.rank, wait_s=wait_s, timeout_s=timeout_s
+            store,
+            carry.nonce,
+            carry.members,
+            env.rank,
+            wait_s=wait_s,
+            timeout_s=timeout_s,
+            counted=carry.counted_in,
         )
     return join_as_replacement(store, env.rank, wait_s=wait_s, timeout_s=timeout_s) or []
 
@@ -121,6 +129,7 @@ def regroup(
     *,
     wait_s: float,
     timeout_s: float,
+    counted: bool = False,
 ) -> list[int]:
     """Every rank back from the failed epoch ``nonce`` (``members``, by torchrun rank), survivor
     or replacement: the next epoch's members.
@@ -130,8 +139,10 @@ def regroup(
     gone) is dropped, and the epoch continues at the smaller world size. The first rank to claim
     it decides, every other rank reads the decision, so all agree even when a replacement arrives
     at the deadline. One store request per poll (the count), and one look at who came.
+    ``counted``: this rank counted itself back already (a survivor, in :func:`leave`).
     """
-    _count_in(store, nonce, me)
+    if not counted:
+        _count_in(store, nonce, me)
     deadline = time.monotonic() + wait_s
     while store.add(f"{nonce}/back", 0) < len(members) and time.monotonic() < deadline:
         time.sleep(_POLL_S)
@@ -286,14 +297,13 @@ def _refuse_recurring(
 
 def drop_silent(liveness, reason: str, env: DistEnv) -> None:
     """A peer silent past --silent-timeout (a frozen host), in place: fail this epoch's
-    collectives now (:func:`break_collectives`), so the survivors regroup without it, instead of
+    collectives now (:func:`leave_collectives`), so the survivors regroup without it, instead of
     exiting 8 for a restart. A silent store is still an exit: nothing can be agreed without it.
     ``liveness``: the epoch's :class:`~elastictrain.liveness.Liveness`."""
     if liveness.store_lost:
         liveness.exit_silent(reason)
         return
-    store = rendezvous_store(env)
-    shut = break_collectives(store.port if store else env.master_port)
+    shut = leave_collectives(env)
     logger.error(
         "PEER SILENT: %s (--silent-timeout=%gs); this epoch's %d connections shut so the others "
         "go on without it",
@@ -301,6 +311,30 @@ def drop_silent(liveness, reason: str, env: DistEnv) -> None:
         liveness.silent_s,
         shut,
     )
+
+
+def leave(carry: LiveState, store: dist.Store | None, env: DistEnv) -> None:
+    """A survivor, the moment it sees a peer's death (``carry`` names the failed epoch): fail
+    every collective blocked on this rank (:func:`leave_collectives`), then count itself back
+    for the next epoch in the job's ``store``. Counted here, before this process tears the epoch
+    down (its groups, its liveness thread, its session: seconds on a loaded host), since the
+    others wait only ``--replace-wait`` for whoever is not back: a survivor late for that would
+    be dropped with the dead rank's node."""
+    leave_collectives(env)
+    if store is not None:
+        _count_in(store, carry.nonce, env.rank)
+        carry.counted_in = True
+
+
+def leave_collectives(env: DistEnv) -> int:
+    """Shut this process's connections of the failed epoch (all but the job store's); the number
+    shut. Called by every survivor as it leaves the epoch: a rank blocked in a collective on a
+    survivor (not on the dead rank: with more than two ranks, a ring or a tree passes through
+    others) would otherwise wait for --collective-timeout, since the survivor's groups keep their
+    sockets open until their last reference goes. A shut socket fails that collective at once,
+    so the failure reaches every rank in a hop per rank."""
+    store = rendezvous_store(env)
+    return break_collectives(store.port if store else env.master_port)
 
 
 def break_collectives(keep_port: int) -> int:

@@ -187,6 +187,7 @@ def _epoch(b: _Built, carry: LiveState | None, died_at: float | None) -> int:
         else None,
     )
     watchdog.excuse = liveness.excuse
+    peer_lost = False
     try:
         with recovering():
             groups = edist.init_process_groups(
@@ -198,6 +199,7 @@ def _epoch(b: _Built, carry: LiveState | None, died_at: float | None) -> int:
                 checkpoint_timeout=cfg.checkpoint.checkpoint_timeout,
                 liveness=liveness,
                 timeout_flag="--replace-timeout" if in_place else "--init-timeout",
+                store_up=in_place,
             )
             attached = (
                 (lambda: os.getppid() == b.agent_pid)
@@ -261,14 +263,17 @@ def _epoch(b: _Built, carry: LiveState | None, died_at: float | None) -> int:
             return EXIT_PREEMPTED
         except PeerLost as lost:
             lost.carry.nonce, lost.carry.members = groups.attempt.nonce, members
+            membership.leave(lost.carry, groups.store, b.env)
             session.abandon()
+            peer_lost = True
             raise
         except Exception as e:
             # Last words for the run report: why this attempt ended (it may also be a peer's death).
             session.last_words(type(e).__name__, str(e).splitlines()[0][:300])
             raise
     finally:
-        liveness.stop()
+        # After a peer's death, not waiting for the beat thread: the next epoch is what counts.
+        liveness.stop(wait=not peer_lost)
         edist.shutdown()  # a next epoch builds its groups on a fresh store prefix
 
 

@@ -45,15 +45,33 @@ def torchrun(*args: str, nproc: int = 2, max_restarts: int | None = None) -> lis
     ]  # fmt: skip
 
 
+def toy_job_args(ckpt: str, ev: str, size: int) -> list[str]:
+    """The toy task's job with about ``size`` bytes of state, checkpointing every 20 steps."""
+    layers = max(1, round(size / (8 * 1024 * 1024)))  # weights + momentum of 1024x1024 fp32 layers
+    return ["-m", "elastictrain", "--checkpoint-dir", ckpt, "--event-log", ev,
+            "--max-steps", "1000000", "--checkpoint-every-steps", "20",
+            "--task-option", "hidden=1024", "--task-option", f"layers={layers}",
+            "--task-option", "batch_size=32"]  # fmt: skip
+
+
 class Torchrun:
     """One torchrun agent in its own session, its output in ``log``; only it and its descendants
     are ever signalled."""
 
-    def __init__(self, args: list[str], log: str, env: dict[str, str], nproc: int = 2) -> None:
+    def __init__(
+        self,
+        args: list[str],
+        log: str,
+        env: dict[str, str],
+        nproc: int = 2,
+        command: list[str] | None = None,
+    ) -> None:
+        """``command``: the whole command line (a multi-node agent), instead of a standalone
+        torchrun of ``args``."""
         self.log_path = log
         with open(log, "wb") as out:
             self.proc = subprocess.Popen(
-                torchrun(*args, nproc=nproc, max_restarts=3),
+                command or torchrun(*args, nproc=nproc, max_restarts=3),
                 stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
             )  # fmt: skip
 

@@ -59,8 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
     benches["recovery"].add_argument(
         "--in-place",
         action="store_true",
-        help="also run the same job with --replace-in-place and kill rank 1's training process: "
-        "kill -> the survivors' next completed step, beside the restart",
+        help="also run 4 ranks as 2 simulated nodes of 2, with --replace-in-place and without: "
+        "each rank's training process SIGKILLed in turn, then a node; kill -> the survivors' "
+        "next completed step in both modes",
     )
     benches["persist"].add_argument(
         "--device", default="cpu", help="where the state lives: cpu, or cuda for GPU memory"

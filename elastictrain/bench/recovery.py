@@ -10,7 +10,8 @@ Launches a real 2-worker ``torchrun --standalone`` job of the toy task (its stat
 - probe, build, load: the storage probe, the model and optimizer build, the checkpoint load
 - first step: the DDP wrap and the first training step
 
-In the same run it measures a bare torchrun restart of a no-op script that only imports torch,
+With ``--in-place`` it also runs ``bench.in_place``: in-place recovery beside restart-all on one
+job of 4 ranks as 2 simulated nodes of 2. In the same run it measures a bare torchrun restart of a no-op script that only imports torch,
 and the cold read bandwidth of the checkpoint file, for the target
 ``total <= 1.2 x (bare restart + checkpoint bytes / read bandwidth)``.
 """
@@ -27,7 +28,15 @@ import tempfile
 import time
 from typing import Any
 
-from elastictrain.bench.child import Torchrun, child_env, drop_cache, events_in, wait_for
+from elastictrain.bench import in_place as bench_in_place
+from elastictrain.bench.child import (
+    Torchrun,
+    child_env,
+    drop_cache,
+    events_in,
+    toy_job_args,
+    wait_for,
+)
 from elastictrain.observe.events import Event
 
 _FAILED_LINE = re.compile(r"^[EW]\d{4} (\d\d:\d\d:\d\d\.\d+) .*failed \(exitcode", re.M)
@@ -55,14 +64,6 @@ def _new_worker(job: Torchrun, old: set[int]) -> int | None:
     return pid if pid is not None and pid not in old else None
 
 
-def _job_args(ckpt: str, ev: str, size: int) -> list[str]:
-    layers = max(1, round(size / (8 * 1024 * 1024)))  # weights + momentum of 1024x1024 fp32 layers
-    return ["-m", "elastictrain", "--checkpoint-dir", ckpt, "--event-log", ev,
-            "--max-steps", "1000000", "--checkpoint-every-steps", "20",
-            "--task-option", "hidden=1024", "--task-option", f"layers={layers}",
-            "--task-option", "batch_size=32"]  # fmt: skip
-
-
 def _wait_checkpoint(ev: str, job: Torchrun) -> None:
     """Until the job has committed a checkpoint: the kill then has something to resume."""
     wait_for(
@@ -70,47 +71,9 @@ def _wait_checkpoint(ev: str, job: Torchrun) -> None:
     )
 
 
-def measure_in_place(workdir: str, size: int) -> dict[str, Any]:
-    """The same job with --replace-in-place: SIGKILL rank 1's training process once the job has
-    a checkpoint; kill -> rank 0's (a survivor's) next completed step."""
-    ckpt, ev = os.path.join(workdir, "ckpt-in-place"), os.path.join(workdir, "in-place.jsonl")
-    args = [*_job_args(ckpt, ev, size), "--replace-in-place"]
-    job = Torchrun(args, os.path.join(workdir, "in-place.log"), child_env())
-    try:
-        _wait_checkpoint(ev, job)
-        (start,) = [e for e in events_in(ev) if e["event"] == Event.START]
-        t_kill = time.time()
-        os.kill(start["processes"][1][1], signal.SIGKILL)
-
-        def since_kill() -> list[dict[str, Any]]:
-            return [e for e in events_in(ev) if e["time"] > t_kill]
-
-        wait_for(
-            lambda: any(e["event"] == Event.FIRST_STEP for e in since_kill()),
-            120,
-            "the survivors' next step",
-            job,
-        )
-        after = since_kill()
-        first = next(e for e in after if e["event"] == Event.FIRST_STEP)
-        epoch = next(e for e in after if e["event"] == Event.START)
-        resume = next(e for e in after if e["event"] == Event.RESUME)
-    finally:
-        job.stop()
-    return {
-        "state_bytes": resume["bytes"],
-        "detect_s": epoch["detected_s"],
-        "init_s": epoch["init_s"],
-        "load_s": first["resume_s"],
-        "first_step_s": first["ddp_s"] + first["step_s"],
-        "total_s": first["time"] - t_kill,
-        "restart_count": epoch["restart_count"],
-    }
-
-
 def measure_elastictrain(workdir: str, size: int) -> dict[str, Any]:
     ckpt, ev = os.path.join(workdir, "ckpt"), os.path.join(workdir, "events.jsonl")
-    job = Torchrun(_job_args(ckpt, ev, size), os.path.join(workdir, "job.log"), child_env())
+    job = Torchrun(toy_job_args(ckpt, ev, size), os.path.join(workdir, "job.log"), child_env())
     try:
         _wait_checkpoint(ev, job)
         old = set(job.workers().values())
@@ -194,7 +157,7 @@ def run(size: int, in_place: bool = False) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as workdir:
         ours = measure_elastictrain(workdir, size)
         bare = measure_bare(workdir)
-        replaced = measure_in_place(workdir, size) if in_place else None
+        replaced = bench_in_place.run(workdir, size) if in_place else None
     budget = bare["total_s"] + ours["checkpoint_bytes"] / (ours["read_gbps"] * 1e9)
     return {
         "elastictrain": ours,
@@ -231,15 +194,7 @@ def table(r: dict[str, Any]) -> str:
         f"{r['ratio_to_bare_plus_read']:.2f} (target <= 1.2)"
     )
     if "in_place" in r:
-        ip = r["in_place"]
-        lines.append(
-            f"--replace-in-place, rank 1's training process SIGKILLed: kill -> the survivors' "
-            f"next step {ip['total_s']:.3f} s (failure seen {ip['detect_s']:.3f} s, epoch init "
-            f"{ip['init_s']:.3f} s, state from a survivor {ip['load_s']:.3f} s, DDP wrap + "
-            f"step {ip['first_step_s']:.3f} s; {ip['state_bytes'] / 1e6:.1f} MB; torchrun "
-            f"restarts {ip['restart_count']}), {ours['total_s'] / ip['total_s']:.1f}x faster "
-            "than the restart above"
-        )
+        lines += ["", bench_in_place.table(r["in_place"])]
     return "\n".join(lines)
 
 

@@ -253,6 +253,7 @@ class CheckpointManager:
         """A peer's process died during ``step``: the next epoch, resumed in place; its step."""
         carry = LiveState(step, tstate.capture(state, step=step), self.last_committed, time.time())
         logger.warning("a peer's training process is gone at step %d (%s); regrouping", step, error)
+        library.leave(carry)
         self._session.abandon()
         self._group = None  # the failed epoch's: its default group's teardown ends it
         phase = contextlib.nullcontext()
