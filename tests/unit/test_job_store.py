@@ -18,6 +18,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
+from elastictrain import job_store
 from elastictrain.env import DistEnv, StoreAddress, rendezvous_in_command, rendezvous_store
 from elastictrain.errors import InitTimeoutError, StoreSilentError
 from elastictrain.job_store import JobStore, connect
@@ -179,3 +180,23 @@ def test_liveness_watches_the_store_from_the_first_request_of_init():
         rank.stop()
     assert reasons and reasons[0].startswith("torchrun's rendezvous store at h:1 stopped answering")
     assert time.monotonic() - t0 < 0.4 + 3 * 0.05 + 0.5
+
+
+def test_an_in_place_connect_opens_no_bare_socket_which_stalls_the_store(store_server, monkeypatch):
+    """A bare connection to a TCPStore server (connected, closed unused: the wait for the store's
+    host at a start) can leave every other client of the server waiting 5 s: 6 requests in 300
+    did, each after one, on both of torch 2.13's server backends (a loop on this VM, 2026-12-05),
+    and one in-place recovery in three at 4 ranks did (``bench recovery --in-place``). An
+    in-place epoch's connect (``store_up``: the store answered moments ago) makes none."""
+    port = free_port()
+    store_server(port)
+    bare = []
+    real = job_store.socket.create_connection
+    monkeypatch.setattr(
+        job_store.socket, "create_connection", lambda *a, **k: bare.append(a) or real(*a, **k)
+    )
+    connect(_env(port=port), timeout_s=5, silent_s=5.0)
+    assert len(bare) == 1  # a start waits for the host to listen
+    job = connect(_env(port=port), timeout_s=5, silent_s=5.0, store_up=True)
+    job.store.set("k", "v")
+    assert job.store.get("k") == b"v" and len(bare) == 1
