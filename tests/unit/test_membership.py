@@ -6,11 +6,13 @@ from __future__ import annotations
 import threading
 import time
 from datetime import timedelta
+from types import SimpleNamespace
 
 import torch.distributed as dist
 
+from elastictrain import membership
 from elastictrain.handshake import ATTEMPT_KEY
-from elastictrain.membership import is_peer_loss, join_as_replacement, publish, regroup
+from elastictrain.membership import LiveState, is_peer_loss, join_as_replacement, publish, regroup
 
 
 def _store() -> dist.TCPStore:
@@ -56,6 +58,43 @@ def test_a_member_not_back_within_the_wait_is_dropped_and_a_late_one_learns_it()
     results: dict = {}
     _back(server, "n2", [0, 1, 2, 3], [0, 1, 3], results, late=(3,))
     assert results == {0: [0, 1], 1: [0, 1], 3: None}
+
+
+def test_a_survivor_counted_back_as_it_leaves_is_not_counted_again(monkeypatch):
+    """Survivors count themselves back the moment they see the death (``leave``), before their
+    teardown; their regroup must not count them a second time, or the count is full before the
+    dead rank's replacement is back, which is then dropped with its node."""
+    shut = []
+    monkeypatch.setattr(membership, "leave_collectives", lambda env: shut.append(env))
+    server = _store()
+    server.set(ATTEMPT_KEY, "n3")
+    publish(server, "n3", [0, 1, 2])
+    results: dict = {}
+    for r in (0, 2):  # survivors; rank 1 died
+        carry = LiveState(5, {}, None, time.time(), nonce="n3", members=[0, 1, 2])
+        membership.leave(carry, _client(server), SimpleNamespace(rank=r))
+        assert carry.counted_in
+
+    def survivor(r):
+        results[r] = regroup(
+            _client(server), "n3", [0, 1, 2], r, wait_s=2.0, timeout_s=5, counted=True
+        )
+
+    def replacement():
+        time.sleep(0.5)  # its spare is told to go, then joins
+        results[1] = join_as_replacement(_client(server), 1, wait_s=2.0, timeout_s=5)
+
+    threads = [threading.Thread(target=survivor, args=(r,)) for r in (0, 2)]
+    threads.append(threading.Thread(target=replacement))
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert results == {0: [0, 1, 2], 1: [0, 1, 2], 2: [0, 1, 2]}
+    assert [env.rank for env in shut] == [
+        0,
+        2,
+    ]  # each failed every collective blocked on it before counting in
 
 
 def test_peer_loss_is_told_from_this_ranks_own_errors():
