@@ -209,6 +209,15 @@ class Job:
             return f.read()
 
 
+def wait_for_spares(job, rank: int, n: int) -> None:
+    """Until ``rank`` has had ``n`` spares ready (imported and built): a kill before its spare is
+    ready (seconds, on a loaded machine) is a different case, a rank back too late."""
+    deadline = time.monotonic() + 120
+    while job.log().count(f"spare for rank {rank} ready") < n:
+        assert time.monotonic() < deadline and job.proc.poll() is None, job.log()[-3000:]
+        time.sleep(0.1)
+
+
 def wait_for_event(
     path: str, predicate: Callable[[dict[str, Any]], bool], timeout: float, job: Job | None = None
 ) -> dict[str, Any]:

@@ -3,6 +3,7 @@ from the killed run's event log), the toy script, model-parallel DDP on CPU, and
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import shutil
 import signal
@@ -22,7 +23,9 @@ from tests.helpers.launcher import (
     job_env,
     run_single,
     wait_for_event,
+    wait_for_spares,
 )
+from tests.helpers.restart_loop import wait_for_count
 
 DIGITS_STEPS = 200  # 0.972 / EMA 0.967 held-out accuracy (deterministic); asserted >= 0.95
 # The README's full-job command: everything a real job adds, at once.
@@ -162,10 +165,17 @@ def custom_loop_args(ckpt: str, events: str) -> list[str]:
 
 
 @pytest.mark.slow
-def test_library_mode_custom_loop_killed_and_preempted_resumes_exactly(launch, tmp_path):
+def test_library_mode_custom_loop_killed_preempted_or_replaced_in_place_ends_exactly(
+    launch, tmp_path
+):
     """The tutorial's loop shape under plain torchrun, with no special environment: SIGKILLed
     three times (each restart must get through init, where plain init_process_group fails now and
-    then), then preempted and relaunched, it ends bit for bit where an uninterrupted run ends."""
+    then), then preempted and relaunched, it ends bit for bit where an uninterrupted run ends.
+    Beside it, the same loop in place (``--replace-in-place``: ``init_distributed(
+    replace_in_place=True)`` and ``CheckpointManager.run``), rank 1's training process SIGKILLed,
+    then rank 0's: the survivor keeps its process and state each time, torchrun restarts
+    nothing, the state comes from the survivor's memory, and it ends bit for bit there too (the
+    user's ``extra`` as well)."""
     script = (os.path.join(REPO_ROOT, "examples", "custom_loop.py"),)
     env = job_env()
     assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in env
@@ -177,6 +187,14 @@ def test_library_mode_custom_loop_killed_and_preempted_resumes_exactly(launch, t
     job = launch(
         custom_loop_args(ckpt, ev), entry=script, env=env, max_restarts=KILLS, name="killed"
     )
+    in_place_dir, in_place_ev = str(tmp_path / "in-place"), str(tmp_path / "in-place.jsonl")
+    in_place_args = [*custom_loop_args(in_place_dir, in_place_ev), "--replace-in-place"]
+    # Time to kill twice (the reference runs at full speed); a replacement is waited for as long
+    # as this loaded machine needs (the default --replace-wait would drop a late one).
+    in_place_args += ["--step-time", "0.04", "--replace-wait", "10"]
+    in_place = launch(in_place_args, entry=script, max_restarts=0, name="in-place")
+    # Its kills run beside the killed job's, which must land before that job's 400 steps end.
+    killer = concurrent.futures.ThreadPoolExecutor(1).submit(_kill_twice, in_place, in_place_ev)
     resumed_at = 0
     for kill in range(KILLS):
         # A checkpoint past the last resume, so each attempt has trained before it dies.
@@ -218,6 +236,39 @@ def test_library_mode_custom_loop_killed_and_preempted_resumes_exactly(launch, t
     ref_state, got = final_state(ref_dir), final_state(ckpt)
     assert_bitwise_equal(ref_state, got)
     assert got["extra"] == ref_state["extra"]  # the user's own state round-trips too
+    killer.result()
+    _assert_replaced_in_place(in_place, in_place_ev, in_place_dir, ref_state)
+
+
+def _kill_twice(job, ev: str) -> None:
+    """Rank 1's training process, then rank 0's, SIGKILLed once each epoch has trained and the
+    rank's spare is ready."""
+    for epoch, rank in enumerate((1, 0)):
+        wait_for_count(ev, Event.RESUME, epoch + 1, 90, job)
+        wait_for_event(
+            ev, lambda e, n=epoch: e["event"] == Event.CHECKPOINT and e["step"] > 20 * n, 90, job
+        )
+        wait_for_spares(job, rank=rank, n=1)
+        job.kill_training_process(ev, rank=rank, epoch=epoch)
+
+
+def _assert_replaced_in_place(job, ev: str, run_dir: str, ref_state: dict) -> None:
+    """Both kills replaced in place, survivors kept, bitwise the reference."""
+    assert job.wait(180) == 0, job.log()[-3000:]
+    events = read_events(ev)
+    starts = [e for e in events if e["event"] == Event.START]
+    pids = [[pid for _, pid in e["processes"]] for e in starts]
+    assert [e["restart_count"] for e in starts] == [0, 0, 0], starts
+    assert [e.get("began") for e in starts] == [None, "replaced in place", "replaced in place"]
+    assert [e.get("replaced_ranks") for e in starts] == [None, [1], [0]]
+    assert pids[1][0] == pids[0][0] and pids[2][1] == pids[1][1], pids  # the survivors
+    assert pids[1][1] not in pids[0] and pids[2][0] not in pids[1], pids  # the replacements
+    resumes = [e for e in events if e["event"] == Event.RESUME]
+    assert [e.get("tier") for e in resumes[1:]] == ["live", "live"], resumes
+    assert all(e["remote_bytes"] == 0 for e in resumes[1:])
+    got = final_state(run_dir)
+    assert_bitwise_equal(ref_state, got)
+    assert got["extra"] == ref_state["extra"]
 
 
 def test_a_final_save_at_a_step_committed_in_the_background_returns_on_every_rank(launch, tmp_path):

@@ -3,7 +3,6 @@ other ranks keep their processes and their state; torchrun never sees a failure.
 
 from __future__ import annotations
 
-import os
 import signal
 import time
 import uuid
@@ -15,7 +14,6 @@ from elastictrain.observe.events import Event, read_events, read_sample_log
 from tests.helpers.elastic import assert_exactly_once
 from tests.helpers.kill_during_persist import TOY, _wait_half_written
 from tests.helpers.launcher import (
-    REPO_ROOT,
     TWO_NODES,
     assert_bitwise_equal,
     final_state,
@@ -23,22 +21,13 @@ from tests.helpers.launcher import (
     node_env,
     toy_args,
     wait_for_event,
+    wait_for_spares,
 )
 from tests.helpers.net import free_port
 from tests.helpers.restart_loop import wait_for_count
-from tests.integration.test_examples import custom_loop_args
 
 STEPS = 220
 TOY_ARGS = tuple(a for opt in TOY for a in ("--task-option", opt))  # ~40 MB: a persist to aim at
-
-
-def _wait_spares(job, rank: int, n: int) -> None:
-    """Until ``rank`` has had ``n`` spares ready (imported and built): a kill before its spare is
-    ready (seconds, on a loaded machine) is a different case, a rank back too late."""
-    deadline = time.monotonic() + 120
-    while job.log().count(f"spare for rank {rank} ready") < n:
-        assert time.monotonic() < deadline and job.proc.poll() is None, job.log()[-3000:]
-        time.sleep(0.1)
 
 
 def _wait_epoch_began(events: str, n: int, job) -> None:
@@ -68,14 +57,14 @@ def test_killed_training_processes_are_replaced_in_place_bitwise(launch, tmp_pat
         env=job_env(ELASTICTRAIN_LOG_LEVEL="INFO"),  # every rank's spare says when it is ready
     )
     _wait_epoch_began(ev, 0, job)
-    _wait_spares(job, rank=1, n=1)
+    wait_for_spares(job, rank=1, n=1)
     killed = [job.kill_training_process(ev, rank=1, epoch=0)]
     _wait_epoch_began(ev, 1, job)
-    _wait_spares(job, rank=0, n=1)
+    wait_for_spares(job, rank=0, n=1)
     torn = _wait_half_written(run_dir, 60, job)
     killed.append(job.kill_training_process(ev, rank=0, epoch=1))
     _wait_epoch_began(ev, 2, job)
-    _wait_spares(job, rank=0, n=2)
+    wait_for_spares(job, rank=0, n=2)
     torn_copy = _wait_half_written(shm, 60, job)
     killed.append(job.kill_training_process(ev, rank=0, epoch=2))
     _wait_epoch_began(ev, 3, job)
@@ -88,8 +77,8 @@ def test_killed_training_processes_are_replaced_in_place_bitwise(launch, tmp_pat
     newest = wait_for_event(
         ev, lambda e: e["event"] == Event.CHECKPOINT and e["time"] > t3, 90, job
     )
-    _wait_spares(job, rank=0, n=3)
-    _wait_spares(job, rank=1, n=2)
+    wait_for_spares(job, rank=0, n=3)
+    wait_for_spares(job, rank=1, n=2)
     job.kill_training_process(ev, rank=1, epoch=3)
     time.sleep(0.05)
     job.kill_training_process(ev, rank=0, epoch=3)
@@ -223,43 +212,3 @@ def test_a_frozen_then_a_lost_node_is_dropped_in_place_and_the_job_grows_back(la
         f"\nnode frozen -> node 0's next step at world size 1: {thawed['time'] - t_freeze:.2f}s "
         f"(--silent-timeout 4); node SIGKILLed -> {lost['time'] - t_kill:.2f}s"
     )
-
-
-@pytest.mark.slow
-def test_library_mode_replaces_killed_training_processes_in_place_bitwise(launch, tmp_path):
-    """``examples/custom_loop.py`` with ``init_distributed(replace_in_place=True)`` and
-    ``CheckpointManager.run``: rank 1's training process SIGKILLed, then rank 0's. The survivor
-    keeps its process and state each time, torchrun restarts nothing, the state comes from the
-    survivor's memory, and the final state (the user's ``extra`` too) equals an uninterrupted
-    run's."""
-    script = (os.path.join(REPO_ROOT, "examples", "custom_loop.py"),)
-    ref_dir = str(tmp_path / "ref")
-    ref = launch(custom_loop_args(ref_dir, str(tmp_path / "ref.jsonl")), entry=script, name="ref")
-    run_dir, ev = str(tmp_path / "run"), str(tmp_path / "run.jsonl")
-    args = [*custom_loop_args(run_dir, ev), "--replace-in-place", "--replace-wait", "10"]
-    args += ["--step-time", "0.04"]  # time to kill twice; the reference runs at full speed
-    job = launch(args, entry=script, max_restarts=0, name="in-place")
-    for epoch, rank in enumerate((1, 0)):
-        wait_for_count(ev, Event.RESUME, epoch + 1, 90, job)
-        wait_for_event(
-            ev, lambda e, n=epoch: e["event"] == Event.CHECKPOINT and e["step"] > 20 * n, 90, job
-        )
-        _wait_spares(job, rank=rank, n=1)
-        job.kill_training_process(ev, rank=rank, epoch=epoch)
-    assert job.wait(180) == 0, job.log()[-3000:]
-    assert ref.wait(120) == 0, ref.log()[-3000:]
-
-    events = read_events(ev)
-    starts = [e for e in events if e["event"] == Event.START]
-    pids = [[pid for _, pid in e["processes"]] for e in starts]
-    assert [e["restart_count"] for e in starts] == [0, 0, 0], starts
-    assert [e.get("began") for e in starts] == [None, "replaced in place", "replaced in place"]
-    assert [e.get("replaced_ranks") for e in starts] == [None, [1], [0]]
-    assert pids[1][0] == pids[0][0] and pids[2][1] == pids[1][1], pids  # the survivors
-    assert pids[1][1] not in pids[0] and pids[2][0] not in pids[1], pids  # the replacements
-    resumes = [e for e in events if e["event"] == Event.RESUME]
-    assert [e.get("tier") for e in resumes[1:]] == ["live", "live"], resumes
-    assert all(e["remote_bytes"] == 0 for e in resumes[1:])
-    ref_state, got = final_state(ref_dir), final_state(run_dir)
-    assert_bitwise_equal(ref_state, got)
-    assert got["extra"] == ref_state["extra"]

@@ -8,6 +8,7 @@ import re
 
 import pytest
 
+from elastictrain.bench import in_place as bench_in_place
 from elastictrain.checkpoint.api import Tier
 from tests.helpers.launcher import REPO_ROOT, final_state, run_single
 
@@ -64,8 +65,10 @@ def test_bench_recovery_gives_sane_figures_and_in_place_keeps_4_ranks_of_2_nodes
     --replace-in-place: each rank's training process SIGKILLed in turn (rank 0 last), every
     recovery in place at 4 ranks (a survivor blocked on another survivor, not on the dead rank,
     used to hang), then a node lost and the other going on at 2, with torchrun restarting
-    nothing; the same job without the flag restarts every time, and takes longer."""
-    out = run_single(["bench", "recovery", "--size", "1MB", "--in-place", "--json"], REPO_ROOT, 280)
+    nothing, each recovery well within the 2-rank restart measured just before. (The bench's
+    restart-all twin of the 4-rank job is left to ``bench recovery --in-place``: it adds a
+    dozen process starts to the suite and guards nothing the restart tests do not.)"""
+    out = run_single(["bench", "recovery", "--size", "1MB", "--json"], REPO_ROOT, 240)
     assert out.returncode == 0, out.stderr[-3000:]
     recovery = json.loads(out.stdout)
     ours, bare = recovery["elastictrain"], recovery["bare_torchrun"]
@@ -77,19 +80,16 @@ def test_bench_recovery_gives_sane_figures_and_in_place_keeps_4_ranks_of_2_nodes
     assert (
         recovery["ratio_to_bare_plus_read"] > 1.0
     )  # a restart with a load costs more than one without
-    in_place, restart = recovery["in_place"]["in_place"], recovery["in_place"]["restart_all"]
+    in_place = bench_in_place.measure(str(tmp_path), 1 << 20, in_place=True)
     kills = in_place["rank_kills"]
     assert [(k["world_size"], k["began"], k["restart_count"]) for k in kills] == [
         (4, "replaced in place", 0)
     ] * 4, kills
     lost = in_place["node_kill"]
     assert (lost["world_size"], lost["began"], lost["restart_count"]) == (2, "shrunk in place", 0)
-    assert [k["restart_count"] > 0 for k in restart["rank_kills"]] == [True], restart
-    assert restart["node_kill"]["world_size"] == 2 and restart["node_kill"]["restart_count"] > 0
-    # Side by side in one run: no in-place recovery waits anything like a restart (a 5 s stall
+    # Side by side in one test: no in-place recovery waits anything like a restart (a 5 s stall
     # of the job's store, once one recovery in three, would).
-    worst = max(k["kill_to_step_s"] for k in kills)
-    assert worst < restart["median_kill_to_step_s"] / 2, (kills, restart)
+    assert max(k["kill_to_step_s"] for k in kills) < ours["total_s"], (kills, ours)
 
 
 @pytest.mark.slow
