@@ -126,7 +126,10 @@ def _figure(first: dict, start: dict, t_kill: float) -> dict[str, Any]:
     }
 
 
-def measure(workdir: str, size: int, in_place: bool) -> dict[str, Any]:
+def measure(
+    workdir: str, size: int, in_place: bool, ranks: tuple[int, ...] = KILLED_RANKS
+) -> dict[str, Any]:
+    """``ranks``: whose training process is SIGKILLed in turn, in place (restart-all: rank 1)."""
     name = "in-place" if in_place else "restart-all"
     ckpt, ev = os.path.join(workdir, f"ckpt-{name}"), os.path.join(workdir, f"{name}.jsonl")
     job = _TwoNodes(workdir, name, _args(ckpt, ev, size, in_place))
@@ -134,7 +137,7 @@ def measure(workdir: str, size: int, in_place: bool) -> dict[str, Any]:
     try:
         wait_for(lambda: _checkpoint_at_full_size(ev), 240, "a checkpoint at 4 ranks", watch)
         kills, replaced = [], dict.fromkeys(range(2 * NPROC), 0)
-        for rank in KILLED_RANKS if in_place else (1,):
+        for rank in ranks if in_place else (1,):
             if in_place:
                 # Every rank's spare ready (imported and built), the last replacement's new one
                 # too: a kill while spares still import measures this host's 2 cores, not the
