@@ -40,8 +40,10 @@ class Replicate:
         if any(type(p) is not nn.Parameter for p in model.parameters()):
             refuse_model_parallelism(model, None)
 
-    def wrap(self, model: nn.Module, device: torch.device, model_devices: Any) -> nn.Module:
-        return wrap_ddp(model, device, model_devices)
+    def wrap(
+        self, model: nn.Module, device: torch.device, model_devices: Any, synced: bool = False
+    ) -> nn.Module:
+        return wrap_ddp(model, device, model_devices, synced)
 
 
 class Shard:
@@ -57,7 +59,9 @@ class Shard:
     def place(self, model: nn.Module, task_shard: Any, device: torch.device, world: int) -> None:
         shard(model, task_shard, device, self.shape or MeshShape(dp_shard=world))
 
-    def wrap(self, model: nn.Module, device: torch.device, model_devices: Any) -> nn.Module:
+    def wrap(
+        self, model: nn.Module, device: torch.device, model_devices: Any, synced: bool = False
+    ) -> nn.Module:
         return model  # sharded in place by ``place``
 
 
@@ -230,12 +234,17 @@ def check_ties_grouped(model: nn.Module, tied: dict[int, list[str]]) -> None:
             )
 
 
-def wrap_ddp(model: nn.Module, device: torch.device, model_devices: Any) -> nn.Module:
+def wrap_ddp(
+    model: nn.Module, device: torch.device, model_devices: Any, synced: bool = False
+) -> nn.Module:
+    """``synced``: every rank holds the same parameters and buffers already (an in-place epoch:
+    each loaded the same verified bytes from a survivor), so DDP's broadcast of them from rank 0
+    is skipped: the state's size once more over the network, in the survivors' stall."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     # device_ids=None for a CPU model and for a module that spans devices (the tutorial's MP-DDP).
     single_gpu = device.type == "cuda" and not model_devices
-    return DDP(model, device_ids=[device.index] if single_gpu else None)
+    return DDP(model, device_ids=[device.index] if single_gpu else None, init_sync=not synced)
 
 
 @contextlib.contextmanager

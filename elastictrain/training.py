@@ -54,7 +54,9 @@ def train(attempt: Attempt, live: Live | None = None) -> int:
     # Where a (re)start's time goes, for the first_step event. ddp_s (DDP wrap, loader,
     # bucket priming) runs from here to the loop's start, which adds its own clock to it.
     startup = {"build_s": t1 - t0, "probe_s": t2 - t1, "resume_s": t3 - t2, "ddp_s": -t3}
-    model = attempt.parallelism.wrap(state.model, attempt.device, attempt.task.model_devices)
+    model = attempt.parallelism.wrap(
+        state.model, attempt.device, attempt.task.model_devices, synced=live is not None
+    )
     data = attempt.data
     sample_log = SampleLog(
         # One ledger per data-parallel rank: a tensor-parallel group trains on one share.
