@@ -15,7 +15,9 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import statistics
+import sys
 import time
 from typing import Any
 
@@ -29,19 +31,22 @@ _RDZV_CONF = "last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=3
 
 
 def _node_command(node: int, port: int, run_id: str, args: list[str]) -> list[str]:
-    import sys
-
     return [
-        sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2",
-        f"--nproc_per_node={NPROC}", "--max-restarts=3", "--rdzv-backend=c10d",
-        f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={run_id}",
-        f"--rdzv-conf={_RDZV_CONF},is_host={1 if node == 0 else 0}", *args,
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=1:2",
+        f"--nproc_per_node={NPROC}",
+        "--max-restarts=3",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{port}",
+        f"--rdzv-id={run_id}",
+        f"--rdzv-conf={_RDZV_CONF},is_host={1 if node == 0 else 0}",
+        *args,
+    ]
 
 
 def _free_port() -> int:
-    import socket
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -64,7 +69,7 @@ class _TwoNodes:
                 os.path.join(workdir, f"{name}-node{n}.log"),
                 env,
                 command=_node_command(n, port, run_id, args),
-            )  # fmt: skip
+            )
             for n in (0, 1)
         ]
 
@@ -100,8 +105,10 @@ def _first_step_after(ev: str, t: float, job: Torchrun) -> tuple[dict, dict]:
     """The first step after wall-clock time ``t``, and the ``start`` of its epoch."""
     first = wait_for(
         lambda: [e for e in events_in(ev) if e["event"] == Event.FIRST_STEP and e["time"] > t],
-        180, "the next step", job,
-    )[0]  # fmt: skip
+        180,
+        "the next step",
+        job,
+    )[0]
     start = [e for e in events_in(ev) if e["event"] == Event.START and e["time"] > t][-1]
     return first, start
 
@@ -191,9 +198,12 @@ def table(r: dict[str, Any]) -> str:
     )
     parts = ", ".join(
         f"{what} {statistics.median(k[key] for k in ip['rank_kills']):.3f} s"
-        for what, key in (("epoch init", "init_s"), ("state from a survivor", "load_s"),
-                          ("DDP wrap + step", "first_step_s"))
-    )  # fmt: skip
+        for what, key in (
+            ("epoch init", "init_s"),
+            ("state from a survivor", "load_s"),
+            ("DDP wrap + step", "first_step_s"),
+        )
+    )
     lines.append(f"in place, a rank's kill (medians): {parts}")
     restarts = [k["restart_count"] for k in [*ip["rank_kills"], ip["node_kill"]]]
     lines.append(
