@@ -202,11 +202,13 @@ class RunConfig:
     the group without a frozen host instead of waiting --collective-timeout. Above the 10 s stall
     a live rank must survive (swap storm, long GC). 0 turns liveness off."""
     replace_in_place: bool = False
-    """Keep the ranks that did not fail training (--parallel ddp): each rank's process supervises
-    its training process and a pre-imported spare; a training process that dies (SIGKILL, OOM, a
-    segfault) is replaced by the spare, which receives the state from a survivor's memory, and
-    only the step in flight is redone. Anything else falls back to torchrun's restart of the
-    group (docs/faults.md, "In-place recovery")."""
+    """Keep the ranks that did not fail training: each rank's process supervises its training
+    process and a pre-imported spare; a training process that dies (SIGKILL, OOM, a segfault) is
+    replaced by the spare, which receives the state from a survivor's memory (DDP: any survivor;
+    HSDP: its shards' twin in another replica), and only the step in flight is redone. FSDP
+    without replicas rolls every rank back to the fast tier's newest whole copy, in the same
+    processes. Anything else falls back to torchrun's restart of the group (docs/faults.md,
+    "In-place recovery")."""
     replace_wait: float = setting(0.5, metavar="SECONDS")
     """Seconds the survivors wait for a dead rank's replacement (its spare answers within a
     tenth of a second) before going on without it: a rank not back by then is taken for lost with
@@ -244,12 +246,6 @@ class RunConfig:
                 f"--silent-timeout must be 0 (off) or at least twice --heartbeat-seconds "
                 f"({2 * self.heartbeat_seconds:g}s), got {self.silent_timeout!r}: a rank is only "
                 "silent after missing more than one beat."
-            )
-        if self.replace_in_place and self.parallel != "ddp":
-            raise ConfigError(
-                f"--replace-in-place keeps survivors training with --parallel ddp only; with "
-                f"--parallel {self.parallel} a dead rank's shards are in no survivor's memory. "
-                "Drop --replace-in-place (a death then restarts the group from the checkpoints)."
             )
         if not (_positive(self.replace_timeout) and _positive(self.replace_wait)):
             raise ConfigError(

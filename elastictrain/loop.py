@@ -47,6 +47,7 @@ class Trainer:
         seed: int,
         clip_grad_norm: float | None = None,
         on_share: Callable[[int, int, Share], None] | None = None,
+        before_update: Callable[[], None] | None = None,
     ) -> None:
         self.task = task
         self.model = model
@@ -60,6 +61,9 @@ class Trainer:
         self.clip_grad_norm = clip_grad_norm
         self.on_share = on_share
         """Called with (step, micro, share) before any collective: a hook for the sample ledger."""
+        self.before_update = before_update
+        """Called once every gradient is synced, before the optimizer changes anything: in-place
+        recovery's gate, so a death mid-step leaves every rank's state at the same step."""
         self.timer = StepTimer()
         self.means = RunningMeans(device)
         self.grad_norm: torch.Tensor | None = None
@@ -127,6 +131,8 @@ class Trainer:
             self.grad_norm = parallel.full(
                 torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip_grad_norm)
             )
+        if self.before_update is not None:
+            self.before_update()
         self.precision.step(self.optimizer)
         if self.scheduler is not None:
             self.scheduler.step()

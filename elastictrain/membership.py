@@ -59,6 +59,8 @@ class LiveState:
     """The failed epoch's members, by torchrun rank (its ranks in order)."""
     counted_in: bool = False
     """Counted back for the next epoch already (:func:`leave`)."""
+    layout: str | None = None
+    """Sharded state: which chunks ``captured`` holds (``checkpoint.resume.live_shards``)."""
 
 
 class PeerLost(Exception):
@@ -224,7 +226,9 @@ class Epoch:
             "replaced_ranks": self.replaced,
             "failed_at": self.died_at,
             "detected_s": None if self.detected_s is None else round(self.detected_s, 4),
-            **({"resumed_step": self.newest_step} if self.in_place else {}),
+            # The newest step a survivor held: the resume's step when every shard is held (a
+            # rollback to the copies, sharded without replicas, resumes older: its event says).
+            **({"held_step": self.newest_step} if self.in_place else {}),
         }
 
 

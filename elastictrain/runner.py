@@ -23,7 +23,6 @@ from elastictrain import membership, mesh, streams, supervisor, training
 from elastictrain.attempt import Attempt
 from elastictrain.checkpoint.resume.live import Live
 from elastictrain.checkpoint.session import CheckpointSession, install_stop_signals
-from elastictrain.checkpoint.state import train_state as tstate
 from elastictrain.config import RunConfig
 from elastictrain.data import GlobalBatchSampler
 from elastictrain.env import DistEnv, read_env
@@ -95,7 +94,7 @@ def run(cfg: RunConfig, early_signals: StopSignals | None = None) -> int:
         last_words=last_words,
     )
     watchdog.start()
-    built = _Built(cfg, env, task, sampler, device, shape, watchdog, signals, last_words, agent_pid)
+    built = _Built(cfg, env, task, sampler, device, watchdog, signals, last_words, agent_pid)
     carry = None
     try:
         while True:
@@ -125,7 +124,6 @@ class _Built:
     task: Task
     sampler: GlobalBatchSampler | None
     device: torch.device
-    shape: mesh.MeshShape | None
     watchdog: HangWatchdog
     signals: StopSignals
     last_words: LastWords
@@ -167,11 +165,14 @@ def _epoch(b: _Built, carry: LiveState | None, died_at: float | None) -> int:
         return EXIT_INIT_TIMEOUT
     # The epoch's ranks are its members in torchrun's order: after a lost node, fewer of them.
     env = dataclasses.replace(b.env, rank=members.index(b.env.rank), world_size=len(members))
-    data = mesh.data_ranks(b.shape, env.rank, env.world_size)
+    # A lost node takes a replica (HSDP) or shards (FSDP) with it: the mesh of what is left.
+    shape = mesh.resolve(cfg.parallel, cfg.mesh, env.world_size, env.local_world_size)
+    task = b.task if carry is None else _fresh_model(b)
+    data = mesh.data_ranks(shape, env.rank, env.world_size)
     mesh.use(data)
     if b.sampler is not None:
         b.sampler.share(0, data.rank, data.size)  # the global batch over the new world size
-    check_micro_steps(b.task.batch_size, data.size, cfg.grad_accum_steps)
+    check_micro_steps(task.batch_size, data.size, cfg.grad_accum_steps)
     # Beats carry the watchdog's step and phase; the watchdog asks liveness whether a peer in a
     # gate excuses a slow step.
     liveness = Liveness(
@@ -237,7 +238,7 @@ def _epoch(b: _Built, carry: LiveState | None, died_at: float | None) -> int:
         logger.info(
             "started: world size %d%s, restart %d, generation %d, device %s, init %.2fs%s%s",
             env.world_size,
-            f" (mesh {b.shape.describe()})" if b.shape else "",
+            f" (mesh {shape.describe()})" if shape else "",
             env.restart_count,
             groups.attempt.generation,
             b.device,
@@ -251,12 +252,8 @@ def _epoch(b: _Built, carry: LiveState | None, died_at: float | None) -> int:
             **epoch.start_fields(),
             **({"dropped_ranks": dropped} if dropped else {}),
         )
-        attempt = Attempt(cfg, env, b.task, b.sampler, b.device, groups, session, watchdog, b.shape)
-        live = None
-        if epoch.in_place:
-            sends = carry is not None and env.rank == epoch.source_rank
-            mine = tstate.to_bytes(carry.captured) if sends else None
-            live = Live(mine, epoch.source_rank, epoch.last_committed, epoch.previous_world_size)
+        attempt = Attempt(cfg, env, task, b.sampler, b.device, groups, session, watchdog, shape)
+        live = Live.of(carry, epoch) if epoch.in_place else None
         try:
             return training.train(attempt, live)
         except Preempted:
@@ -275,6 +272,17 @@ def _epoch(b: _Built, carry: LiveState | None, died_at: float | None) -> int:
         # After a peer's death, not waiting for the beat thread: the next epoch is what counts.
         liveness.stop(wait=not peer_lost)
         edist.shutdown()  # a next epoch builds its groups on a fresh store prefix
+
+
+def _fresh_model(b: _Built) -> Task:
+    """A survivor's task for its next epoch. DDP: the same (its model is wrapped anew). Sharded:
+    built again, since FSDP2 shards a module once, over one mesh; its state is loaded from the
+    survivors' shards (``checkpoint.resume.live_shards``), so the fresh initial values never
+    train."""
+    if b.cfg.parallel == "ddp":
+        return b.task
+    torch.manual_seed(b.cfg.seed)
+    return build_task(b.cfg.task, b.cfg.task_options)
 
 
 def _warm(task: Task) -> None:

@@ -18,7 +18,9 @@ from elastictrain import membership
 from elastictrain.attempt import Attempt
 from elastictrain.checkpoint.api import Reason
 from elastictrain.checkpoint.checkpointer import Resumed
+from elastictrain.checkpoint.resume import live_shards
 from elastictrain.checkpoint.resume.live import Live
+from elastictrain.checkpoint.sharded import format as sharded
 from elastictrain.checkpoint.state import TrainState
 from elastictrain.checkpoint.state import train_state as tstate
 from elastictrain.errors import named_timeout
@@ -79,6 +81,7 @@ def train(attempt: Attempt, live: Live | None = None) -> int:
         seed=cfg.seed,
         clip_grad_norm=cfg.clip_grad_norm,
         on_share=sample_log.record,
+        before_update=_update_gate(attempt, state),
     )
     run = _Run(attempt, state, trainer, resumed, scalars)
     try:
@@ -90,6 +93,18 @@ def train(attempt: Attempt, live: Live | None = None) -> int:
     finally:
         loader.close()
         scalars.close()
+
+
+def _update_gate(attempt: Attempt, state: TrainState):
+    """In place, sharded: a barrier of every rank between the gradients' sync and the optimizer
+    step. Without it a death mid-step leaves the shard positions at different steps (HSDP: one
+    replica group's all-reduce done and its shards stepped, another's broken), and no step is
+    whole in the survivors' memory: the recovery must roll back to the copies. With it, a rank
+    steps only once every rank's gradients are in; a death inside the barrier itself (some ranks
+    through, some not) is the window left, and falls back the same way."""
+    if not attempt.cfg.replace_in_place or not sharded.is_sharded(state.model):
+        return None
+    return dist.barrier  # the default group: --collective-timeout bounds it, as the step's own
 
 
 @dataclass
@@ -121,10 +136,13 @@ class _Run:
 
     def carry(self) -> LiveState:
         """This rank's state for the next membership epoch (its live tensors, not copied)."""
-        seen = time.time()
-        captured = tstate.capture(self.state, step=self.completed)
+        seen, state, step = time.time(), self.state, self.completed
+        if sharded.is_sharded(state.model):
+            captured, layout = live_shards.hold(state, step=step)
+        else:
+            captured, layout = tstate.capture(state, step=step), None
         committed = self.attempt.session.last_committed
-        return LiveState(self.completed, captured, committed, failed_seen_at=seen)
+        return LiveState(step, captured, committed, failed_seen_at=seen, layout=layout)
 
     def report(self, step: int, slow=None) -> None:
         """Every rank (the means are one all-reduce); rank 0 logs and records."""

@@ -8,6 +8,7 @@ import sys
 import tempfile
 
 import storage
+from elastictrain.errors import ConfigError
 from elastictrain.tools.sizes import parse_size
 
 # subcommand -> (module, what it measures, default --size or None)
@@ -62,6 +63,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="also run 4 ranks as 2 simulated nodes of 2, with --replace-in-place and without: "
         "each rank's training process SIGKILLed in turn, then a node; kill -> the survivors' "
         "next completed step in both modes",
+    )
+    benches["recovery"].add_argument(
+        "--parallel",
+        choices=("ddp", "fsdp", "hsdp"),
+        default="ddp",
+        help="the --in-place job's layout: hsdp is a replica per node (2x2), fsdp shards over "
+        "all 4 ranks and rolls back to its node-memory copies (ddp)",
     )
     benches["persist"].add_argument(
         "--device", default="cpu", help="where the state lives: cpu, or cuda for GPU memory"
@@ -166,7 +174,12 @@ def main(argv: list[str]) -> int:
     if args.bench == "sharded":
         return bench.main(args.size, args.repeats, args.json, args.checkpoint_dir, args.replicas)
     if args.bench == "recovery":
-        return bench.main(args.size, args.json, args.in_place)
+        if args.parallel != "ddp" and not args.in_place:
+            raise ConfigError(
+                f"bench recovery --parallel {args.parallel} sets the layout of the --in-place "
+                "job; add --in-place (the 2-rank restart bench is DDP's)."
+            )
+        return bench.main(args.size, args.json, args.in_place, args.parallel)
     if args.bench == "tiers":
         return bench.main(
             args.size,

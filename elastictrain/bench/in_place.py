@@ -56,6 +56,7 @@ class _TwoNodes:
     """Two torchrun agents of one job, each in a session of its own."""
 
     def __init__(self, workdir: str, name: str, args: list[str]) -> None:
+        """``args``: the job's; ``{node}`` in one is the node's number (its own tier folder)."""
         port, run_id = _free_port(), f"{name}-{os.getpid()}"
         # A store of its own per attempt: the agents' shared one can hand a restarted group the
         # dead workers' addresses (docs/restarts.md); the two-node recipe sets it the same way.
@@ -68,7 +69,7 @@ class _TwoNodes:
                 [],
                 os.path.join(workdir, f"{name}-node{n}.log"),
                 env,
-                command=_node_command(n, port, run_id, args),
+                command=_node_command(n, port, run_id, [a.format(node=n) for a in args]),
             )
             for n in (0, 1)
         ]
@@ -88,8 +89,14 @@ class _TwoNodes:
             n.stop()
 
 
-def _args(ckpt: str, ev: str, size: int, in_place: bool) -> list[str]:
-    return [*toy_job_args(ckpt, ev, size), *(["--replace-in-place"] if in_place else [])]
+def _args(ckpt: str, ev: str, size: int, in_place: bool, parallel: str) -> list[str]:
+    args = [*toy_job_args(ckpt, ev, size), "--parallel", parallel]
+    if parallel != "ddp":
+        # Each simulated node's memory tier in a folder of its own (one host holds both), a copy
+        # every 10 steps: what an FSDP rollback goes back to.
+        tier = os.path.join(os.path.dirname(ckpt), f"{os.path.basename(ckpt)}-tier-{{node}}")
+        args += ["--local-checkpoint-dir", tier, "--local-every-steps", "10"]
+    return [*args, *(["--replace-in-place"] if in_place else [])]
 
 
 def _checkpoint_at_full_size(ev: str) -> bool:
@@ -101,16 +108,18 @@ def _checkpoint_at_full_size(ev: str) -> bool:
     return bool(full) and any(e["event"] == Event.CHECKPOINT for e in events[full[-1] :])
 
 
-def _first_step_after(ev: str, t: float, job: Torchrun) -> tuple[dict, dict]:
-    """The first step after wall-clock time ``t``, and the ``start`` of its epoch."""
+def _first_step_after(ev: str, t: float, job: Torchrun) -> tuple[dict, dict, dict]:
+    """The first step after wall-clock time ``t``, and the ``start`` and ``resume`` of its epoch."""
     first = wait_for(
         lambda: [e for e in events_in(ev) if e["event"] == Event.FIRST_STEP and e["time"] > t],
         180,
         "the next step",
         job,
     )[0]
-    start = [e for e in events_in(ev) if e["event"] == Event.START and e["time"] > t][-1]
-    return first, start
+    events = events_in(ev)
+    start = [e for e in events if e["event"] == Event.START and e["time"] > t][-1]
+    resume = [e for e in events if e["event"] == Event.RESUME and e["time"] >= start["time"]][0]
+    return first, start, resume
 
 
 def _spares_ready(log: str, replaced: dict[int, int]) -> bool:
@@ -118,13 +127,20 @@ def _spares_ready(log: str, replaced: dict[int, int]) -> bool:
     return all(log.count(f"spare for rank {r} ready") > n for r, n in replaced.items())
 
 
-def _figure(first: dict, start: dict, t_kill: float) -> dict[str, Any]:
+def _figure(first: dict, start: dict, resume: dict, t_kill: float) -> dict[str, Any]:
+    held = start.get("held_step")
     return {
         "kill_to_step_s": first["time"] - t_kill,
         "world_size": start["world_size"],
         "began": start.get("began", "restart through torchrun"),
         "restart_count": start["restart_count"],
-        "resumed_step": start.get("resumed_step"),
+        "held_step": held,
+        "resumed_step": resume["step"],
+        "tier": resume.get("tier"),
+        "durable_bytes": resume.get("remote_bytes", 0),
+        # The steps trained again: those since the step resumed at, the one in flight included
+        # (in place the survivors say which they held; a restart does not know).
+        "redone_steps": None if held is None else held - resume["step"] + 1,
         # Where the time went: the epoch's init (members, groups, agreement), the state (from
         # a survivor in place, from the checkpoints on a restart), the DDP wrap and the step.
         "init_s": start["init_s"],
@@ -134,12 +150,17 @@ def _figure(first: dict, start: dict, t_kill: float) -> dict[str, Any]:
 
 
 def measure(
-    workdir: str, size: int, in_place: bool, ranks: tuple[int, ...] = KILLED_RANKS
+    workdir: str,
+    size: int,
+    in_place: bool,
+    ranks: tuple[int, ...] = KILLED_RANKS,
+    parallel: str = "ddp",
 ) -> dict[str, Any]:
-    """``ranks``: whose training process is SIGKILLed in turn, in place (restart-all: rank 1)."""
-    name = "in-place" if in_place else "restart-all"
+    """``ranks``: whose training process is SIGKILLed in turn, in place (restart-all: rank 1).
+    ``parallel``: the job's ``--parallel`` (hsdp: a replica per node, 2x2)."""
+    name = f"{parallel}-{'in-place' if in_place else 'restart-all'}"
     ckpt, ev = os.path.join(workdir, f"ckpt-{name}"), os.path.join(workdir, f"{name}.jsonl")
-    job = _TwoNodes(workdir, name, _args(ckpt, ev, size, in_place))
+    job = _TwoNodes(workdir, name, _args(ckpt, ev, size, in_place, parallel))
     watch = job.nodes[0]
     try:
         wait_for(lambda: _checkpoint_at_full_size(ev), 240, "a checkpoint at 4 ranks", watch)
@@ -171,14 +192,19 @@ def measure(
     }
 
 
-def run(workdir: str, size: int) -> dict[str, Any]:
-    return {"in_place": measure(workdir, size, True), "restart_all": measure(workdir, size, False)}
+def run(workdir: str, size: int, parallel: str = "ddp") -> dict[str, Any]:
+    return {
+        "parallel": parallel,
+        "in_place": measure(workdir, size, True, parallel=parallel),
+        "restart_all": measure(workdir, size, False, parallel=parallel),
+    }
 
 
 def table(r: dict[str, Any]) -> str:
     ip, ra = r["in_place"], r["restart_all"]
     lines = [
-        "4 ranks as 2 simulated nodes of 2 (CPU/gloo), the same job in both modes:",
+        f"--parallel {r.get('parallel', 'ddp')}, 4 ranks as 2 simulated nodes of 2 (CPU/gloo), "
+        "the same job in both modes:",
         f"| {'SIGKILL':<34} | {'in place':>24} | {'restart-all':>24} |",
         f"|{'-' * 36}|{'-' * 26}|{'-' * 26}|",
     ]
@@ -205,9 +231,11 @@ def table(r: dict[str, Any]) -> str:
         )
     )
     lines.append(f"in place, a rank's kill (medians): {parts}")
-    restarts = [k["restart_count"] for k in [*ip["rank_kills"], ip["node_kill"]]]
+    every = [*ip["rank_kills"], ip["node_kill"]]
     lines.append(
-        f"in place: torchrun restarts {max(restarts)}; each epoch resumed at the newest step a "
-        "survivor held (only the step in flight is redone)"
+        f"in place: torchrun restarts {max(k['restart_count'] for k in every)}; resumed from "
+        f"{', '.join(sorted({k['tier'] for k in every}))}; steps redone per recovery "
+        f"{[k['redone_steps'] for k in every]} (1: only the step in flight); bytes read from "
+        f"the durable tier {sum(k['durable_bytes'] for k in every)}"
     )
     return "\n".join(lines)

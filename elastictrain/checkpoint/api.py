@@ -72,7 +72,8 @@ class ResumeOrigin:
     peer_bytes: int = 0
     """Fast tier, job-wide: bytes sent from another node's memory."""
     served_by: Mapping[str, list[int]] = field(default_factory=dict)
-    """Fast tier: which saved ranks each node (named by its first rank) served."""
+    """Fast tier: which saved ranks each node (named by its first rank) served. Live, sharded:
+    which ranks each survivor sent its shards to (each rank's own are not listed)."""
 
     def committed_step(self, step: int) -> int | None:
         """The newest *durable* step once resumed at ``step``: a step read from node memory
@@ -96,6 +97,8 @@ class ResumeOrigin:
                 peer_bytes=self.peer_bytes,
                 served_by=dict(self.served_by),
             )
+        elif self.served_by:  # live, sharded: which survivor sent which rank its shards
+            fields["served_by"] = dict(self.served_by)
         if self.tier is not Tier.DURABLE:
             fields["steps_saved"] = self.steps_saved(step)
         return fields

@@ -196,9 +196,7 @@ class Checkpointer:
         t0 = time.monotonic()
         if live is not None:
             live = dataclasses.replace(live, durable_step=self._newest_durable(live.durable_step))
-            restored = live_resume.fetch(
-                live, state, device, self.group, rank=self.rank, world_size=self.world_size
-            )
+            restored = self.mode.fetch_live(self, state, device, live)
         else:
             restored = self.mode.fetch(self, state, device)
         if restored is None:

@@ -197,11 +197,7 @@ class CheckpointManager:
         device = torch.device(self.map_location or _first_device(unwrap(state.model)))
         epoch = library.agree(carry, self._group) if library.current() else None
         self._session.emit_start(**(epoch.start_fields() if epoch else {}))
-        live = None
-        if epoch is not None and epoch.in_place:
-            sends = carry is not None and self._session.env.rank == epoch.source_rank
-            mine = tstate.to_bytes(carry.captured) if sends else None
-            live = Live(mine, epoch.source_rank, epoch.last_committed, epoch.previous_world_size)
+        live = Live.of(carry, epoch) if epoch is not None and epoch.in_place else None
         resumed = self._session.resume(state, device, live)
         self.extra = resumed.extra
         return resumed

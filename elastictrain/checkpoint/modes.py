@@ -22,8 +22,10 @@ import torch.distributed as dist
 import storage
 from elastictrain import dist as edist
 from elastictrain.checkpoint.api import Layout, Reason, Restored, ResumeOrigin, SaveOutcome, Tier
-from elastictrain.checkpoint.resume import ranking, shard_fetch
+from elastictrain.checkpoint.resume import live as live_resume
+from elastictrain.checkpoint.resume import live_shards, ranking, shard_fetch
 from elastictrain.checkpoint.resume.durable_shards import fetch_durable_shards
+from elastictrain.checkpoint.resume.live import Live
 from elastictrain.checkpoint.sharded import format as sharded
 from elastictrain.checkpoint.state import train_state as tstate
 from elastictrain.checkpoint.tiers.local import LocalTier
@@ -38,6 +40,7 @@ class Checkpointer(Protocol):
 
     config: CheckpointConfig
     rank: int
+    world_size: int
     local_rank: int
     local_world_size: int
     is_writer: bool
@@ -74,6 +77,11 @@ class Mode(Protocol):
         self, ckpt: Checkpointer, state: tstate.TrainState, device: torch.device
     ) -> Restored | None:
         """Every rank together: the best copy on any tier, loaded into ``state``."""
+
+    def fetch_live(
+        self, ckpt: Checkpointer, state: tstate.TrainState, device: torch.device, live: Live
+    ) -> Restored | None:
+        """Every rank together, in an in-place epoch: the state from the survivors' memory."""
 
     def save(self, ckpt: Checkpointer, step: int, state: tstate.TrainState, reason: Reason) -> bool:
         """Every rank: checkpoint ``step``; False when it was skipped."""
@@ -118,6 +126,14 @@ class Replicated:
             source_rank=copy.source_rank,
         )
         return Restored(payload, copy.saved_world_size, nbytes, origin)
+
+    def fetch_live(
+        self, ckpt: Checkpointer, state: tstate.TrainState, device: torch.device, live: Live
+    ) -> Restored | None:
+        """The whole state of the survivor holding the newest step, sent to every rank."""
+        return live_resume.fetch(
+            live, state, device, ckpt.group, rank=ckpt.rank, world_size=ckpt.world_size
+        )
 
     def save(self, ckpt: Checkpointer, step: int, state: tstate.TrainState, reason: Reason) -> bool:
         if not ckpt.waits_for_commit(reason):  # no collective: each rank may decide alone
@@ -174,6 +190,14 @@ class Sharded:
             tstate.restore(state, fast.payload, model_and_optimizer=False)
             return fast
         return fetch_durable_shards(state, ckpt.store, **where)
+
+    def fetch_live(
+        self, ckpt: Checkpointer, state: tstate.TrainState, device: torch.device, live: Live
+    ) -> Restored | None:
+        """Each rank's shards from a survivor holding them (its own; HSDP: a twin's), else every
+        rank rolled back to the newest step the copies hold whole (:meth:`fetch`)."""
+        restored = live_shards.fetch(live, state, ckpt.group, ckpt.rank)
+        return restored if restored is not None else self.fetch(ckpt, state, device)
 
     def save(self, ckpt: Checkpointer, step: int, state: tstate.TrainState, reason: Reason) -> bool:
         """Every rank writes its shards; rank 0 commits once all are durable. In the background,

@@ -10,6 +10,7 @@ them, and one load path for all is what makes the epoch bitwise a resume at that
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -20,18 +21,38 @@ from elastictrain.checkpoint.api import Restored, ResumeOrigin, Tier
 from elastictrain.checkpoint.state import train_state as tstate
 from elastictrain.errors import LiveStateCorruptError
 
+if TYPE_CHECKING:
+    from elastictrain.membership import Epoch, LiveState
+
 
 @dataclass(frozen=True)
 class Live:
     """Where an in-place epoch's state comes from."""
 
-    payload: bytes | None
-    """This rank's state, if it is the source."""
-    source: int
+    captured: dict | None
+    """This rank's carried state (references to its live tensors), None for a replacement."""
+    held_step: int
+    """The step ``captured`` holds (-1: none)."""
+    held_layout: str | None
+    """Sharded: which chunks ``captured`` holds (``live_shards.signature``)."""
+    source: int | None
+    """Replicated: the lowest rank holding the newest step, which sends its whole state."""
     durable_step: int | None
     """The newest step committed to the durable tier, as the survivors knew it."""
     saved_world_size: int | None = None
     """The failed epoch's world size (smaller now when a lost node's ranks were dropped)."""
+
+    @classmethod
+    def of(cls, carry: LiveState | None, epoch: Epoch) -> Live:
+        """An in-place epoch's source, as every rank agreed it (``membership.agree``)."""
+        return cls(
+            carry.captured if carry is not None else None,
+            carry.step if carry is not None else -1,
+            carry.layout if carry is not None else None,
+            epoch.source_rank,
+            epoch.last_committed,
+            epoch.previous_world_size,
+        )
 
 
 def fetch(
@@ -43,7 +64,8 @@ def fetch(
     world_size: int,
 ) -> Restored:
     """Every rank: the source's state loaded into ``state``."""
-    source, payload = live.source, live.payload
+    source = live.source
+    payload = tstate.to_bytes(live.captured) if rank == source else None
     digest = xxhash.xxh3_128_digest(payload) if rank == source else None
     data = edist.broadcast_bytes(payload if rank == source else None, group, src=source)
     expected = edist.broadcast_bytes(digest, group, src=source)
