@@ -104,6 +104,9 @@ def _update_gate(attempt: Attempt, state: TrainState):
     through, some not) is the window left, and falls back the same way."""
     if not attempt.cfg.replace_in_place or not sharded.is_sharded(state.model):
         return None
+    params = {n: p for n, p in state.model.named_parameters() if hasattr(p, "device_mesh")}
+    if len(sharded.twins(params)) < 2:
+        return None  # no replicas (FSDP): a dead rank's shards are in no survivor's memory anyway
     return dist.barrier  # the default group: --collective-timeout bounds it, as the step's own
 
 

@@ -8,6 +8,11 @@ the world size it runs at; then node 1 SIGKILLed whole (its agent and every proc
 the survivors' next step at the smaller world size. Restart-all, a second job of the same shape:
 rank 1's worker SIGKILLed, then node 1, the same two figures. Every figure is read from the job's
 event log (``first_step`` after the kill, against the kill's wall-clock time).
+
+``--parallel hsdp|fsdp``: the same job sharded (HSDP 2x2, a replica per node; FSDP over all 4
+ranks), each node's memory tier in a folder of its own with a copy every 10 steps. Each figure
+also says where the state came from (``live``: the survivors' memory; ``fast``: node memory's
+copies, a rollback), the steps redone, and the bytes read from the durable tier.
 """
 
 from __future__ import annotations
@@ -122,6 +127,16 @@ def _first_step_after(ev: str, t: float, job: Torchrun) -> tuple[dict, dict, dic
     return first, start, resume
 
 
+def _copies_since_start(ev: str) -> int:
+    """Node-memory copies committed since the last epoch began. Sharded, a kill waits for two: a
+    rollback goes to the newest copy every node holds whole, and a copy's buddy transfer (the
+    lost node's shards) is done once the next copy has begun; a kill before any would measure a
+    rollback to the durable tier instead."""
+    events = events_in(ev)
+    last = max(i for i, e in enumerate(events) if e["event"] == Event.START)
+    return sum(e["event"] == Event.LOCAL_CHECKPOINT for e in events[last:])
+
+
 def _spares_ready(log: str, replaced: dict[int, int]) -> bool:
     """Whether every rank has a spare waiting: one more than it has had replacements."""
     return all(log.count(f"spare for rank {r} ready") > n for r, n in replaced.items())
@@ -171,6 +186,9 @@ def measure(
                 # too: a kill while spares still import measures this host's 2 cores, not the
                 # recovery (and a kill before the rank's own spare is ready is another case).
                 wait_for(lambda: _spares_ready(job.log(), replaced), 180, "the spares", watch)
+                if parallel != "ddp":
+                    wait_for(lambda: _copies_since_start(ev) >= 2, 180, "two copies", watch)
+                    time.sleep(0.5)  # between two copies, not at one: a rollback's real cost
                 replaced[rank] += 1
                 starts = [e for e in events_in(ev) if e["event"] == Event.START]
                 pid = starts[-1]["processes"][rank][1]  # the training process, not its supervisor
@@ -180,6 +198,8 @@ def measure(
             os.kill(pid, signal.SIGKILL)
             kills.append(_figure(*_first_step_after(ev, t_kill, watch), t_kill))
         time.sleep(1.0)  # a few steps at full size, so the node kill is its own event
+        if parallel != "ddp":
+            wait_for(lambda: _copies_since_start(ev) >= 2, 180, "two copies", watch)
         t_kill = time.time()
         job.kill_node(1)
         node = _figure(*_first_step_after(ev, t_kill, watch), t_kill)
@@ -226,8 +246,8 @@ def table(r: dict[str, Any]) -> str:
         f"{what} {statistics.median(k[key] for k in ip['rank_kills']):.3f} s"
         for what, key in (
             ("epoch init", "init_s"),
-            ("state from a survivor", "load_s"),
-            ("DDP wrap + step", "first_step_s"),
+            ("the state (survivors' or node memory)", "load_s"),
+            ("wrap + first step", "first_step_s"),
         )
     )
     lines.append(f"in place, a rank's kill (medians): {parts}")

@@ -38,6 +38,7 @@ from elastictrain.checkpoint.api import Reason
 from elastictrain.checkpoint.manager_args import config_from, signature
 from elastictrain.checkpoint.resume.live import Live
 from elastictrain.checkpoint.session import CheckpointSession, Resumed, install_stop_signals
+from elastictrain.checkpoint.sharded.format import is_sharded
 from elastictrain.checkpoint.state import train_state as tstate
 from elastictrain.checkpoint.state.train_state import TrainState, unwrap
 from elastictrain.dist import default_group_is_restart_safe
@@ -227,6 +228,14 @@ class CheckpointManager:
         node is dropped), and its batch must depend on the step alone. Anything else raises.
         """
         self._require_resumed("run")
+        if library.current() is not None and is_sharded(model):
+            # A sharded model is bound to the failed epoch's mesh: it must be built and sharded
+            # again, which only the code that built it can do (the runner does: its Task).
+            raise ConfigError(
+                "CheckpointManager.run recovers DDP models in place; this model is sharded "
+                "(FSDP2). Train it with the runner (--replace-in-place --parallel fsdp|hsdp), "
+                "or drop replace_in_place from init_distributed: a death then restarts the group."
+            )
         wrap = wrap or (lambda m: m)
         net, step, extra = wrap(model), start, self.extra
         while step < stop:
