@@ -55,7 +55,7 @@ def test_hsdp_heals_replaced_ranks_from_their_twins_bitwise_then_drops_and_regro
     committing its step first. Every sample trains exactly once."""
     port, run_id = free_port(), f"hsdp-{uuid.uuid4().hex[:6]}"
     ckpt, ev, samples = str(tmp_path / "shared"), str(tmp_path / "ev.jsonl"), tmp_path / "samples"
-    steps, every = 480, 40
+    steps, every = 360, 40
     run = toy_args(ckpt, ev, max_steps=steps, every=every, step_time=0.04)[2:]  # ckpt: the recipe
     run += ["--parallel", "hsdp", "--sample-log", str(samples), "--keep-last", "20", *DATA]
     run += ["--replace-in-place", "--replace-wait", "10", "--no-local-checkpoint"]
@@ -155,12 +155,12 @@ def test_fsdp_rolls_back_in_memory_to_the_newest_whole_copy_skipping_a_corrupt_o
     with every process stopped, the newest whole copy is corrupted and rank 2 is killed again: the
     rollback skips it for the copy before (reported, never mixed with it). The final state equals
     an uninterrupted run's, which is what a resume at those steps must give (exact resume)."""
-    steps = 360
+    steps = 260
     run_dir, ev, shm = str(tmp_path / "run"), str(tmp_path / "ev.jsonl"), str(tmp_path / "shm")
     extra = ["--parallel", "fsdp", "--replace-in-place", "--replace-wait", "10"]
     extra += ["--local-checkpoint-dir", shm, "--local-every-steps", "10"]
     job = launch(
-        toy_args(run_dir, ev, max_steps=steps, every=100, step_time=0.05, extra=tuple(extra)),
+        toy_args(run_dir, ev, max_steps=steps, every=100, step_time=0.04, extra=tuple(extra)),
         nproc=4,
         name="fsdp-in-place",
         env=job_env(ELASTICTRAIN_LOG_LEVEL="INFO"),  # each spare says when it is ready
