@@ -36,6 +36,9 @@ from elastictrain.membership import LiveState
 logger = logging.getLogger(__name__)
 
 
+_BEAT_S = 2.0  # seconds between liveness beats (the runner's --heartbeat-seconds default)
+
+
 @dataclass(frozen=True)
 class Settings:
     """``init_distributed``'s arguments, kept for every epoch after the first."""
@@ -117,7 +120,7 @@ def init_distributed(
         timeouts = Settings(init_timeout, timeout, silent_timeout, replace_wait, replace_timeout)
         return start(env, device, timeouts, max_replacements)
     if env.launched_by_torchrun and not dist.is_initialized():
-        liveness = Liveness(env.rank, env.world_size, interval_s=2.0, silent_s=silent_timeout)
+        liveness = Liveness(env.rank, env.world_size, interval_s=_BEAT_S, silent_s=silent_timeout)
         edist.init_process_groups(
             env,
             device,
@@ -175,6 +178,7 @@ def leave(carry: LiveState) -> None:
     collectives fail, and this rank is counted back for the next epoch)."""
     failed = _epoch
     carry.nonce, carry.members = failed.groups.attempt.nonce, failed.members
+    carry.silent = membership.silent_members(failed.liveness, failed.members)
     membership.leave(carry, failed.groups.store, failed.env)
 
 
@@ -204,6 +208,7 @@ def _open(
         wait_s=settings.replace_wait,
         timeout_s=settings.replace_timeout,
         silent_s=settings.silent_timeout,
+        beat_s=_BEAT_S,
     )
     if env.rank not in members:
         logger.error(
@@ -217,7 +222,7 @@ def _open(
     liveness = Liveness(
         here.rank,
         here.world_size,
-        interval_s=2.0,
+        interval_s=_BEAT_S,
         silent_s=settings.silent_timeout,
         on_silent=lambda reason: membership.drop_silent(liveness, reason, env),
     )

@@ -84,6 +84,8 @@ class Liveness:
         self._step, self._phase = step, phase
         self._on_silent = on_silent or self.exit_silent
         self.store_lost = False
+        self.peer_silent = False
+        """Set when this rank left its epoch because a peer went silent (``membership.drop_silent``)."""
         """Set when the silence is the store's own (nothing can be agreed without it)."""
         self._clock = clock
         self._host = host or socket.gethostname()
@@ -100,6 +102,11 @@ class Liveness:
         self._probe_connection: dist.Store | None = None  # probe's own connection to it
         self._started = threading.Event()
         self._gated: list[int] = []  # rank 0: the ranks its last look found inside a gate
+        self.verdict: list[dict[str, Any]] | None = None
+        """The silent ranks this rank found, or heard of from rank 0. Rank 0 keeps its verdict in
+        every later beat, its last (``done``) one too: the others watch only rank 0, and under
+        --replace-in-place rank 0 leaves the epoch at once, so a ``done`` beat without it would
+        leave them waiting on the silent peer."""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="elastictrain-liveness", daemon=True)
         self.last_words = last_words
@@ -168,6 +175,7 @@ class Liveness:
                                "phase": self._phase()}  # fmt: skip
         if self.rank == 0 and self._gated:  # for the ranks that only watch rank 0
             doc["gated"] = self._gated
+        verdict = verdict or (self.verdict if self.rank == 0 else None)
         if verdict:
             doc["silent"] = verdict
         if done:
@@ -217,6 +225,7 @@ class Liveness:
             self._gated = [r for r in self._watched if _in_gate(self._seen[r])][:8]
         verdict = json.loads(self._seen[0]).get("silent") if self.rank != 0 else None
         if verdict:
+            self.verdict = verdict
             return "rank 0 saw " + _describe(verdict)
         silent = [
             r
@@ -232,6 +241,7 @@ class Liveness:
              "silent_s": round(now - self._changed[r], 1)}
             for r in silent
         ]  # fmt: skip
+        self.verdict = verdict
         if self.rank == 0:  # tell everyone at their next beat
             with contextlib.suppress(Exception):  # this rank exits either way
                 self._ask(lambda: self._store.set(_beat_key(0), self._beat_value(verdict)))

@@ -61,6 +61,9 @@ class LiveState:
     """Counted back for the next epoch already (:func:`leave`)."""
     layout: str | None = None
     """Sharded state: which chunks ``captured`` holds (``checkpoint.resume.live_shards``)."""
+    silent: list[int] = field(default_factory=list)
+    """The failed epoch's members (by torchrun rank) found silent (a frozen host): not waited
+    for. Non-empty when the epoch ended by a silence, not by a death's reset."""
 
 
 class PeerLost(Exception):
@@ -98,12 +101,20 @@ def next_members(
     wait_s: float,
     timeout_s: float,
     silent_s: float,
+    beat_s: float = 0.0,
 ) -> list[int]:
     """The epoch's members by torchrun rank (``env``: torchrun's): everyone at a start; after a
     death, whoever is back (:func:`regroup`), agreed through the job's store, which outlives every
-    training process. Empty when the epoch went on without this replacement."""
+    training process. Empty when the epoch went on without this replacement.
+
+    After a silent peer the wait is at least two beats (``beat_s``): only rank 0 watches every
+    rank, and the other survivors learn of the silence from its beat, up to a beat later (a
+    death, by contrast, resets every survivor's connections at once). ``--replace-wait`` alone
+    would drop them with the frozen node."""
     if carry is None and died_at is None:
         return list(range(env.world_size))
+    if carry is not None and carry.silent:
+        wait_s = max(wait_s, 2 * beat_s + 0.5)
     store = connect(env, timeout_s=timeout_s, silent_s=silent_s, store_up=True).store
     if carry is not None:
         return regroup(
@@ -114,6 +125,7 @@ def next_members(
             wait_s=wait_s,
             timeout_s=timeout_s,
             counted=carry.counted_in,
+            silent=carry.silent,
         )
     return join_as_replacement(store, env.rank, wait_s=wait_s, timeout_s=timeout_s) or []
 
@@ -132,6 +144,7 @@ def regroup(
     wait_s: float,
     timeout_s: float,
     counted: bool = False,
+    silent: list[int] = (),
 ) -> list[int]:
     """Every rank back from the failed epoch ``nonce`` (``members``, by torchrun rank), survivor
     or replacement: the next epoch's members.
@@ -142,11 +155,13 @@ def regroup(
     it decides, every other rank reads the decision, so all agree even when a replacement arrives
     at the deadline. One store request per poll (the count), and one look at who came.
     ``counted``: this rank counted itself back already (a survivor, in :func:`leave`).
+    ``silent``: members found silent (a frozen host), not waited for: the rest back, the wait ends.
     """
     if not counted:
         _count_in(store, nonce, me)
     deadline = time.monotonic() + wait_s
-    while store.add(f"{nonce}/back", 0) < len(members) and time.monotonic() < deadline:
+    expected = len([m for m in members if m not in silent])
+    while store.add(f"{nonce}/back", 0) < expected and time.monotonic() < deadline:
         time.sleep(_POLL_S)
     if store.compare_set(f"{nonce}/decider", "", str(me)).decode() == str(me):
         back = [m for m in members if store.check([f"{nonce}/back/{m}"])]
@@ -307,6 +322,7 @@ def drop_silent(liveness, reason: str, env: DistEnv) -> None:
     if liveness.store_lost:
         liveness.exit_silent(reason)
         return
+    liveness.peer_silent = True
     shut = leave_collectives(env)
     logger.error(
         "PEER SILENT: %s (--silent-timeout=%gs); this epoch's %d connections shut so the others "
@@ -315,6 +331,14 @@ def drop_silent(liveness, reason: str, env: DistEnv) -> None:
         liveness.silent_s,
         shut,
     )
+
+
+def silent_members(liveness, members: list[int]) -> list[int]:
+    """The epoch's ranks ``liveness`` found silent (or heard of from rank 0), as torchrun ranks
+    (``members``: the epoch's, in its rank order); empty when the epoch did not end by one."""
+    if not liveness.peer_silent or not liveness.verdict:
+        return []
+    return sorted(members[v["rank"]] for v in liveness.verdict if v["rank"] < len(members))
 
 
 def leave(carry: LiveState, store: dist.Store | None, env: DistEnv) -> None:

@@ -151,6 +151,7 @@ def _epoch(b: _Built, carry: LiveState | None, died_at: float | None) -> int:
             wait_s=cfg.replace_wait,
             timeout_s=cfg.replace_timeout,
             silent_s=cfg.silent_timeout,
+            beat_s=cfg.heartbeat_seconds,
         )
     if b.env.rank not in members:
         # This rank's node is alive (this process runs), only its replacement was late (its
@@ -165,6 +166,7 @@ def _epoch(b: _Built, carry: LiveState | None, died_at: float | None) -> int:
         return EXIT_INIT_TIMEOUT
     # The epoch's ranks are its members in torchrun's order: after a lost node, fewer of them.
     env = dataclasses.replace(b.env, rank=members.index(b.env.rank), world_size=len(members))
+    setup_logging(env.rank)  # a survivor renumbered rank 0 reports as rank 0 (INFO, its prefix)
     # A lost node takes a replica (HSDP) or shards (FSDP) with it: the mesh of what is left.
     shape = mesh.resolve(cfg.parallel, cfg.mesh, env.world_size, env.local_world_size)
     task = b.task if carry is None else _fresh_model(b)
@@ -260,6 +262,7 @@ def _epoch(b: _Built, carry: LiveState | None, died_at: float | None) -> int:
             return EXIT_PREEMPTED
         except PeerLost as lost:
             lost.carry.nonce, lost.carry.members = groups.attempt.nonce, members
+            lost.carry.silent = membership.silent_members(liveness, members)
             membership.leave(lost.carry, groups.store, b.env)
             session.abandon()
             peer_lost = True

@@ -3,28 +3,21 @@ other ranks keep their processes and their state; torchrun never sees a failure.
 
 from __future__ import annotations
 
-import signal
 import time
-import uuid
 
 import pytest
 
 import storage
-from elastictrain.observe.events import Event, read_events, read_sample_log
-from elastictrain.tools.chaos import descendants
-from tests.helpers.elastic import assert_exactly_once
+from elastictrain.observe.events import Event, read_events
 from tests.helpers.kill_during_persist import TOY, _wait_half_written
 from tests.helpers.launcher import (
-    TWO_NODES,
     assert_bitwise_equal,
     final_state,
     job_env,
-    node_env,
     toy_args,
     wait_for_event,
     wait_for_spares,
 )
-from tests.helpers.net import free_port
 from tests.helpers.restart_loop import wait_for_count
 
 STEPS = 220
@@ -128,75 +121,3 @@ def test_a_death_that_recurs_at_one_step_ends_the_job_with_a_clear_error(launch,
     # stop before training.
     assert [e["restart_count"] for e in starts] == [0, 0], starts
     assert "RecurringFailureError" in log
-
-
-@pytest.mark.slow
-def test_a_frozen_node_is_dropped_in_place_and_the_survivor_trains_on_from_its_memory(
-    launch, tmp_path
-):
-    """Two simulated nodes of one rank (examples/two_nodes.sh). Node 1 freezes (SIGSTOP: its
-    sockets stay open): after --silent-timeout node 0 shuts the epoch's connections and trains on
-    alone, from its own memory, its process and restart count unchanged; the frozen node is then
-    killed, as a cluster would. Every sample trains exactly once. (A lost node's SIGKILL in place,
-    and a node coming back, are test_in_place_sharded.py's HSDP test and test_tools.py's bench
-    test: the same membership code.)"""
-    port, run_id = free_port(), f"inplace-{uuid.uuid4().hex[:6]}"
-    ckpt, ev, samples = str(tmp_path / "shared"), str(tmp_path / "ev.jsonl"), tmp_path / "samples"
-    run = ["--max-steps", "400", "--event-log", ev, "--checkpoint-every-steps", "40"]
-    run += ["--sample-log", str(samples), "--log-every-seconds", "0.5", "--replace-in-place"]
-    run += ["--silent-timeout", "4", "--heartbeat-seconds", "1", "--no-local-checkpoint"]
-    run += ["--task-option", "dataset_size=1024", "--task-option", "batch_size=32"]
-    run += ["--task-option", "step_time=0.03"]
-
-    def start_node(node: int, name: str):
-        home = tmp_path / f"host{node}"
-        home.mkdir(exist_ok=True)
-        env = node_env(node, port, run_id, ckpt)
-        return launch(run, script=TWO_NODES, env=env, cwd=str(home), name=name)
-
-    nodes = [start_node(0, "node0"), start_node(1, "node1")]
-    wait_for_event(
-        ev, lambda e: e["event"] == Event.PROGRESS and e["world_size"] == 2 and e["step"] >= 50, 150
-    )
-    on_node0 = _pids(nodes[0])
-    t_freeze = time.time()
-    nodes[1].signal_node(signal.SIGSTOP)  # a frozen host: every process stopped, sockets open
-    thawed = wait_for_event(
-        ev, lambda e: e["event"] == Event.FIRST_STEP and e["time"] > t_freeze, 60, nodes[0]
-    )
-    nodes[1].kill()  # what a cluster does with a frozen host, in the end
-    wait_for_event(ev, lambda e: e["event"] == Event.END, 120, nodes[0])
-    # Training is over. torchrun's agent now waits in its exit barrier for the lost node's agent
-    # (torch's 300 s, then it exits 0): it never learnt that node left (docs/faults.md).
-    assert "FINISHED 400 steps" in nodes[0].log()
-    nodes[0].kill()
-
-    events = read_events(ev)
-    starts = [e for e in events if e["event"] == Event.START]
-    frozen = next(e for e in starts if e["time"] > t_freeze)
-    assert (frozen["began"], frozen["world_size"], frozen["dropped_ranks"]) == (
-        "shrunk in place",
-        1,
-        [1],
-    )
-    before = [e for e in starts if e["time"] < t_freeze][-1]
-    # In place: node 0 kept its process and torchrun restarted nothing.
-    survivor = next(r for r, (_, pid) in enumerate(before["processes"]) if pid in on_node0)
-    assert frozen["processes"][0][1] == before["processes"][survivor][1]
-    assert frozen["restart_count"] == before["restart_count"]
-    resume = next(e for e in events if e["event"] == Event.RESUME and e["time"] > frozen["time"])
-    assert (resume["tier"], resume["remote_bytes"]) == ("live", 0), resume
-    assert thawed["step"] == resume["step"] + 1
-    assert events[-1]["event"] == Event.END and events[-1]["step"] == 400
-    ledger = assert_exactly_once(
-        read_sample_log(str(samples)), dataset_size=1024, batch_size=32, max_steps=400
-    )
-    assert ledger["world_sizes"] == [1, 2], ledger
-    print(
-        f"\nnode frozen -> node 0's next step at world size 1: {thawed['time'] - t_freeze:.2f}s "
-        "(--silent-timeout 4)"
-    )
-
-
-def _pids(job) -> set[int]:
-    return {job.proc.pid, *descendants(job.proc.pid)}

@@ -48,17 +48,19 @@ def test_hsdp_heals_replaced_ranks_from_their_twins_bitwise_then_drops_and_regro
 ):
     """HSDP 2x2 as two simulated nodes of 2 (one replica each). Rank 1's training process is
     SIGKILLed, then rank 0's: each replacement loads its shards from its twin in the other
-    replica (rank 3, then rank 2), live and checksummed, the survivors keep their processes,
-    torchrun restarts nothing, and a checkpoint committed after both equals an uninterrupted
-    run's bit for bit. Then node 1 (replica 1) is SIGKILLed: node 0 trains on at data-parallel
-    size 2 from its own shards; node 1 comes back and the job grows to 4 again, node 0
-    committing its step first. Every sample trains exactly once."""
+    replica, live and checksummed, the survivors keep their processes, torchrun restarts nothing,
+    and a checkpoint committed after both equals an uninterrupted run's bit for bit. Then replica
+    1's node freezes (SIGSTOP: its sockets stay open): after --silent-timeout the other replica
+    trains on at data-parallel size 2 from its own shards, in place. The frozen node is killed and
+    comes back: the job grows to 4 again, node 0 committing its step first. Then that node is
+    SIGKILLed: the other replica goes on in place again. Every sample trains exactly once."""
     port, run_id = free_port(), f"hsdp-{uuid.uuid4().hex[:6]}"
     ckpt, ev, samples = str(tmp_path / "shared"), str(tmp_path / "ev.jsonl"), tmp_path / "samples"
-    steps, every = 360, 40
+    steps, every = 480, 40
     run = toy_args(ckpt, ev, max_steps=steps, every=every, step_time=0.04)[2:]  # ckpt: the recipe
     run += ["--parallel", "hsdp", "--sample-log", str(samples), "--keep-last", "20", *DATA]
-    run += ["--replace-in-place", "--replace-wait", "10", "--no-local-checkpoint"]
+    run += ["--replace-in-place", "--replace-wait", "3", "--no-local-checkpoint"]
+    run += ["--silent-timeout", "4", "--heartbeat-seconds", "1"]
     ref_dir = str(tmp_path / "ref")
     ref_args = toy_args(ref_dir, str(tmp_path / "ref.jsonl"), max_steps=steps, every=every)
     ref_args += ["--parallel", "hsdp", "--mesh", "dp_replicate=2,dp_shard=2", "--keep-last", "20"]
@@ -70,13 +72,13 @@ def test_hsdp_heals_replaced_ranks_from_their_twins_bitwise_then_drops_and_regro
         env = node_env(node, port, run_id, ckpt, NPROC="2", ELASTICTRAIN_LOG_LEVEL="INFO")
         return launch(run, script=TWO_NODES, env=env, cwd=str(home), name=name)
 
+    def next_step(after: float) -> dict:
+        return wait_for_event(
+            ev, lambda e: e["event"] == Event.FIRST_STEP and e["time"] > after, 90, nodes[0]
+        )
+
     nodes = [start_node(0, "node0"), start_node(1, "node1")]
     wait_for_event(ev, lambda e: e["event"] == Event.CHECKPOINT, 120, nodes[0])
-    # The rendezvous deals the ranks: node 1 (never the store's host: it is the one lost) holds
-    # ranks 0 and 1 or ranks 2 and 3.
-    first = [e for e in read_events(ev) if e["event"] == Event.START][0]
-    on_node1 = set(descendants(nodes[1].proc.pid))
-    lost = [r for r, (_, pid) in enumerate(first["processes"]) if pid in on_node1]
     _spares_ready(nodes, rank=1, n=1)
     nodes[0].kill_training_process(ev, rank=1, epoch=0)
     _epoch_began(ev, 1, nodes[0])
@@ -90,14 +92,28 @@ def test_hsdp_heals_replaced_ranks_from_their_twins_bitwise_then_drops_and_regro
         90,
         nodes[0],
     )["step"]
-    t_kill = time.time()
-    nodes[1].kill()  # one replica's node: its agent and every process under it
-    alone = wait_for_event(
-        ev, lambda e: e["event"] == Event.FIRST_STEP and e["time"] > t_kill, 90, nodes[0]
-    )
+    # Node 1 is never the store's host (node 0's agent is): it is the one frozen and lost. The
+    # rendezvous deals it ranks 0 and 1 or 2 and 3, anew at each round.
+    frozen_ranks = _ranks_on(ev, nodes[1])
+    t_freeze = time.time()
+    nodes[1].signal_node(signal.SIGSTOP)  # a frozen host: every process stopped, sockets open
+    thawed = next_step(t_freeze)
+    nodes[1].kill()  # what a cluster does with a frozen host, in the end
     back = start_node(1, "node1-back")
-    assert nodes[0].wait(240) == 0, nodes[0].log()[-3000:]
-    back.kill()  # its agent waits in torchrun's exit barrier: training is over
+    grown = wait_for_event(
+        ev,
+        lambda e: e["event"] == Event.START and e["time"] > thawed["time"] and e["world_size"] == 4,
+        120,
+        nodes[0],
+    )
+    next_step(grown["time"])
+    lost_ranks = _ranks_on(ev, back)
+    t_kill = time.time()
+    back.kill()  # the node lost: its agent and every process under it, SIGKILL
+    lost = next_step(t_kill)
+    wait_for_event(ev, lambda e: e["event"] == Event.END, 120, nodes[0])
+    # Training is over; torchrun's agent waits in its exit barrier for the lost node's (300 s).
+    nodes[0].kill()
     assert ref.wait(120) == 0, ref.log()[-3000:]
 
     events = read_events(ev)
@@ -117,32 +133,47 @@ def test_hsdp_heals_replaced_ranks_from_their_twins_bitwise_then_drops_and_regro
     firsts = [e["step"] for e in events if e["event"] == Event.FIRST_STEP]
     assert [f - 1 for f in firsts[1:3]] == [e["step"] for e in heals]
     assert_bitwise_equal(final_state(ckpt, step=compared), final_state(ref_dir, step=compared))
-    # The lost replica: node 0 went on at 2 ranks in place, its own shards, its processes.
-    shrunk = next(e for e in starts if e["time"] > t_kill)
-    assert (shrunk["began"], shrunk["world_size"], shrunk["dropped_ranks"]) == (
-        "shrunk in place",
-        2,
-        lost,
-    )
-    assert [p for _, p in shrunk["processes"]] == [
-        p for r, p in enumerate(pids[2]) if r not in lost
-    ]
-    resume = _resume_after(events, shrunk)
-    assert (resume["tier"], resume["remote_bytes"], resume.get("served_by")) == ("live", 0, None)
-    assert alone["step"] == resume["step"] + 1
-    # Then the job grew back to 4 ranks (torchrun restarts every rank: node 0 committed first).
-    grown = next(e for e in starts if e["time"] > shrunk["time"])
-    assert grown["world_size"] == 4
-    assert not {p for _, p in grown["processes"]} & {p for _, p in shrunk["processes"]}
-    assert [e["step"] for e in events if e["event"] == Event.PREEMPTED], "no step committed first"
+    # A replica lost, twice (frozen, then SIGKILLed): the other went on at 2 ranks in place, from
+    # its own shards, in its own processes, torchrun restarting nothing.
+    for t, dropped, first in ((t_freeze, frozen_ranks, thawed), (t_kill, lost_ranks, lost)):
+        before = [e for e in starts if e["time"] < t][-1]
+        shrunk = next(e for e in starts if e["time"] > t)
+        assert (shrunk["began"], shrunk["world_size"], shrunk["dropped_ranks"]) == (
+            "shrunk in place",
+            2,
+            dropped,
+        )
+        kept = [pid for r, (_, pid) in enumerate(before["processes"]) if r not in dropped]
+        assert [pid for _, pid in shrunk["processes"]] == kept
+        assert shrunk["restart_count"] == before["restart_count"]
+        resume = _resume_after(events, shrunk)
+        assert (resume["tier"], resume["remote_bytes"], resume.get("served_by")) == (
+            "live",
+            0,
+            None,
+        )
+        assert first["step"] == resume["step"] + 1
+    # In between, the job grew back to 4 ranks: torchrun restarted every rank, node 0 having
+    # committed its step first.
+    alone = next(e for e in starts if e["time"] > t_freeze)
+    assert not {p for _, p in grown["processes"]} & {p for _, p in alone["processes"]}
+    assert [e for e in events if e["event"] == Event.PREEMPTED and t_freeze < e["time"]]
     assert events[-1]["event"] == Event.END and events[-1]["step"] == steps
     ledger = assert_exactly_once(
         read_sample_log(str(samples)), dataset_size=1024, batch_size=32, max_steps=steps
     )
     assert ledger["world_sizes"] == [2, 4], ledger
     print(
-        f"\nreplica's node SIGKILLed -> node 0's next step at 2 ranks: {alone['time'] - t_kill:.2f}s"
+        f"\nreplica's node frozen -> its twin replica's next step: {thawed['time'] - t_freeze:.2f}s"
+        f" (--silent-timeout 4); SIGKILLed -> {lost['time'] - t_kill:.2f}s (--replace-wait 3)"
     )
+
+
+def _ranks_on(ev: str, job) -> list[int]:
+    """The ranks of the newest epoch whose training processes run under ``job``'s agent."""
+    start = [e for e in read_events(ev) if e["event"] == Event.START][-1]
+    on_node = set(descendants(job.proc.pid))
+    return [r for r, (_, pid) in enumerate(start["processes"]) if pid in on_node]
 
 
 @pytest.mark.slow

@@ -8,7 +8,6 @@ import re
 
 import pytest
 
-from elastictrain.bench import in_place as bench_in_place
 from elastictrain.checkpoint.api import Tier
 from tests.helpers.launcher import REPO_ROOT, final_state, run_single
 
@@ -60,14 +59,11 @@ def test_bench_loader_gives_sane_figures(tmp_path):
 
 
 @pytest.mark.slow
-def test_bench_recovery_gives_sane_figures_and_in_place_keeps_4_ranks_of_2_nodes_training(tmp_path):
-    """The restart's phases at 2 ranks; and 4 ranks as 2 simulated nodes of 2 with
-    --replace-in-place: rank 1's training process SIGKILLed, then rank 0's, every
-    recovery in place at 4 ranks (a survivor blocked on another survivor, not on the dead rank,
-    used to hang), then a node lost and the other going on at 2, with torchrun restarting
-    nothing, each recovery well within the 2-rank restart measured just before. (The bench's
-    restart-all twin of the 4-rank job is left to ``bench recovery --in-place``: it adds a
-    dozen process starts to the suite and guards nothing the restart tests do not.)"""
+def test_bench_recovery_gives_sane_figures():
+    """The restart's phases at 2 ranks. (``bench recovery --in-place``, 4 ranks as 2 simulated
+    nodes of 2 in place and restarted, is a manual measurement: its 4-rank in-place job adds a
+    dozen process starts, and test_in_place_sharded.py's HSDP test runs the same protocol, rank
+    kills and a lost node at 4 ranks of 2 nodes, with stronger checks.)"""
     out = run_single(["bench", "recovery", "--size", "1MB", "--json"], REPO_ROOT, 240)
     assert out.returncode == 0, out.stderr[-3000:]
     recovery = json.loads(out.stdout)
@@ -80,17 +76,6 @@ def test_bench_recovery_gives_sane_figures_and_in_place_keeps_4_ranks_of_2_nodes
     assert (
         recovery["ratio_to_bare_plus_read"] > 1.0
     )  # a restart with a load costs more than one without
-    # Rank 1 (three survivors, one on the same node), then rank 0 (the writer).
-    in_place = bench_in_place.measure(str(tmp_path), 1 << 20, in_place=True, ranks=(1, 0))
-    kills = in_place["rank_kills"]
-    assert [(k["world_size"], k["began"], k["restart_count"]) for k in kills] == [
-        (4, "replaced in place", 0)
-    ] * 2, kills
-    lost = in_place["node_kill"]
-    assert (lost["world_size"], lost["began"], lost["restart_count"]) == (2, "shrunk in place", 0)
-    # Side by side in one test: no in-place recovery waits anything like a restart (a 5 s stall
-    # of the job's store, once one recovery in three, would).
-    assert max(k["kill_to_step_s"] for k in kills) < ours["total_s"], (kills, ours)
 
 
 @pytest.mark.slow

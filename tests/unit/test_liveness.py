@@ -63,6 +63,24 @@ def test_a_silent_peer_is_named_by_rank_0_and_then_by_every_rank():
     assert by_rank[1].startswith("rank 0 saw no heartbeat from rank 2 on host host2")
 
 
+def test_rank_0_leaving_at_once_keeps_its_verdict_for_the_others():
+    """In place, rank 0 leaves its epoch the moment it finds a silent peer, ending its beats with
+    a last ``done`` one. The others watch only rank 0: that last beat must still name the silent
+    peer, or a survivor blocked on it waits for --collective-timeout (the HSDP test found it:
+    the frozen node's twin replica kept one survivor, the other waited out the recovery)."""
+    ranks, clock = _ranks(3)
+    _beat(ranks, clock, 10)
+    found = None
+    while found is None:  # rank 2 froze; ranks 0 and 1 beat, rank 0 looking first each time
+        clock.now += BEAT
+        found = ranks[0].round()
+        assert found or ranks[1].round() is None
+    assert found.startswith("no heartbeat from rank 2")
+    ranks[0].stop(wait=False)  # its last beat, as it leaves the epoch
+    clock.now += BEAT
+    assert ranks[1].round().startswith("rank 0 saw no heartbeat from rank 2 on host host2")
+
+
 def test_a_frozen_rank_0_is_found_by_the_others():
     ranks, clock = _ranks(3)
     _beat(ranks, clock, 10)

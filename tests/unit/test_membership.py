@@ -49,6 +49,36 @@ def test_everyone_back_decides_at_once_without_waiting():
     assert results == {0: [0, 1, 2], 1: [0, 1, 2], 2: [0, 1, 2]}
 
 
+def test_a_member_found_silent_is_not_waited_for():
+    """A frozen host's rank (named by liveness) never comes back: once every other member is
+    back the epoch is decided, instead of at the end of the longer wait a silence gets (the
+    others hear of it a beat late)."""
+    server = _store()
+    server.set(ATTEMPT_KEY, "n4")
+    results: dict = {}
+
+    def one(r):
+        results[r] = regroup(
+            _client(server), "n4", [0, 1, 2], r, wait_s=5.0, timeout_s=5, silent=[2]
+        )
+
+    threads = [threading.Thread(target=one, args=(r,)) for r in (0, 1)]
+    t0 = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert time.monotonic() - t0 < 2.0  # not the 5 s wait
+    assert results == {0: [0, 1], 1: [0, 1]}
+
+
+def test_silent_members_are_the_verdicts_ranks_as_torchrun_ranks():
+    liveness = SimpleNamespace(peer_silent=True, verdict=[{"rank": 1, "host": "h", "silent_s": 4}])
+    assert membership.silent_members(liveness, [0, 2, 3]) == [2]
+    liveness.peer_silent = False  # the epoch ended by a death, not this silence
+    assert membership.silent_members(liveness, [0, 2, 3]) == []
+
+
 def test_a_member_not_back_within_the_wait_is_dropped_and_a_late_one_learns_it():
     """Rank 2's node is gone (never back); rank 3's replacement comes after the decision: both are
     out, every rank that is back agrees on the same members, the late one gets None."""
