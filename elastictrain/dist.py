@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from elastictrain import knobs
+from elastictrain import epoch_end, knobs
 from elastictrain.env import DistEnv
 from elastictrain.errors import EXIT_INIT_TIMEOUT
 from elastictrain.handshake import Attempt, handshake
@@ -233,5 +233,7 @@ def all_gather_object(obj: Any, group: dist.ProcessGroup | None) -> list[Any]:
 
 
 def shutdown() -> None:
+    """Tear down this process's groups (after an NCCL abort there are none left to destroy)."""
+    epoch_end.close_current()  # an epoch's end heard from now on must not touch the next one's
     if dist.is_initialized():
         dist.destroy_process_group()

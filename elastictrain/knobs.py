@@ -33,3 +33,10 @@ def local_tier_root() -> str:
     /dev/shm): a node-local NVMe mount for every job of a cluster, or a test session's own folder.
     ``--local-checkpoint-dir`` overrides it for one job."""
     return os.environ.get("ELASTICTRAIN_LOCAL_ROOT", "/dev/shm")
+
+
+def nccl_in_place() -> bool:
+    """``ELASTICTRAIN_NCCL_IN_PLACE=1``: allow ``--replace-in-place`` on CUDA (NCCL). Its path is
+    built (``epoch_end``) but has not yet run on GPUs beyond the GPU tier's one-device cases
+    (docs/faults.md, "NCCL"); until it has, a CUDA job asks for it by name."""
+    return os.environ.get("ELASTICTRAIN_NCCL_IN_PLACE") == "1"

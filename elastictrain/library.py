@@ -27,9 +27,9 @@ import torch
 import torch.distributed as dist
 
 from elastictrain import dist as edist
-from elastictrain import membership, supervisor
+from elastictrain import epoch_end, membership, supervisor
 from elastictrain.env import DistEnv, read_env
-from elastictrain.errors import EXIT_INIT_TIMEOUT, ConfigError
+from elastictrain.errors import EXIT_INIT_TIMEOUT
 from elastictrain.liveness import Liveness
 from elastictrain.membership import LiveState
 
@@ -145,11 +145,7 @@ def start(
     wait as a spare, or train from the start; then the first epoch's process group."""
     global _epoch
     if device.type != "cpu":
-        # NCCL cannot drop a dead peer the way gloo's connection reset does (issue 37).
-        raise ConfigError(
-            f"init_distributed(replace_in_place=True) runs on CPU process groups (gloo) for now; "
-            f"this rank trains on {device}. Drop replace_in_place: a death then restarts the group."
-        )
+        epoch_end.refuse_unverified_nccl(device, "init_distributed(replace_in_place=True)")
     role = supervisor.role()
     if role is None:
         # The process torchrun watches: it runs this same command line as its children.
@@ -236,8 +232,10 @@ def _open(
         timeout_flag="replace_timeout" if in_place else "init_timeout",
         store_up=in_place,
     )
-    if here.rank == 0 and groups.store is not None:
-        membership.publish(groups.store, groups.attempt.nonce, members)
+    if groups.store is not None:
+        if here.rank == 0:
+            membership.publish(groups.store, groups.attempt.nonce, members)
+        membership.watch_epoch(groups.store, groups.attempt.nonce, env)
     liveness.start()
     return Epoch(env, device, settings, members, groups, liveness, died_at)
 

@@ -14,10 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
-import socket
-import stat
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -25,6 +22,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from elastictrain import dist as edist
+from elastictrain import epoch_end
 from elastictrain.env import DistEnv, rendezvous_store
 from elastictrain.errors import InitTimeoutError, RecurringFailureError
 from elastictrain.handshake import ATTEMPT_KEY
@@ -75,7 +73,11 @@ class PeerLost(Exception):
 
 
 def is_peer_loss(error: BaseException) -> bool:
-    """Whether ``error`` says a peer's process is gone (not a bug of this rank's own)."""
+    """Whether ``error`` says a peer's process is gone (not a bug of this rank's own): its own
+    words (gloo's reset), or the epoch's end announced (``epoch_end``: an aborted NCCL group
+    fails in many ways, down to "no default process group")."""
+    if epoch_end.ended():
+        return True
     for e in _chain(error):
         if isinstance(e, dist.DistError) or (
             isinstance(e, RuntimeError) and _PEER_GONE.search(str(e))
@@ -158,7 +160,7 @@ def regroup(
     ``silent``: members found silent (a frozen host), not waited for: the rest back, the wait ends.
     """
     if not counted:
-        _count_in(store, nonce, me)
+        _count_in(store, nonce, me, silent)
     deadline = time.monotonic() + wait_s
     expected = len([m for m in members if m not in silent])
     while store.add(f"{nonce}/back", 0) < expected and time.monotonic() < deadline:
@@ -182,9 +184,10 @@ def join_as_replacement(
     return members if me in members else None
 
 
-def _count_in(store: dist.Store, nonce: str, me: int) -> None:
+def _count_in(store: dist.Store, nonce: str, me: int, silent: list[int] = ()) -> None:
     store.set(f"{nonce}/back/{me}", b"1")
     store.add(f"{nonce}/back", 1)
+    epoch_end.announce(store, nonce, silent)  # every member's watch fails the epoch's collectives
 
 
 def _get_json(store: dist.Store, key: str, me: int, timeout_s: float) -> list[int]:
@@ -335,10 +338,13 @@ def drop_silent(liveness, reason: str, env: DistEnv) -> None:
 
 def silent_members(liveness, members: list[int]) -> list[int]:
     """The epoch's ranks ``liveness`` found silent (or heard of from rank 0), as torchrun ranks
-    (``members``: the epoch's, in its rank order); empty when the epoch did not end by one."""
+    (``members``: the epoch's, in its rank order), or that the epoch's end announced
+    (``epoch_end``: it may be heard before rank 0's beat); empty when it did not end by one."""
+    heard = set(epoch_end.heard_silent())
     if not liveness.peer_silent or not liveness.verdict:
-        return []
-    return sorted(members[v["rank"]] for v in liveness.verdict if v["rank"] < len(members))
+        return sorted(heard)
+    found = {members[v["rank"]] for v in liveness.verdict if v["rank"] < len(members)}
+    return sorted(found | heard)
 
 
 def leave(carry: LiveState, store: dist.Store | None, env: DistEnv) -> None:
@@ -350,49 +356,25 @@ def leave(carry: LiveState, store: dist.Store | None, env: DistEnv) -> None:
     be dropped with the dead rank's node."""
     leave_collectives(env)
     if store is not None:
-        _count_in(store, carry.nonce, env.rank)
+        _count_in(store, carry.nonce, env.rank, carry.silent)
         carry.counted_in = True
 
 
-def leave_collectives(env: DistEnv) -> int:
-    """Shut this process's connections of the failed epoch (all but the job store's); the number
-    shut. Called by every survivor as it leaves the epoch: a rank blocked in a collective on a
-    survivor (not on the dead rank: with more than two ranks, a ring or a tree passes through
-    others) would otherwise wait for --collective-timeout, since the survivor's groups keep their
-    sockets open until their last reference goes. A shut socket fails that collective at once,
-    so the failure reaches every rank in a hop per rank."""
+def watch_epoch(store: dist.Store, nonce: str, env: DistEnv) -> epoch_end.EpochWatch:
+    """Every member, once its epoch's groups exist (``env``: torchrun's): the watch that fails
+    them when the epoch's end is announced (``epoch_end``; closed by ``dist.shutdown``)."""
+    return epoch_end.EpochWatch(store, nonce, _store_port(env)).start()
+
+
+def _store_port(env: DistEnv) -> int:
     store = rendezvous_store(env)
-    return break_collectives(store.port if store else env.master_port)
+    return store.port if store else env.master_port
 
 
-def break_collectives(keep_port: int) -> int:
-    """Shut down every TCP connection of this process but those to the job's store (remote port
-    ``keep_port``); the number shut.
-
-    Why: a frozen peer (SIGSTOP, a wedged host) keeps its sockets open, so a gloo collective
-    waiting on it blocks until --collective-timeout, and gloo cannot abort one. Shutting the
-    connections from under it fails the collective at once, as a dead peer's reset does, so this
-    rank leaves the epoch with its state (:class:`PeerLost`) and the survivors regroup without
-    the silent rank. The epoch's groups are being given up anyway; the store is kept, since the
-    next epoch is agreed through it.
-    """
-    shut = 0
-    for name in os.listdir("/proc/self/fd"):
-        try:
-            if not stat.S_ISSOCK(os.fstat(int(name)).st_mode):
-                continue
-            sock = socket.socket(fileno=os.dup(int(name)))
-        except OSError:
-            continue
-        with sock:
-            try:
-                tcp = sock.family in (socket.AF_INET, socket.AF_INET6)
-                if not tcp or sock.type != socket.SOCK_STREAM:
-                    continue  # a loader worker's pipe, a unix socket: not the group's
-                if sock.getpeername()[1] == keep_port:
-                    continue
-                sock.shutdown(socket.SHUT_RDWR)  # the connection itself, for every fd of it
-                shut += 1
-            except (OSError, IndexError, TypeError):  # not connected, not TCP: not gloo's
-                continue
-    return shut
+def leave_collectives(env: DistEnv) -> int:
+    """Fail every collective of this process's epoch (``epoch_end.abort_collectives``); the
+    number of connections shut. Called by every survivor as it leaves the epoch: a rank blocked in
+    a collective on a survivor (not on the dead rank: with more than two ranks, a ring or a tree
+    passes through others) would otherwise wait for --collective-timeout, since the survivor's
+    groups keep their sockets open until their last reference goes."""
+    return epoch_end.abort_collectives(_store_port(env))

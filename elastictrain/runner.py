@@ -19,14 +19,14 @@ import torch
 import torch.distributed as dist
 
 from elastictrain import dist as edist
-from elastictrain import membership, mesh, streams, supervisor, training
+from elastictrain import epoch_end, membership, mesh, streams, supervisor, training
 from elastictrain.attempt import Attempt
 from elastictrain.checkpoint.resume.live import Live
 from elastictrain.checkpoint.session import CheckpointSession, install_stop_signals
 from elastictrain.config import RunConfig
 from elastictrain.data import GlobalBatchSampler
 from elastictrain.env import DistEnv, read_env
-from elastictrain.errors import EXIT_INIT_TIMEOUT, EXIT_PREEMPTED, ConfigError, Preempted
+from elastictrain.errors import EXIT_INIT_TIMEOUT, EXIT_PREEMPTED, Preempted
 from elastictrain.liveness import Liveness
 from elastictrain.loader import check_micro_steps
 from elastictrain.membership import LiveState, PeerLost
@@ -71,12 +71,7 @@ def run(cfg: RunConfig, early_signals: StopSignals | None = None) -> int:
     check_micro_steps(task.batch_size, data.size, cfg.grad_accum_steps)
     device = edist.pick_device(env, task.model_devices)
     if cfg.replace_in_place and device.type != "cpu":
-        # NCCL cannot drop a dead peer the way gloo's connection reset does: its communicators
-        # must be aborted and rebuilt, which this path does not do yet (docs/faults.md).
-        raise ConfigError(
-            f"--replace-in-place runs on CPU process groups (gloo) for now; this rank trains on "
-            f"{device}. Drop --replace-in-place: a death then restarts the group."
-        )
+        epoch_end.refuse_unverified_nccl(device, "--replace-in-place")
     died_at = None
     if supervisor.role() == "spare":
         _warm(task)
@@ -223,8 +218,10 @@ def _epoch(b: _Built, carry: LiveState | None, died_at: float | None) -> int:
                 signals=b.signals,
                 last_words=b.last_words,
             )
-            if env.rank == 0 and groups.store is not None and cfg.replace_in_place:
-                membership.publish(groups.store, groups.attempt.nonce, members)
+            if groups.store is not None and cfg.replace_in_place:
+                if env.rank == 0:
+                    membership.publish(groups.store, groups.attempt.nonce, members)
+                membership.watch_epoch(groups.store, groups.attempt.nonce, b.env)
             dropped = sorted(set(carry.members) - set(members)) if carry is not None else []
             epoch = membership.agree(
                 carry,

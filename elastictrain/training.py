@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from elastictrain import membership
+from elastictrain import epoch_end, membership
 from elastictrain.attempt import Attempt
 from elastictrain.checkpoint.api import Reason
 from elastictrain.checkpoint.checkpointer import Resumed
@@ -96,18 +96,17 @@ def train(attempt: Attempt, live: Live | None = None) -> int:
 
 
 def _update_gate(attempt: Attempt, state: TrainState):
-    """In place, sharded: a barrier of every rank between the gradients' sync and the optimizer
-    step. Without it a death mid-step leaves the shard positions at different steps (HSDP: one
-    replica group's all-reduce done and its shards stepped, another's broken), and no step is
-    whole in the survivors' memory: the recovery must roll back to the copies. With it, a rank
-    steps only once every rank's gradients are in; a death inside the barrier itself (some ranks
-    through, some not) is the window left, and falls back the same way."""
-    if not attempt.cfg.replace_in_place or not sharded.is_sharded(state.model):
+    """In place: what runs between the gradients' sync and the optimizer step
+    (``epoch_end.update_gate``): on CUDA always; on the CPU a barrier with replicated shards
+    (HSDP), none otherwise (DDP's whole state is in every survivor, and FSDP's dead shards are in
+    no survivor's memory anyway)."""
+    if not attempt.cfg.replace_in_place:
         return None
-    params = {n: p for n, p in state.model.named_parameters() if hasattr(p, "device_mesh")}
-    if len(sharded.twins(params)) < 2:
-        return None  # no replicas (FSDP): a dead rank's shards are in no survivor's memory anyway
-    return dist.barrier  # the default group: --collective-timeout bounds it, as the step's own
+    twins = False
+    if sharded.is_sharded(state.model):
+        params = {n: p for n, p in state.model.named_parameters() if hasattr(p, "device_mesh")}
+        twins = len(sharded.twins(params)) >= 2
+    return epoch_end.update_gate(attempt.device, twins=twins)
 
 
 @dataclass

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from elastictrain import library, membership
+from elastictrain import epoch_end, library, membership
 from elastictrain.checkpoint.api import Reason
 from elastictrain.checkpoint.manager_args import config_from, signature
 from elastictrain.checkpoint.resume.live import Live
@@ -238,10 +238,14 @@ class CheckpointManager:
             )
         wrap = wrap or (lambda m: m)
         net, step, extra = wrap(model), start, self.extra
+        epoch = library.current()
+        gate = epoch_end.update_gate(epoch.device, twins=False) if epoch else None
         while step < stop:
             try:
                 optimizer.zero_grad(set_to_none=True)
                 extra = train_step(step, net)
+                if gate is not None:  # CUDA: the step's collectives have run everywhere
+                    gate()
                 optimizer.step()
                 if scheduler is not None:
                     scheduler.step()

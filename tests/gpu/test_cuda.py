@@ -170,3 +170,39 @@ def test_model_parallel_example_spans_two_devices(launch, tmp_path):
     assert "on the CPU" not in job.log()
     assert final_state(ckpt)["progress"]["step"] == 40
     figure("model-parallel", devices=torch.cuda.device_count(), steps=40)
+
+
+def _probe(launch, case: str, nproc: int) -> list[dict]:
+    job = launch([case], nproc=nproc, name=case, entry=("-m", "tests.helpers.nccl_in_place_probe"))
+    assert job.wait(300) == 0, job.log()[-4000:]
+    return [
+        json.loads(line.split("PROBE ", 1)[1])
+        for line in job.log().splitlines()
+        if "PROBE {" in line
+    ]
+
+
+def test_an_nccl_group_aborted_mid_collective_is_rebuilt_in_the_same_process(launch):
+    """--replace-in-place on NCCL (epoch_end): a collective queued behind seconds of GPU work,
+    the epoch's end announced in the job's store; the watch thread aborts the communicators, the
+    collective's error reads as a peer's loss, NCCL's watchdog leaves the process alone
+    (TORCH_NCCL_ASYNC_ERROR_HANDLING=0), and the next epoch's NCCL group is built in the same
+    process and computes right. One GPU: a group of one rank (what one device can show)."""
+    (got,) = _probe(launch, "abort", nproc=1)
+    assert got["first_ok"] and got["rebuilt_ok"], got
+    assert got["raised"] and got["peer_loss"], got
+    assert got["abort_s"] < 5, got  # the watch hears the end in one store round trip
+    figure("nccl-abort-and-rebuild", **got)
+
+
+def test_cuda_state_moves_live_into_a_replacement_bitwise(launch):
+    """A survivor's CUDA model and AdamW state, sent live to a replacement
+    (``checkpoint.resume.live.fetch``) and mapped to its device: bitwise equal to the survivor's.
+    Two ranks share cuda:0 over gloo (NCCL refuses two ranks on one device)."""
+    got = _probe(launch, "live", nproc=2)
+    assert len(got) == 2, got
+    for rank in got:
+        assert rank["device"] == "cuda:0" and rank["on_device"], rank
+        assert rank["differed_before"] and rank["bitwise_equal"], rank
+        assert rank["tier"] == "live", rank
+    figure("cuda-state-live", bytes=got[0]["bytes"], bitwise_equal=True)

@@ -1,0 +1,89 @@
+"""elastictrain.epoch_end: an epoch's end, announced once in the job's store, fails the epoch's
+collectives on every member at once, even one blocked on a live peer (what NCCL does to every
+survivor of a death); and never touches the next epoch's."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from elastictrain import epoch_end
+from tests.helpers.paths import REPO_ROOT
+
+
+def _store() -> dist.TCPStore:
+    return dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=30))
+
+
+def _probe(rank: int, port: int, nonce: str, *extra: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "tests.helpers.epoch_watch_probe", str(rank), str(port), nonce]
+        + list(extra),
+        cwd=REPO_ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def _blocked_all_reduce_after_the_end_is_announced(*extra: str, wait_s: float = 20) -> dict:
+    server = _store()
+    procs = [_probe(r, server.port, "n1", *extra) for r in (0, 1)]
+    try:
+        for p in procs:
+            assert p.stdout.readline().strip() == "ready"
+        time.sleep(1.0)  # rank 0 is inside its all-reduce, waiting on rank 1
+        epoch_end.announce(server, "n1", [1])  # what a dead peer's replacement does first
+        deadline = time.monotonic() + wait_s
+        while procs[0].poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if procs[0].poll() is None:
+            return {"raised": False, "blocked_for_s": wait_s}
+        return json.loads(procs[0].stdout.read().strip().splitlines()[-1])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+
+
+def test_a_collective_blocked_on_a_live_peer_fails_when_the_epochs_end_is_announced():
+    got = _blocked_all_reduce_after_the_end_is_announced()
+    assert got["raised"], got
+    assert got["after_s"] < 15, got  # 1 s after it began, on an idle host
+    assert got["peer_loss"], got  # the survivor leaves with its state, as after a reset
+    assert got["silent"] == [1], got  # what the announcer found silent reaches every member
+
+
+def test_without_the_watch_the_same_collective_stays_blocked():
+    """The reference: the announcement alone frees nobody (the watch does it)."""
+    got = _blocked_all_reduce_after_the_end_is_announced("--no-watch", wait_s=5)
+    assert not got["raised"], got
+
+
+def test_a_closed_watch_ignores_the_end_and_the_first_announcement_stands(monkeypatch):
+    aborted = []
+    monkeypatch.setattr(epoch_end, "abort_collectives", lambda port: aborted.append(port) or 0)
+    server = _store()
+    closed = epoch_end.EpochWatch(server, "old", keep_port=server.port).start()
+    closed.close()  # the epoch's groups are gone; the next epoch's must not be touched
+    live = epoch_end.EpochWatch(server, "new", keep_port=server.port).start()
+    epoch_end.announce(server, "old")
+    epoch_end.announce(server, "new", [3])
+    epoch_end.announce(server, "new", [])  # a later member back: the first announcement stands
+    deadline = time.monotonic() + 10
+    while not live.ended and time.monotonic() < deadline:
+        time.sleep(0.02)
+    time.sleep(0.3)  # the closed watch, had it acted, would have by now
+    assert live.ended and not closed.ended
+    assert aborted == [server.port]
+    assert epoch_end.ended() and epoch_end.heard_silent() == [3]
+    live.close()
+    assert not epoch_end.ended()
