@@ -87,3 +87,24 @@ def test_a_closed_watch_ignores_the_end_and_the_first_announcement_stands(monkey
     assert epoch_end.ended() and epoch_end.heard_silent() == [3]
     live.close()
     assert not epoch_end.ended()
+
+
+def test_nccl_in_place_is_refused_unless_asked_for_and_then_keeps_nccls_watchdog_off(monkeypatch):
+    import pytest
+    import torch
+
+    from elastictrain.errors import ConfigError
+
+    cuda = torch.device("cuda", 0)
+    monkeypatch.delenv("ELASTICTRAIN_NCCL_IN_PLACE", raising=False)
+    monkeypatch.delenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", raising=False)
+    with pytest.raises(ConfigError, match="ELASTICTRAIN_NCCL_IN_PLACE=1.*drop --replace-in-place"):
+        epoch_end.refuse_unverified_nccl(cuda, "--replace-in-place")
+    assert "TORCH_NCCL_ASYNC_ERROR_HANDLING" not in os.environ
+    monkeypatch.setenv("ELASTICTRAIN_NCCL_IN_PLACE", "1")
+    epoch_end.refuse_unverified_nccl(cuda, "--replace-in-place")
+    assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "0"
+    # The gate: on CUDA always (the device waited for); on the CPU a barrier with replicas only.
+    assert callable(epoch_end.update_gate(cuda, twins=False))
+    assert epoch_end.update_gate(torch.device("cpu"), twins=True) is dist.barrier
+    assert epoch_end.update_gate(torch.device("cpu"), twins=False) is None
