@@ -5,7 +5,7 @@ with its connections open and never joins it, as a peer wedged behind a dead one
 every survivor of a death). Rank 0 prints, as one JSON line, how long its all-reduce took to fail
 and whether the error reads as a peer's loss.
 
-    python -m tests.helpers.epoch_watch_probe RANK STORE_PORT NONCE [--no-watch]
+    python -m tests.helpers.epoch_watch_probe RANK STORE_PORT NONCE
 """
 
 from __future__ import annotations
@@ -35,8 +35,7 @@ def main() -> None:
         print("ready", flush=True)
         time.sleep(120)  # alive, connections open, never in the collective
         return
-    if "--no-watch" not in sys.argv:
-        epoch_end.EpochWatch(store, nonce, keep_port=port).start()
+    epoch_end.EpochWatch(store, nonce, keep_port=port).start()
     print("ready", flush=True)
     t0 = time.monotonic()
     try:

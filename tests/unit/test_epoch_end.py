@@ -22,10 +22,9 @@ def _store() -> dist.TCPStore:
     return dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=30))
 
 
-def _probe(rank: int, port: int, nonce: str, *extra: str) -> subprocess.Popen:
+def _probe(rank: int, port: int, nonce: str) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "tests.helpers.epoch_watch_probe", str(rank), str(port), nonce]
-        + list(extra),
+        [sys.executable, "-m", "tests.helpers.epoch_watch_probe", str(rank), str(port), nonce],
         cwd=REPO_ROOT,
         stdout=subprocess.PIPE,
         text=True,
@@ -33,9 +32,9 @@ def _probe(rank: int, port: int, nonce: str, *extra: str) -> subprocess.Popen:
     )
 
 
-def _blocked_all_reduce_after_the_end_is_announced(*extra: str, wait_s: float = 20) -> dict:
+def _blocked_all_reduce_after_the_end_is_announced(wait_s: float = 20) -> dict:
     server = _store()
-    procs = [_probe(r, server.port, "n1", *extra) for r in (0, 1)]
+    procs = [_probe(r, server.port, "n1") for r in (0, 1)]
     try:
         for p in procs:
             assert p.stdout.readline().strip() == "ready"
@@ -55,17 +54,13 @@ def _blocked_all_reduce_after_the_end_is_announced(*extra: str, wait_s: float = 
 
 
 def test_a_collective_blocked_on_a_live_peer_fails_when_the_epochs_end_is_announced():
+    """Without the watch the all-reduce stays blocked for the peer's 120 s (seen: with the
+    abort taken out of the watch, this fails)."""
     got = _blocked_all_reduce_after_the_end_is_announced()
     assert got["raised"], got
     assert got["after_s"] < 15, got  # 1 s after it began, on an idle host
     assert got["peer_loss"], got  # the survivor leaves with its state, as after a reset
     assert got["silent"] == [1], got  # what the announcer found silent reaches every member
-
-
-def test_without_the_watch_the_same_collective_stays_blocked():
-    """The reference: the announcement alone frees nobody (the watch does it)."""
-    got = _blocked_all_reduce_after_the_end_is_announced("--no-watch", wait_s=5)
-    assert not got["raised"], got
 
 
 def test_a_closed_watch_ignores_the_end_and_the_first_announcement_stands(monkeypatch):

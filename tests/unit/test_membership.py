@@ -8,6 +8,7 @@ import time
 from datetime import timedelta
 from types import SimpleNamespace
 
+import pytest
 import torch.distributed as dist
 
 from elastictrain import membership
@@ -135,3 +136,20 @@ def test_peer_loss_is_told_from_this_ranks_own_errors():
     assert is_peer_loss(wrapped)
     assert not is_peer_loss(RuntimeError("CUDA out of memory"))
     assert not is_peer_loss(ValueError("bad batch"))
+
+
+def test_a_death_that_recurs_is_refused_and_the_verdict_stops_the_next_attempt_at_once():
+    """Rank 0 counts each lost torchrun rank's deaths by step in the job's store (torchrun's: it
+    outlives every attempt). A second death of rank 1 at step 30 is refused; then a new attempt
+    (torchrun's restart: nobody lost) stops at once on the verdict, instead of training into it."""
+    from elastictrain.errors import RecurringFailureError
+
+    server = _store()
+    membership._refuse_recurring([1], 30, group=None, store=_client(server), rank=0)
+    membership._refuse_recurring([1], 31, group=None, store=_client(server), rank=0)
+    with pytest.raises(
+        RecurringFailureError, match="rank 1's training process died twice at step 30"
+    ):
+        membership._refuse_recurring([1], 30, group=None, store=_client(server), rank=0)
+    with pytest.raises(RecurringFailureError, match="died twice at step 30"):
+        membership._refuse_recurring([], 0, group=None, store=_client(server), rank=0)
