@@ -100,9 +100,10 @@ def init_distributed(
         silent_timeout: seconds without a peer's heartbeat before this rank exits 8 naming it, so
             torchrun re-forms the group without a frozen host (``elastictrain.liveness``, beats
             every 2 s from a thread of its own); 0 turns it off.
-        replace_in_place: keep the survivors of a peer's death training (CPU/gloo, DDP): this
-            process becomes the rank's supervisor and runs the script again as the training
-            process and a spare (``elastictrain.recovery``); train with
+        replace_in_place: keep the survivors of a peer's death training (CPU/gloo, DDP; NCCL
+            with ``ELASTICTRAIN_NCCL_IN_PLACE=1``, docs/faults.md "NCCL"): this process becomes
+            the rank's supervisor and runs the script again as the training process and a spare
+            (``elastictrain.supervisor``); train with
             :meth:`CheckpointManager.run`. A frozen peer is dropped after ``silent_timeout``.
         replace_wait, replace_timeout, max_replacements: the runner's ``--replace-wait``,
             ``--replace-timeout`` and ``--max-replacements`` (docs/faults.md).
