@@ -15,6 +15,7 @@ from tests.helpers.one_process import gloo_world  # noqa: F401  (a fixture, used
 from tests.helpers.s3 import moto_server
 
 HEAVIEST = [
+    "test_in_place_sharded",  # its HSDP test is the suite's longest (about 2 minutes)
     "test_tensor_parallel",
     "test_tied_weights",
     "test_streams",
@@ -27,8 +28,8 @@ HEAVIEST = [
 
 
 def pytest_collection_modifyitems(config, items):
-    """Longest tests first. The suite runs on three xdist workers (pyproject addopts); started last,
-    a 100 s test would run alone at the end while the other worker idles."""
+    """Longest tests first. The suite runs on four xdist workers (pyproject addopts); started last,
+    a 100 s test would run alone at the end while the other workers idle."""
 
     def weight(item) -> tuple[int, int]:
         if item.get_closest_marker("slow"):
