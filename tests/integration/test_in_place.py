@@ -113,9 +113,10 @@ def test_a_death_that_recurs_at_one_step_ends_the_job_with_a_clear_error(launch,
     crash = ("crash_rank=1", "crash_step=30")
     extra = ["--replace-in-place", "--task", "tests.helpers.recurring_crash:make_task"]
     extra += [a for opt in crash for a in ("--task-option", opt)]
-    # The second replacement's spare starts with the first: on a loaded host it may still be
-    # importing when rank 1 dies again, and must be waited for to hear the verdict too.
-    extra += ["--replace-wait", "10"]
+    # The second replacement's spare starts with the first, a step before rank 1 dies again: on a
+    # loaded host it may still be importing then (seen: more than 10 s with five xdist workers),
+    # and must be waited for to hear the verdict too. The wait ends as soon as it is back.
+    extra += ["--replace-wait", "45"]
     job = launch(toy_args(str(tmp_path / "c"), ev, step_time=0, extra=tuple(extra)), max_restarts=0)
     assert job.wait(120) != 0
     log = job.log()
