@@ -11,7 +11,9 @@ from typing import Any
 from storage.api import Store, VerifiedFiles
 from storage.errors import (
     CheckpointCorruptError,
+    CheckpointExistsError,
     CheckpointNotFoundError,
+    FileConflictError,
     NewerFormatError,
     StaleWriterError,
     StorageConfigError,
@@ -23,7 +25,7 @@ from storage.errors import (
 from storage.hashing import DEFAULT_ALGORITHM
 from storage.manifest import FileEntry, Manifest
 from storage.retry import RetryPolicy, is_transient
-from storage.store import Checkpoint, CheckpointExistsError, CheckpointStore, ListedCheckpoint
+from storage.store import Checkpoint, CheckpointStore, ListedCheckpoint
 from storage.urls import parse_option, redact_options, redact_url
 
 
@@ -46,6 +48,7 @@ __all__ = [
     "CheckpointNotFoundError",
     "CheckpointStore",
     "DEFAULT_ALGORITHM",
+    "FileConflictError",
     "FileEntry",
     "ListedCheckpoint",
     "Manifest",

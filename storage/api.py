@@ -57,7 +57,8 @@ class Store(VerifiedFiles, Protocol):
         block_size: int = 0,
         checkpoint_bytes: int | None = None,
     ) -> tuple[FileEntry, Digest]:
-        """One payload file of ``step``, durable and not yet committed."""
+        """One payload file of ``step``, durable and not yet committed; created once, never
+        rewritten (the same bytes again are success, others ``FileConflictError``)."""
 
     def commit(
         self,
@@ -66,6 +67,8 @@ class Store(VerifiedFiles, Protocol):
         metadata: Mapping[str, Any],
         generation: int = 0,
         before_commit: Callable[[], None] | None = None,
+        *,
+        replace_older: bool = False,
     ) -> Manifest:
         """Write ``files``, then the manifest that commits them."""
 
@@ -76,11 +79,14 @@ class Store(VerifiedFiles, Protocol):
         metadata: Mapping[str, Any],
         generation: int = 0,
         before_commit: Callable[[], None] | None = None,
+        *,
+        replace_older: bool = False,
     ) -> Manifest:
-        """Commit files already written (possibly by other processes)."""
+        """Commit files already written (possibly by other processes); the manifest is created,
+        never overwritten, except an older generation's when ``replace_older``."""
 
     def write_note(self, step: int, name: str, data: bytes) -> None:
-        """A small uncommitted file that appears whole or not at all."""
+        """A small uncommitted file that appears whole or not at all, written once."""
 
     def read_uncommitted(self, step: int, name: str) -> bytes | None:
         """A file put under ``step`` before any commit (unverified), or None."""

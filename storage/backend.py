@@ -11,15 +11,20 @@ from storage.urls import is_local, open_url
 class Backend(Protocol):
     """Byte-level operations on absolute paths of one filesystem.
 
-    ``write`` must be durable when it returns. ``write_atomic`` must make the object appear whole or
-    not at all: it is used for the commit marker. ``check_readable`` raises when the root can never
+    ``create`` publishes a new file and never opens an existing one for writing: it returns False
+    when the name is taken, and leaves only temporary names behind when it fails; it is durable
+    when it returns True. ``create_guarantee`` says how: "atomic" (the filesystem refuses a taken
+    name itself, and the file appears whole or not at all) or "checked" (the backend looks, then
+    writes). ``write_atomic`` replaces a file whole, for the few replaced by design (the fence, the
+    history, an older generation's manifest). ``check_readable`` raises when the root can never
     be listed (a missing bucket, rejected credentials, an unreachable endpoint); a root that simply
     holds nothing yet is fine.
     """
 
     root: str
+    create_guarantee: str
 
-    def write(self, path: str, data: bytes | memoryview) -> None: ...
+    def create(self, path: str, data: bytes | memoryview) -> bool: ...
     def write_atomic(self, path: str, data: bytes) -> None: ...
     def read(self, path: str) -> bytes: ...
     def open_read(self, path: str) -> BinaryIO: ...

@@ -40,5 +40,15 @@ class NewerFormatError(StorageError):
     skipped as corrupt, overwritten or deleted: the run stops, and an upgrade reads it."""
 
 
+class CheckpointExistsError(StorageError, FileExistsError):
+    """A committed checkpoint already holds this step; committed checkpoints are never overwritten."""
+
+
+class FileConflictError(StorageError, FileExistsError):
+    """A file under a checkpoint's name already exists with other bytes. Such a file is written
+    once and never again, so nothing was overwritten: the same step was saved twice with
+    different contents."""
+
+
 class StaleWriterError(StorageError):
     """A writer from an older generation tried to commit after a newer generation took over."""

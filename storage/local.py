@@ -1,15 +1,21 @@
-"""Local-disk backend: fsync'd writes and an atomic rename for the commit marker."""
+"""Local-disk backend: files published once (a temporary name, fsync, then a hard link that fails
+if the name exists), and an atomic rename for the few files that are replaced by design."""
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import shutil
 import uuid
 
+# A filesystem without hard links (FAT, some FUSE mounts, SMB without Unix extensions) answers a
+# link with one of these; it then gets an exclusive create instead (``_create_exclusive``).
+_NO_HARD_LINKS = {errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK, errno.EXDEV}
+
 
 def _fsync_dir(path: str) -> None:
-    # A rename is durable only once the directory entry itself is flushed.
+    # A new name is durable only once the directory entry itself is flushed.
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -17,25 +23,84 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+def _temp_name(path: str) -> str:
+    """A name beside ``path`` that nothing else uses, hidden (a leading dot): listings of
+    checkpoint files and the history skip it."""
+    directory, base = os.path.split(path)
+    return os.path.join(directory, f".{base}.tmp-{uuid.uuid4().hex}")
+
+
+def _write_new(path: str, data: bytes | memoryview) -> None:
+    """Write a file that must not exist yet (``x``: never truncates one), durably."""
+    with open(path, "xb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
 class LocalBackend:
+    # ``create`` is atomic: the name appears whole or not at all, and only if it was free.
+    create_guarantee = "atomic"
+
     def __init__(self, root: str) -> None:
         self.root = root
+        self._links = True
+        """False once the filesystem refused a hard link: exclusive creates from then on."""
 
     def join(self, *parts: str) -> str:
         return os.path.join(*parts)
 
-    def write(self, path: str, data: bytes | memoryview) -> None:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+    def create(self, path: str, data: bytes | memoryview) -> bool:
+        """Publish ``data`` at ``path`` unless a file is there: True when this call created it,
+        False when one existed (left untouched). The bytes go to a temporary name first, are
+        fsynced, then linked to ``path``: a link fails on an existing name, so a committed file is
+        never opened for writing, and a kill, a retry or a full disk leaves at most a temporary
+        file, never a short one under ``path``."""
+        directory = os.path.dirname(path)
+        os.makedirs(directory, exist_ok=True)
+        if not self._links:
+            return self._create_exclusive(path, data)
+        tmp = _temp_name(path)
+        try:
+            _write_new(tmp, data)
+            try:
+                os.link(tmp, path)
+            except FileExistsError:
+                return False
+            except OSError as e:
+                if e.errno not in _NO_HARD_LINKS:
+                    raise
+                self._links = False
+                return self._create_exclusive(path, data)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+        _fsync_dir(directory)
+        return True
+
+    def _create_exclusive(self, path: str, data: bytes | memoryview) -> bool:
+        """Without hard links: ``O_EXCL`` on the name itself. Still never opens an existing file
+        for writing; but a kill mid-write leaves a short file under ``path`` (uncommitted: no
+        manifest lists it before its writer reported it whole)."""
+        try:
+            _write_new(path, data)
+        except FileExistsError:
+            return False
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)  # ours: the exclusive create made it
+            raise
+        _fsync_dir(os.path.dirname(path))
+        return True
 
     def write_atomic(self, path: str, data: bytes) -> None:
+        """Replace ``path`` whole (a temporary name, fsync, rename): for the files replaced by
+        design (the fence, the history's segments, an older generation's manifest)."""
         directory = os.path.dirname(path)
-        tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex}")
+        os.makedirs(directory, exist_ok=True)
+        tmp = _temp_name(path)
         try:
-            self.write(tmp, data)
+            _write_new(tmp, data)
             os.replace(tmp, path)
         finally:
             with contextlib.suppress(FileNotFoundError):

@@ -8,6 +8,7 @@ read-only location, or an unreachable endpoint.
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import uuid
 from collections.abc import Callable
@@ -16,6 +17,8 @@ from typing import Any
 from storage.backend import Backend
 from storage.errors import StorageNotUsableError, StorageUnavailableError
 from storage.retry import diagnose
+
+logger = logging.getLogger(__name__)
 
 Call = Callable[[str, Callable[[], Any]], Any]
 """Run one storage operation with the store's retries: ``call(what, fn)``."""
@@ -57,10 +60,10 @@ def _probe_once(backend: Backend, call: Call, write: bool) -> BaseException | No
     try:
         if not write:
             return call("probe list", backend.check_readable)
-        call("probe write", lambda: backend.write(path, payload))
-        written = True
+        written = call("probe write", lambda: backend.create(path, payload))
         if call("probe read", lambda: backend.read(path)) != payload:
             raise StorageUnavailableError("the probe object read back different bytes")
+        check_create(backend, call, path, payload)
     except Exception as e:  # noqa: BLE001 - every failure here means "not usable"; diagnose it
         return e
     finally:
@@ -70,3 +73,21 @@ def _probe_once(backend: Backend, call: Call, write: bool) -> BaseException | No
             with contextlib.suppress(Exception):
                 backend.delete_file(path)
     return None
+
+
+def check_create(backend: Backend, call: Call, path: str, payload: bytes) -> None:
+    """Where the server is trusted to refuse a taken name (``create_guarantee == "atomic"``), ask
+    it once: an S3 look-alike that ignores ``If-None-Match`` would let a second create overwrite.
+    Then every create looks first, and a warning says that write-once is checked, not enforced."""
+    if getattr(backend, "create_guarantee", "") != "atomic":
+        return
+    if call("probe create", lambda: backend.create(path, payload)):
+        backend.look_first = True
+        backend.create_guarantee = "checked"
+        logger.warning(
+            "the checkpoint location %s ignored a conditional write (If-None-Match): a file "
+            "is looked for before it is created, so write-once holds against this job's own "
+            "retries but not against a second writer racing for the same name "
+            "(docs/checkpoints.md, 'Write-once')",
+            backend.root,
+        )

@@ -1,6 +1,11 @@
 """Backend for any other fsspec filesystem (s3://, memory://, gcs://, ...).
 
 Object stores have no rename; a single PUT of the small manifest is atomic, which is the commit.
+A checkpoint's files are published with fsspec's ``pipe_file(mode="create")``: on S3 (s3fs) a
+conditional PUT (``If-None-Match: *``, also on a multipart upload's completion) that the server
+refuses when the key exists; on ``memory://`` an exclusive open (``"xb"``); on a filesystem that
+implements neither, fsspec's default looks before it writes (``create_guarantee``;
+docs/checkpoints.md, "Write-once").
 """
 
 from __future__ import annotations
@@ -26,15 +31,36 @@ class _PartsView:
         return bytes(self._view[index])
 
 
+# Filesystems whose ``pipe_file(mode="create")`` the server itself refuses on an existing name,
+# checked by tests/storage/test_conformance.py: s3fs sends ``If-None-Match: *`` (AWS S3 honours it
+# since 2024, and moto; the startup probe checks the endpoint, ``probe.check_create``).
+# memory:// opens with "xb", which looks and then creates within one call: "checked".
+_ATOMIC_CREATE = {"s3", "s3a"}
+
+
+def _create_guarantee(fs: fsspec.AbstractFileSystem) -> str:
+    """What ``create`` promises on ``fs``: "atomic" where the filesystem refuses an existing name
+    itself, else "checked" (fsspec's default ``pipe_file(mode="create")`` looks, then writes: a
+    name is never knowingly written twice, but two writers racing for it both may)."""
+    protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
+    return "atomic" if _ATOMIC_CREATE & set(protocols) else "checked"
+
+
 class FsspecBackend:
     def __init__(self, fs: fsspec.AbstractFileSystem, root: str) -> None:
         self.fs = fs
         self.root = root
+        self.create_guarantee = _create_guarantee(fs)
+        self.look_first = False
+        """Set by the startup probe when the endpoint ignored a conditional create (an S3
+        look-alike without ``If-None-Match``): every create then looks before it writes."""
 
     def join(self, *parts: str) -> str:
         return "/".join(p.rstrip("/") for p in parts)
 
-    def write(self, path: str, data: bytes | memoryview) -> None:
+    def create(self, path: str, data: bytes | memoryview) -> bool:
+        """Publish ``data`` at ``path`` unless an object is there: True when this call created
+        it, False when one existed (left untouched)."""
         if isinstance(data, memoryview) and len(data) >= _WHOLE_COPY_LIMIT:
             # Object stores' clients want bytes, but a whole copy of a multi-GB state would double
             # the memory: hand s3fs a sliceable view whose parts (uploaded concurrently) are copied
@@ -42,7 +68,15 @@ class FsspecBackend:
             data = _PartsView(data)
         elif isinstance(data, memoryview):
             data = bytes(data)
-        self.fs.pipe_file(path, data)
+        if self.look_first and self.exists(path):
+            return False
+        try:
+            self.fs.pipe_file(path, data, mode="create")
+        except FileExistsError:
+            return False
+        finally:
+            self.fs.invalidate_cache(path)
+        return True
 
     def write_atomic(self, path: str, data: bytes) -> None:
         self.fs.pipe_file(path, data)

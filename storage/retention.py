@@ -23,13 +23,16 @@ def steps_to_delete(
     )
 
 
-def partial_steps_to_delete(step_dirs: list[int], committed_steps: list[int]) -> list[int]:
-    """Uncommitted step dirs older than the newest commit: leftovers of writers that died.
+def partial_steps_to_delete(
+    step_dirs: list[int], committed_steps: list[int], newest_good: int
+) -> list[int]:
+    """Uncommitted step dirs older than ``newest_good``: leftovers of writers that died.
 
-    Dirs newer than the newest commit are left alone: one may be a write in progress.
+    ``newest_good`` is the newest step that verifies (the one the caller just committed), never
+    merely the newest manifest: a manifest above the run's progress (a stale generation's late
+    commit, a corrupt newest step) would put every step this run is writing now below it. Every
+    writer of the current run has moved past ``newest_good`` (its files were all reported before
+    it committed), so nothing below it is being written; dirs above it are left alone.
     """
-    if not committed_steps:
-        return []
-    newest = max(committed_steps)
     committed = set(committed_steps)
-    return sorted(s for s in step_dirs if s < newest and s not in committed)
+    return sorted(s for s in step_dirs if s < newest_good and s not in committed)

@@ -5,9 +5,7 @@ Knows nothing of torch or ranks: payloads are named byte strings, metadata is JS
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import errno
 import json
 import logging
 import time
@@ -18,28 +16,23 @@ from typing import Any, TypeVar
 from storage.backend import Backend, open_backend
 from storage.errors import (
     CheckpointCorruptError,
-    StaleWriterError,
     StorageError,
-    StorageFullError,
     StorageUnavailableError,
 )
 from storage.hashing import (
     DEFAULT_ALGORITHM,
-    Digest,
     check_algorithm,
-    digest,
-    hash_in_background,
 )
 from storage.manifest import (
     FENCE_NAME,
     MANIFEST_NAME,
-    FileEntry,
     Manifest,
     check_file_name,
     parse_step_dir,
     step_dir_name,
 )
 from storage.probe import probe_location
+from storage.publish import Publishing
 from storage.retention import partial_steps_to_delete, steps_to_delete
 from storage.retry import RetryPolicy
 from storage.run_files import RunFiles
@@ -52,10 +45,6 @@ T = TypeVar("T")
 
 def _log_corrupt(step: int, error: Exception) -> None:
     logger.error("CORRUPT CHECKPOINT skipped, falling back to an older one: %s", error)
-
-
-class CheckpointExistsError(StorageError, FileExistsError):
-    """A committed checkpoint already holds this step; committed checkpoints are never overwritten."""
 
 
 @dataclass(frozen=True)
@@ -71,7 +60,7 @@ class ListedCheckpoint:
         return self.error is None
 
 
-class CheckpointStore(VerifiedReads, RunFiles):
+class CheckpointStore(Publishing, VerifiedReads, RunFiles):
     """Checkpoints under one root URL. Thread-compatible, not thread-safe."""
 
     def __init__(
@@ -133,100 +122,6 @@ class CheckpointStore(VerifiedReads, RunFiles):
         body = json.dumps({"generation": claimed, "claimed_at": time.time()}).encode()
         self._call("write fence", lambda: self._backend.write_atomic(path, body))
         return claimed
-
-    def write_file(
-        self,
-        step: int,
-        name: str,
-        data: bytes | memoryview,
-        block_size: int = 0,
-        checkpoint_bytes: int | None = None,
-    ) -> tuple[FileEntry, Digest]:
-        """Write one payload file of ``step`` (durable, not yet committed); its manifest entry and
-        digest. Any rank may call this for its own files; only a commit makes them count."""
-        check_file_name(name)
-        step_dir = self._step_dir(step)
-        path = self._backend.join(step_dir, name)
-        # Hash while writing: both release the GIL, so a big payload costs max(write, hash).
-        pending = hash_in_background(data, block_size, self.checksum)
-        try:
-            self._call(
-                f"write {step_dir_name(step)}/{name}", lambda: self._backend.write(path, data)
-            )
-        except StorageUnavailableError as e:
-            if getattr(e.__cause__, "errno", None) not in (errno.ENOSPC, errno.EDQUOT):
-                raise
-            with contextlib.suppress(Exception):  # uncommitted leftovers; best effort
-                self._backend.delete_file(path)
-            whole = f", the whole checkpoint {checkpoint_bytes} bytes" if checkpoint_bytes else ""
-            raise StorageFullError(
-                f"No space left (or quota exceeded) under {self.safe_url!r} writing step {step}: "
-                f"{name} needs {len(data)} bytes{whole}. Earlier checkpoints are intact. Free "
-                "space, raise the quota, or lower --keep-last."
-            ) from e.__cause__
-        done = pending.result() if pending else digest(data, block_size, self.checksum)
-        entry = FileEntry(len(data), done.root, block_size=block_size, algorithm=self.checksum)
-        return entry, done
-
-    def commit(
-        self,
-        step: int,
-        files: Mapping[str, bytes | memoryview],
-        metadata: Mapping[str, Any],
-        generation: int = 0,
-        before_commit: Callable[[], None] | None = None,
-    ) -> Manifest:
-        """Write ``files`` for ``step``, then the manifest that commits them; returns the manifest.
-        ``before_commit`` runs right before the commit point: what it raises aborts the commit."""
-        self._refuse_committed(step)
-        total = sum(len(d) for d in files.values())
-        try:
-            entries = {
-                name: self.write_file(step, name, data, checkpoint_bytes=total)[0]
-                for name, data in files.items()
-            }
-        except StorageFullError:
-            with contextlib.suppress(Exception):  # uncommitted leftovers; best effort
-                self._backend.delete_tree(self._step_dir(step))
-            raise
-        return self.commit_written(step, entries, metadata, generation, before_commit)
-
-    def commit_written(
-        self,
-        step: int,
-        entries: Mapping[str, FileEntry],
-        metadata: Mapping[str, Any],
-        generation: int = 0,
-        before_commit: Callable[[], None] | None = None,
-    ) -> Manifest:
-        """Commit files already written by :meth:`write_file` (possibly by other processes): the
-        manifest listing them, last. Fenced: an older generation than the store's may not commit."""
-        self._refuse_committed(step)
-        fence = self.read_fence()
-        if generation < fence:
-            raise StaleWriterError(
-                f"Refusing to commit step {step} under {self.safe_url!r}: this writer's generation "
-                f"{generation} is older than the store's {fence}; a newer attempt owns it now."
-            )
-        if before_commit is not None:
-            before_commit()
-        manifest = Manifest(
-            step=step, files=dict(entries), metadata=dict(metadata), generation=generation
-        )
-        manifest_path = self._backend.join(self._step_dir(step), MANIFEST_NAME)
-        # The commit point: before this line the checkpoint does not exist.
-        self._call(
-            f"commit {step_dir_name(step)}",
-            lambda: self._backend.write_atomic(manifest_path, manifest.to_json()),
-        )
-        return manifest
-
-    def _refuse_committed(self, step: int) -> None:
-        if self.is_committed(step):
-            raise CheckpointExistsError(
-                f"Checkpoint step {step} is already committed under {self.safe_url!r}; "
-                "committed checkpoints are never overwritten."
-            )
 
     def probe(self, deadline_s: float = 10.0, *, write: bool = True) -> None:
         """Write, read back and delete a small object under the root: fail fast on a bad location.
@@ -325,14 +220,6 @@ class CheckpointStore(VerifiedReads, RunFiles):
         path = self._backend.join(self._step_dir(step), MANIFEST_NAME)
         self._call(f"delete manifest of step {step}", lambda: self._backend.delete_file(path))
 
-    def write_note(self, step: int, name: str, data: bytes) -> None:
-        """A small uncommitted file that appears whole or not at all (a rank's report to the
-        committer, read while other writers work)."""
-        path = self._backend.join(self._step_dir(step), check_file_name(name))
-        self._call(
-            f"write {step_dir_name(step)}/{name}", lambda: self._backend.write_atomic(path, data)
-        )
-
     def read_uncommitted(self, step: int, name: str) -> bytes | None:
         """A file another writer put under ``step`` before any commit (unverified), or None."""
         path = self._backend.join(self._step_dir(step), check_file_name(name))
@@ -354,10 +241,11 @@ class CheckpointStore(VerifiedReads, RunFiles):
         self, keep_last: int, newest_good: int, keep_every: int | None = None
     ) -> list[int]:
         """Steps retention would delete: committed ones beyond the policy, and partial leftovers
-        older than the newest commit."""
+        older than ``newest_good`` (the newest step that verifies)."""
         committed = self.committed_steps()
         doomed = steps_to_delete(committed, keep_last, newest_good, keep_every)
-        return sorted(set(doomed + partial_steps_to_delete(self.step_dirs(), committed)))
+        partial = partial_steps_to_delete(self.step_dirs(), committed, newest_good)
+        return sorted(set(doomed + partial))
 
     def apply_retention(
         self, keep_last: int, newest_good: int, keep_every: int | None = None

@@ -95,7 +95,11 @@ class ThrottledFileSystem(LocalFileSystem):
     def pipe_file(self, path, value, mode="overwrite", **kwargs):
         # ``value`` may be bytes or the backend's sliceable view of a big payload (what s3fs
         # uploads in parts): written here 8 MB at a time, each part through the link.
+        # ``mode="create"``: fsspec's own rule (look, then write), as most filesystems have it.
         part = 8 << 20
+        if mode == "create" and super().exists(path):
+            _request("put")
+            raise FileExistsError(path)
         with _Request("put"), super()._open(path, "wb") as f:
             BYTES["written"] += len(value)
             for start in range(0, len(value), part):

@@ -8,6 +8,7 @@ behaviour each method's docstring promises is checked here, on each implementati
 from __future__ import annotations
 
 import os
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -70,3 +71,82 @@ def test_the_fast_tiers_fetched_files_read_as_the_store_they_came_from(store):
     got, nbytes = fetched.read_ranges(manifest, "shard.bin", list(digest.blocks), ranges)
     assert {r: bytes(v) for r, v in got.items()} == {r: data[r[0] : r[1]] for r in ranges}
     assert nbytes == sum(hi - lo for lo, hi in ranges)
+
+
+def test_a_checkpoint_file_is_written_once_and_never_again(store):
+    """Write-once (docs/checkpoints.md): payload files, notes and manifests are created, never
+    opened for writing again. The same bytes again are success (a retry whose first try
+    landed); other bytes raise FileConflictError and leave the file as it was; a committed step
+    refuses a second manifest, even of its own generation; an older generation's manifest is
+    replaced only when asked, the new one published over it before the old one's files go."""
+    data = os.urandom(4 * BLOCK)
+    entry, _ = store.write_file(7, "shard-g1.bin", data, BLOCK)
+    assert store.write_file(7, "shard-g1.bin", data, BLOCK)[0] == entry
+    for other in (os.urandom(4 * BLOCK), data[:-1]):  # other bytes; another size
+        with pytest.raises(
+            storage.FileConflictError, match="shard-g1.bin.*nothing was overwritten"
+        ):
+            store.write_file(7, "shard-g1.bin", other, BLOCK)
+    store.write_note(7, "note", b"receipt")
+    store.write_note(7, "note", b"receipt")
+    with pytest.raises(storage.FileConflictError, match="note"):
+        store.write_note(7, "note", b"another receipt")
+    assert store.read_uncommitted(7, "note") == b"receipt"
+    first = store.commit_written(7, {"shard-g1.bin": entry}, {}, generation=1)
+    for replace_older in (False, True):
+        with pytest.raises(storage.CheckpointExistsError, match="by generation 1"):
+            store.commit_written(
+                7, {"shard-g1.bin": entry}, {"again": 1}, 1, replace_older=replace_older
+            )
+    assert store.read_manifest(7) == first and bytes(store.read_file(first, "shard-g1.bin")) == data
+
+    newer, _ = store.write_file(7, "shard-g2.bin", data[::-1], BLOCK)
+    with pytest.raises(storage.CheckpointExistsError):
+        store.commit_written(7, {"shard-g2.bin": newer}, {}, generation=2)
+    assert store.read_manifest(7) == first
+    second = store.commit_written(7, {"shard-g2.bin": newer}, {}, 2, replace_older=True)
+    assert (
+        store.read_manifest(7) == second
+        and bytes(store.read_file(second, "shard-g2.bin")) == data[::-1]
+    )
+    assert store.names_in(7) == {"shard-g2.bin", "note", "manifest.json"}  # no temporary left
+
+
+def test_a_write_whose_reply_was_lost_is_retried_to_success(store, monkeypatch):
+    """The request lands, its answer does not (a timeout): the retry finds the name taken by the
+    very bytes it sends, which is success, for a payload file and for the manifest alike."""
+    create, lost = store._backend.create, []
+
+    def lands_then_times_out(path, data):
+        created = create(path, data)
+        if not lost or lost[-1] != path:
+            lost.append(path)
+            raise ConnectionResetError("the reply was lost")
+        return created
+
+    monkeypatch.setattr(store._backend, "create", lands_then_times_out)
+    manifest = store.commit(3, {"state-g1.bin": b"x" * 100}, {}, generation=1)
+    assert len(lost) == 2 and store.read(3).manifest == manifest  # the file, then the manifest
+
+
+def test_each_backend_states_what_its_create_guarantees(store):
+    """docs/checkpoints.md's table: "atomic" where the filesystem itself refuses a taken name (a
+    hard link locally, S3's If-None-Match), "checked" where the backend looks first (memory://,
+    fsspec's default, the throttled stand-in). Where it is atomic, of writers racing for one name
+    exactly one creates it, and the name holds its bytes."""
+    expected = {"local": "atomic", "s3": "atomic", "memory": "checked", "throttled": "checked"}
+    url = store.url
+    kind = (
+        next(k for k in ("throttled", "memory", "s3") if url.startswith(f"{k}://"))
+        if "://" in url
+        else "local"
+    )
+    assert store._backend.create_guarantee == expected[kind]
+    if expected[kind] != "atomic":
+        return
+    path = store._backend.join(store._backend.root, "step-000000000001", "raced.bin")
+    payloads = [bytes([i]) * 4096 for i in range(8)]
+    with ThreadPoolExecutor(8) as pool:
+        won = list(pool.map(lambda data: store._backend.create(path, data), payloads))
+    assert won.count(True) == 1
+    assert store._backend.read(path) == payloads[won.index(True)]

@@ -82,6 +82,33 @@ def test_read_only_local_directory_is_named(tmp_path, monkeypatch, code):
     def refuse(self, path, data):
         raise OSError(code, "Read-only file system" if code == errno.EROFS else "Permission denied")
 
-    monkeypatch.setattr(LocalBackend, "write", refuse)
+    monkeypatch.setattr(LocalBackend, "create", refuse)
     err = _probe(str(tmp_path / "c"))
     assert "is not writable" in str(err) and str(tmp_path / "c") in str(err)
+
+
+def test_an_endpoint_that_ignores_conditional_writes_is_named_and_then_looked_at_first(
+    s3_bucket, monkeypatch, caplog
+):
+    """An S3 look-alike that ignores ``If-None-Match`` would let a second create overwrite: the
+    probe creates its object twice, warns, and from then on the store looks before it creates."""
+    import logging
+
+    url, options = s3_bucket
+    store = storage.open_store(f"{url}/run", storage_options=options)
+    fs = store._backend.fs
+    real = fs.pipe_file
+
+    def ignores_the_condition(path, data, mode="overwrite", **kwargs):
+        return real(path, data, **kwargs)  # every write overwrites
+
+    monkeypatch.setattr(fs, "pipe_file", ignores_the_condition)
+    assert store._backend.create_guarantee == "atomic"
+    with caplog.at_level(logging.WARNING, logger="storage.probe"):
+        store.probe()
+    assert "ignored a conditional write (If-None-Match)" in caplog.text
+    assert store._backend.create_guarantee == "checked" and store._backend.look_first
+    entry, _ = store.write_file(1, "state-g1.bin", b"first")
+    with pytest.raises(storage.FileConflictError):
+        store.write_file(1, "state-g1.bin", b"other")
+    assert bytes(store.read_uncommitted(1, "state-g1.bin")) == b"first"

@@ -29,8 +29,9 @@ def _commit(store, step, payload=None):
 
 
 def _overwrite(store, step, name, data):
+    """Damage a committed file behind the store's back (bit rot, a tampering tool)."""
     backend = store._backend
-    backend.write(backend.join(backend.root, step_dir_name(step), name), data)
+    backend.write_atomic(backend.join(backend.root, step_dir_name(step), name), data)
 
 
 def test_empty_store_has_no_latest(store):
@@ -251,14 +252,14 @@ def test_disk_full_leaves_earlier_checkpoints_intact(store, monkeypatch):
     from storage import StorageFullError
 
     _commit(store, 1)
-    real_write = store._backend.write
+    real_create = store._backend.create
 
     def full(path, data):
         if "step-000000000002" in path:
             raise OSError(errno.ENOSPC, "No space left on device")
-        return real_write(path, data)
+        return real_create(path, data)
 
-    monkeypatch.setattr(store._backend, "write", full)
+    monkeypatch.setattr(store._backend, "create", full)
     with pytest.raises(StorageFullError, match=r"needs 100 bytes, the whole checkpoint 102 bytes"):
         _commit(store, 2, payload=b"y" * 100)
     assert store.committed_steps() == [1] and store.read(1).files["state.pt"] == b"payload-1" * 10
@@ -289,10 +290,10 @@ def test_a_late_stale_commit_never_outranks_the_current_generation(store):
     store.advance_fence(2)
     store.commit(120, {"state-g2.pt": b"b"}, {}, generation=2)
     backend, step_dir = store._backend, step_dir_name(150)
-    backend.write(backend.join(backend.root, step_dir, "state-g1.pt"), b"zombie")
+    backend.create(backend.join(backend.root, step_dir, "state-g1.pt"), b"zombie")
     entry = FileEntry(size=6, checksum=hashlib.sha256(b"zombie").hexdigest(), algorithm="sha256")
     late = Manifest(step=150, files={"state-g1.pt": entry}, generation=1)
-    backend.write_atomic(backend.join(backend.root, step_dir, "manifest.json"), late.to_json())
+    backend.create(backend.join(backend.root, step_dir, "manifest.json"), late.to_json())
     assert store.committed_steps() == [100, 120, 150]
     assert store.latest().manifest.step == 120
 

@@ -38,8 +38,16 @@ def test_retention_policy():
     assert steps_to_delete([1, 2, 3, 4], keep_last=1, newest_good=3) == [1, 2]
     with pytest.raises(ValueError, match="keep_last"):
         steps_to_delete([1], keep_last=0, newest_good=1)
-    assert partial_steps_to_delete([0, 1, 5, 9], committed_steps=[1, 5]) == [0]
-    assert partial_steps_to_delete([0, 9], committed_steps=[]) == []
+    assert partial_steps_to_delete([0, 1, 5, 9], committed_steps=[1, 5], newest_good=5) == [0]
+    assert partial_steps_to_delete([0, 9], committed_steps=[], newest_good=0) == []
+
+
+def test_partial_cleanup_stops_at_the_newest_good_step_not_the_newest_manifest():
+    """A manifest above the run's progress (a stale generation's late commit at 100, or a corrupt
+    newest step) must not put the steps the run is writing now (70) below the threshold: only
+    what is older than the step just committed and verified (60) is a dead writer's leftover."""
+    dirs, committed = [30, 55, 60, 70, 100], [30, 60, 100]
+    assert partial_steps_to_delete(dirs, committed, newest_good=60) == [55]
 
 
 @pytest.mark.parametrize(
