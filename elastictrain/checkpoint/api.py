@@ -127,9 +127,6 @@ class Snap(Protocol):
 class Layout(Protocol):
     """What one rank puts on storage for a checkpoint, and how rank 0 commits it."""
 
-    writes_alone: bool
-    """True: rank 0 writes every file of a step (a stale step may be deleted whole)."""
-
     def snapshot(self, payload: Any) -> Snap:
         """Copy the captured state into reused host memory: the only part that blocks training."""
 
@@ -147,5 +144,8 @@ class Layout(Protocol):
         before_commit: Callable[[], None],
         abandoned: Callable[[int], bool],
         deadline_s: float,
+        replace_older: bool = False,
     ) -> storage.Manifest:
-        """Rank 0: the rest of the files, then the manifest, last."""
+        """Rank 0: the rest of the files, then the manifest, last. ``replace_older``: publish it
+        over an older generation's (or a corrupt) manifest at this step
+        (``storage.Store.commit_written``)."""

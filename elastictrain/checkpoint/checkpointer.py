@@ -25,7 +25,7 @@ from elastictrain.checkpoint.resume.report import report_resume
 from elastictrain.checkpoint.state import train_state as tstate
 from elastictrain.checkpoint.tiers.local import LocalTier
 from elastictrain.checkpoint.write import node_check
-from elastictrain.checkpoint.write.persist import Persister
+from elastictrain.checkpoint.write.persist import Existing, Persister
 from elastictrain.config import CheckpointConfig
 from elastictrain.errors import CheckpointFailedError
 from elastictrain.observe.events import Event, EventLog
@@ -78,6 +78,9 @@ class Checkpointer:
         self.local: LocalTier | None = None
         """The node-local tier (a replica; or each rank's shards and its buddy's), set up with
         the layout."""
+        self.begun: int | None = None
+        """The newest step this session began saving, or resumed from the durable tier: a
+        scheduled save of it again is skipped (``save``)."""
         if self.is_writer or config.resume_read == "all":
             self.store = self.open_store()
 
@@ -204,6 +207,7 @@ class Checkpointer:
         payload = restored.payload
         step = int(payload["progress"]["step"])
         self.record.committed(restored.origin.committed_step(step))
+        self.begun = step if restored.origin.tier is Tier.DURABLE else None
         seconds = time.monotonic() - t0
         edist.barrier(self.group)
         report_resume(
@@ -252,6 +256,13 @@ class Checkpointer:
         go on.
         """
         self._setup(state)
+        if step == self.begun and not self.waits_for_commit(reason):
+            # Saved already in this session (``step(N)`` twice under gradient accumulation, or
+            # ``step(N)`` then ``save(N)``), or resumed from: every rank calls this with the same
+            # steps, so every rank skips it alike, with no collective. Writing it again would
+            # only race the first persist for the same names.
+            return True
+        self.begun = step
         committed = self.mode.save(self, step, state, reason)
         if committed and reason in MUST_COMMIT and self.local is not None:
             self.local.remove()
@@ -263,8 +274,20 @@ class Checkpointer:
         return reason in MUST_COMMIT or not self.config.async_checkpoint
 
     def agree_already_committed(self, step: int) -> bool:
-        """Every rank: rank 0 says whether it already committed ``step`` (in the background)."""
-        if edist.broadcast_int(int(self.last_committed == step), self.group):
+        """Every rank: rank 0 says whether ``step`` is committed and kept, by its record (a
+        background commit) or by storage (a commit whose reply was lost, an earlier attempt's);
+        then no rank writes a file of it again."""
+        kept = False
+        if self.is_writer:
+            if self.writer is not None:
+                self.writer.wait()  # a background persist of this very step settles first
+            kept = self.last_committed == step
+            if not kept and self.writer is not None:
+                try:
+                    kept = self.writer.existing(step) is Existing.KEEP
+                except storage.StorageError as e:  # the save that follows meets it, and says so
+                    logger.warning("could not check whether step %d is committed: %s", step, e)
+        if edist.broadcast_int(int(kept), self.group):
             self.record.committed(step)
             return True
         return False

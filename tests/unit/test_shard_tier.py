@@ -124,15 +124,39 @@ def test_a_buddy_copy_that_arrives_changed_is_not_kept_and_one_that_arrives_whol
         str(tmp_path / "tier"), 0, (2, 2), group=None, checksum=manifest_algorithm(manifest)
     )
     with pytest.raises(storage.CheckpointCorruptError, match="arrived with shard-r00002-g5.bin"):
-        buddy._receive()
+        buddy.keep(*buddy._receive())
     assert buddy.store.committed_steps() == []
 
     monkeypatch.setattr(shard_tier.dist, "recv", _Wire(_messages(manifest, files), 99).recv)
-    buddy._receive()
+    buddy.keep(*buddy._receive())
     (copy,) = list_copies(str(tmp_path / "tier"), holder=0)
     assert (copy.rank, copy.step, copy.generation, copy.kind) == (2, 10, 5, "peer")
     assert copy.folder == peer_folder(str(tmp_path / "tier"), 2) != own_folder("x", 2)
     assert bytes(buddy.store.read(10).files["shard-r00002-g5.bin"]) == files["shard-r00002-g5.bin"]
+
+
+def test_a_copy_received_again_is_kept_as_it_is_and_an_older_generations_goes_only_after(
+    tmp_path, monkeypatch
+):
+    """The same copy twice (a repeated step) leaves the committed peer copy whole: never
+    truncated, never deleted with its folder. A newer generation's copy of the same step is
+    published over the older one before the older one's files go."""
+    manifest, files = _sent_copy(tmp_path)
+    buddy = Buddy(str(tmp_path / "tier"), 0, (2, 2), None, manifest_algorithm(manifest))
+    for _ in range(2):
+        monkeypatch.setattr(shard_tier.dist, "recv", _Wire(_messages(manifest, files), 99).recv)
+        buddy.keep(*buddy._receive())
+    kept = buddy.store.read(10)  # every file verifies
+    assert kept.manifest.generation == 5 and kept.files.keys() == files.keys()
+
+    newer_files = {name.replace("-g5", "-g6"): data for name, data in files.items()}
+    sender = storage.open_store(str(tmp_path / "sender6"))
+    entries = {n: sender.write_file(10, n, d, 64 << 10)[0] for n, d in newer_files.items()}
+    newer = sender.commit_written(10, entries, dict(manifest.metadata), generation=6)
+    monkeypatch.setattr(shard_tier.dist, "recv", _Wire(_messages(newer, newer_files), 99).recv)
+    buddy.keep(*buddy._receive())
+    assert buddy.store.read(10).manifest.generation == 6
+    assert buddy.store.names_in(10) == {*newer_files, "manifest.json"}
 
 
 def manifest_algorithm(manifest) -> str:
@@ -189,3 +213,52 @@ def test_the_room_check_counts_every_rank_of_the_node_and_their_buddies_copies(
     roomy.after_step(1, state, durable_saved=False)
     roomy.finish()
     assert roomy.active and roomy.newest == 1
+
+
+def test_a_tier_turned_off_for_room_lets_go_of_its_own_older_copies_only(
+    tmp_path, gloo_world, monkeypatch
+):
+    """Two ranks' tiers on one folder (two simulated nodes on a host share /dev/shm). Rank 1's
+    next attempt finds no room and turns its tier off: it removes its own older copies, keeps
+    its newest (an attempt may have resumed from it), and leaves rank 0's copies alone."""
+    import collections
+
+    from torch import nn
+
+    from elastictrain.checkpoint.state.train_state import TrainState
+    from elastictrain.checkpoint.tiers import local as local_tier
+    from elastictrain.checkpoint.tiers.shards import ShardTier
+    from elastictrain.config import CheckpointConfig
+    from elastictrain.observe.events import EventLog
+    from elastictrain.parallel import shard
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 64), nn.Linear(64, 1))
+    shard(model, None, torch.device("cpu"), 1)
+    state = TrainState(model, torch.optim.Adam(model.parameters()))
+    usage = collections.namedtuple("usage", "total used free")
+    config = CheckpointConfig(
+        checkpoint_dir=str(tmp_path / "durable"), local_every_steps=1,
+        local_checkpoint_dir=str(tmp_path / "shm"),
+    )  # fmt: skip
+
+    def tier(rank: int, free: int) -> ShardTier:
+        monkeypatch.setattr(local_tier.shutil, "disk_usage", lambda _: usage(0, 0, free))
+        return ShardTier(
+            config, rank=rank, local_rank=rank, world_size=2, local_world_size=2,
+            generation=lambda: 1, events=EventLog(None, enabled=False),
+            attached=lambda: True, group=gloo_world,
+        )  # fmt: skip
+
+    for rank in (0, 1):
+        roomy = tier(rank, 1 << 40)
+        for step in (1, 2):
+            roomy.after_step(step, state, durable_saved=False)
+            roomy.writer.wait()
+        roomy.finish()
+    cramped = tier(1, 1)
+    cramped.after_step(3, state, durable_saved=False)
+    assert not cramped.active
+    folders = {r: storage.open_store(own_folder(str(tmp_path / "shm"), r)) for r in (0, 1)}
+    assert folders[1].step_dirs() == [2] and folders[1].read(2)
+    assert folders[0].committed_steps() == [1, 2] and folders[0].read(1) and folders[0].read(2)

@@ -254,7 +254,9 @@ class LocalTier:
         """On every rank after every step; local rank 0 takes a copy when one is due."""
         if not self.active:
             return
-        due = self.schedule.due(step) and self.record.last_committed != step
+        # ``schedule.last`` is set when a copy begins, on this thread: a step repeated (``step(N)``
+        # twice) is never copied twice, whether or not the first copy has committed yet.
+        due = self.schedule.due(step) and self.schedule.last != step
         # A step overlapped a copy's write if one was in flight when it began or when it ended:
         # a write shorter than a step is over by the end of the step it slows.
         writing = self._writing_since or self.writer.writing
@@ -294,13 +296,28 @@ class LocalTier:
         free = shutil.disk_usage(self.dir).free + _bytes_under(self.dir)
         if free >= need:
             return None
-        with contextlib.suppress(OSError):  # the folder is memory, and the tier is going off
-            shutil.rmtree(self.dir)
+        self._release_own()
         return (
             f"{self.dir} has {_size(free)} free, and the tier needs {_size(need)} "
             f"({COPIES_OF_ROOM} copies of the {_size(need // COPIES_OF_ROOM)} state: "
             f"{KEEP} kept + 1 being written)"
         )
+
+    def own_stores(self) -> list[storage.CheckpointStore]:
+        """The folders this rank writes (a node's one replica; a rank's own shards)."""
+        return [self.store] if self.store is not None else []
+
+    def _release_own(self) -> None:
+        """The tier goes off for lack of room: the folder is memory, so this rank lets go of what
+        it wrote there, and only that (other ranks and other nodes may share the folder). Its
+        newest copy stays: the attempt may have resumed from it, and a restart before the next
+        durable commit would need it. The run's end removes the rest (``remove``)."""
+        for store in self.own_stores():
+            with contextlib.suppress(storage.StorageError, OSError):
+                committed = store.committed_steps()
+                for step in store.step_dirs():
+                    if step != max(committed, default=None):
+                        store.delete(step)
 
     # -- resume --------------------------------------------------------------------------------
     def offers(self) -> list[tuple[int, int, int | None]]:

@@ -49,6 +49,7 @@ from elastictrain.checkpoint.tiers.local import KEEP, LocalTier, payload_bytes, 
 from elastictrain.checkpoint.write.layouts import ShardSnap, ShardSnapshots
 from elastictrain.config import CheckpointConfig
 from elastictrain.observe.events import EventLog
+from storage.hashing import digest
 
 logger = logging.getLogger(__name__)
 
@@ -96,16 +97,19 @@ class Buddy:
             sends += [dist.isend(edist.as_bytes_tensor(data), self.to, group=self.group)
                       for data in files.values() if len(data)]  # fmt: skip
         try:
-            self._receive()
+            copy = self._receive()
+            if copy is not None:
+                self.keep(*copy)
         finally:
             for work in sends:
                 work.wait()
 
-    def _receive(self) -> None:
+    def _receive(self) -> tuple[storage.Manifest, dict[str, bytearray]] | None:
+        """The source's copy off the wire: its manifest and files (None: it sent none)."""
         size = torch.zeros(1, dtype=torch.int64)
         dist.recv(size, self.source, group=self.group)
         if not int(size.item()):
-            return  # the source has no copy this time (its write failed)
+            return None  # the source has no copy this time (its write failed)
         raw = bytearray(int(size.item()))
         dist.recv(edist.as_bytes_tensor(raw), self.source, group=self.group)
         doc = json.loads(bytes(raw))
@@ -118,20 +122,44 @@ class Buddy:
             if received[name]:
                 dist.recv(edist.as_bytes_tensor(received[name]), self.source, group=self.group)
             self.received_bytes += len(received[name])
+        return manifest, received
+
+    def keep(self, manifest: storage.Manifest, received: dict[str, bytearray]) -> None:
+        """Commit the source's copy into its peer folder, once every byte matches the sender's
+        manifest, with the durable tier's rules (write-once, manifest last)."""
         step, entries = manifest.step, {}
+        if self._holds(manifest):
+            return  # the same copy again (a repeated step): kept as it is, never written again
         for name, data in received.items():
+            # Checked before it is published: a name, once written, is never written again.
             entry = manifest.files[name]
-            written, _ = self.store.write_file(step, name, data, entry.block_size)
-            if (written.size, written.checksum) != (entry.size, entry.checksum):
+            got = digest(data, entry.block_size, entry.algorithm).root
+            if (len(data), got) != (entry.size, entry.checksum):
                 raise storage.CheckpointCorruptError(
                     f"rank {self.source}'s copy of step {step} arrived with {name} changed "
-                    f"({written.checksum[:16]}... against {entry.checksum[:16]}...); not kept"
+                    f"({got[:16]}... against {entry.checksum[:16]}...); not kept"
                 )
-            entries[name] = written
-        if self.store.is_committed(step):
-            self.store.delete(step)  # an older attempt's copy of the same step
-        self.store.commit_written(step, entries, manifest.metadata, manifest.generation)
+        for name, data in received.items():
+            entries[name] = self.store.write_file(
+                step, name, data, manifest.files[name].block_size
+            )[0]
+        # An older attempt's copy of the same step is replaced only once this one is published.
+        self.store.commit_written(
+            step, entries, manifest.metadata, manifest.generation, replace_older=True
+        )
         self.store.apply_retention(KEEP, newest_good=step)
+
+    def _holds(self, manifest: storage.Manifest) -> bool:
+        """This copy is committed here already: the same generation and the same files."""
+        try:
+            held = self.store.read_manifest(manifest.step)
+        except storage.CheckpointCorruptError:
+            return False  # unreadable: the new copy is published over it
+        return (
+            held is not None
+            and held.generation == manifest.generation
+            and held.files == manifest.files
+        )
 
 
 def _header(manifest: storage.Manifest, files: dict[str, Any]) -> bytes:
@@ -143,8 +171,6 @@ class RankCopyLayout:
     """One rank's copy: its shard and table (and on rank 0 the rest and the index), committed by
     the rank alone, then handed to its buddy. Snapshots as the durable tier's sharded layout does,
     into buffers of its own."""
-
-    writes_alone = True
 
     def __init__(
         self, rank: int, world_size: int, buddy: Buddy | None, local_world_size: int = 1
@@ -179,11 +205,14 @@ class RankCopyLayout:
         before_commit: Callable[[], None],
         abandoned: Callable[[int], bool],
         deadline_s: float,
+        replace_older: bool = False,
     ) -> storage.Manifest:
         """No receipts to wait for (``abandoned``, ``deadline_s``): the copy is this rank's."""
         manifest, files = None, {}
         try:
-            manifest, files = self._commit(store, step, snap, generation, metadata, before_commit)
+            manifest, files = self._commit(
+                store, step, snap, generation, metadata, before_commit, replace_older
+            )
         finally:
             if self.buddy is not None:
                 # Rank 0 always sends: its copy alone holds the index and the unsharded rest.
@@ -199,6 +228,7 @@ class RankCopyLayout:
         generation: int,
         metadata: dict[str, Any],
         before_commit: Callable[[], None],
+        replace_older: bool,
     ) -> tuple[storage.Manifest, dict[str, Any]]:
         name = sharded.shard_file(self.rank, generation)
         entry, digest = store.write_file(step, name, snap.shards.data, sharded.BLOCK_BYTES)
@@ -227,7 +257,12 @@ class RankCopyLayout:
             if other != name:
                 entries[other] = store.write_file(step, other, data)[0]
         manifest = store.commit_written(
-            step, entries, meta, generation=generation, before_commit=before_commit
+            step,
+            entries,
+            meta,
+            generation=generation,
+            before_commit=before_commit,
+            replace_older=replace_older,
         )
         return manifest, files
 
@@ -306,7 +341,7 @@ class ShardTier(LocalTier):
     def after_step(self, step: int, state: tstate.TrainState, *, durable_saved: bool) -> None:
         if not self.active:
             return
-        due = self._due(step) and self.record.last_committed != step
+        due = self._due(step) and self.schedule.last != step  # as in ``LocalTier.after_step``
         writing = self._writing_since or self.writer.writing
         self.schedule.observe(skip=durable_saved, writing=writing)
         if due:
@@ -331,6 +366,10 @@ class ShardTier(LocalTier):
         if schedule.step_s is None:
             return False
         return schedule.last is None or step - schedule.last >= self.agreed_interval
+
+    def own_stores(self) -> list[storage.CheckpointStore]:
+        """This rank's own copies, and the copies it keeps for its buddy's source."""
+        return super().own_stores() + ([self.buddy.store] if self.buddy is not None else [])
 
     def _off(self, why: str) -> None:
         super()._off(why)

@@ -30,8 +30,6 @@ from storage.hashing import hex_digest
 class FlatLayout:
     """DDP: the whole state, from rank 0, as one file."""
 
-    writes_alone = True
-
     def __init__(self) -> None:
         self.staging = Staging()
 
@@ -52,6 +50,7 @@ class FlatLayout:
         before_commit: Callable[[], None],
         abandoned: Callable[[int], bool],
         deadline_s: float,
+        replace_older: bool = False,
     ) -> storage.Manifest:
         name = tstate.state_file_name(generation)
         return store.commit(
@@ -60,6 +59,7 @@ class FlatLayout:
             {**metadata, "state_file": name},
             generation=generation,
             before_commit=before_commit,
+            replace_older=replace_older,
         )
 
 
@@ -101,8 +101,6 @@ class ShardSnapshots:
 class ShardedLayout:
     """FSDP2: every rank writes its own shards; rank 0 commits once every rank reported."""
 
-    writes_alone = False
-
     def __init__(self, rank: int, world_size: int, receipts: Receipts | None = None) -> None:
         self.rank, self.world_size = rank, world_size
         # The job's c10d store when torch.distributed runs, else files beside the shards.
@@ -136,6 +134,7 @@ class ShardedLayout:
         before_commit: Callable[[], None],
         abandoned: Callable[[int], bool],
         deadline_s: float,
+        replace_older: bool = False,
     ) -> storage.Manifest:
         common_name = sharded.common_file(generation)
         entries = {common_name: store.write_file(step, common_name, snap.common.data)[0]}
@@ -153,10 +152,14 @@ class ShardedLayout:
             index = sharded.build_index([json.loads(t) for t in tables], common_name, generation)
         index_name = sharded.index_file(generation)
         entries[index_name] = store.write_file(step, index_name, index)[0]
+        # The receipts came through the job's store, not from storage: every file they name must
+        # be there at its size before a manifest lists it (one listing, paged, at any W).
+        store.check_sizes(storage.Manifest(step=step, files=entries))
         return store.commit_written(
             step,
             entries,
             {**metadata, "index_file": index_name, "shards": self.world_size},
             generation=generation,
             before_commit=before_commit,
+            replace_older=replace_older,
         )

@@ -18,6 +18,7 @@ Every outcome is reported: committed (log + ``checkpoint`` event), skipped under
 from __future__ import annotations
 
 import dataclasses
+import enum
 import logging
 import platform
 import threading
@@ -38,6 +39,18 @@ from elastictrain.observe.events import EventLog
 from elastictrain.version import __version__
 
 logger = logging.getLogger(__name__)
+
+
+class Existing(str, enum.Enum):
+    """What a committer finds at a step it is about to commit."""
+
+    NONE = "none"
+    """No checkpoint: write it."""
+    KEEP = "keep"
+    """A good one of this run's history: it is never written again."""
+    REPLACE = "replace"
+    """One that does not verify, or an older generation's outside this history: the new one is
+    published over it, and it is deleted only then."""
 
 
 @dataclass(frozen=True)
@@ -175,9 +188,12 @@ class Persister:
         step, reason, blocked = job.step, job.reason, job.blocked
         t0 = time.monotonic()
         job.snap.wait()  # CUDA: the device-to-host copies have landed
-        if write and self.is_committer and self._already_committed(step):
-            self.record.committed(step)
-            return
+        existing = Existing.NONE
+        if self.is_committer and job.commit:
+            existing = self.existing(step)
+            if existing is Existing.KEEP:
+                self.record.committed(step)
+                return
         self._check_attached(step)  # before writing anything, and again right before the commit
         generation = self.generation()
         if write:
@@ -193,6 +209,7 @@ class Persister:
             before_commit=lambda: self._check_attached(step),
             abandoned=lambda s: s in self.abandoned,
             deadline_s=self.config.checkpoint_timeout,
+            replace_older=existing is Existing.REPLACE,
         )
         self.record.committed(step)
         persist = time.monotonic() - t0
@@ -231,36 +248,32 @@ class Persister:
         if not self.attached():
             raise OrphanedError(f"the torchrun agent is gone; not committing step {step}.")
 
-    def _already_committed(self, step: int) -> bool:
-        """A good checkpoint of this generation's history at ``step`` is kept (never overwritten).
-        A corrupt one, or one a stale older-generation writer left, is un-committed so this step
-        is written again: resume skipped it, so nothing can need it."""
+    def existing(self, step: int) -> Existing:
+        """What is already committed at ``step`` (the committer's question, asked before it
+        writes). Nothing is deleted or un-committed here: a checkpoint to replace stays committed
+        until the new one is published over it (``replace_older``)."""
         if not self.store.is_committed(step):
-            return False
+            return Existing.NONE
         try:
-            existing = self.store.read(step).manifest
+            manifest = self.store.read(step).manifest
         except storage.CheckpointCorruptError as e:
-            logger.error("replacing corrupt committed checkpoint at step %d: %s", step, e)
-            self._uncommit(step)
-            return False
-        if existing.generation < self.generation() and self.record.last_committed != step:
-            logger.warning(
-                "replacing step %d written by older generation %d (not in this run's history)",
+            logger.error(
+                "committed checkpoint at step %d does not verify (%s): a new one will be "
+                "published over it",
                 step,
-                existing.generation,
+                e,
             )
-            self._uncommit(step)
-            return False
+            return Existing.REPLACE
+        if manifest.generation < self.generation() and self.record.last_committed != step:
+            logger.warning(
+                "step %d was committed by older generation %d, outside this run's history: a "
+                "new one will be published over it",
+                step,
+                manifest.generation,
+            )
+            return Existing.REPLACE
         logger.info("checkpoint step %d is already committed and verifies; keeping it", step)
-        return True
-
-    def _uncommit(self, step: int) -> None:
-        # Sharded: other ranks are writing this generation's files into the directory right now,
-        # so only the manifest goes; the old generation's files stay until retention.
-        if self.layout.writes_alone:
-            self.store.delete(step)
-        else:
-            self.store.uncommit(step)
+        return Existing.KEEP
 
     def _metadata(self, step: int, epoch: int, generation: int) -> dict[str, Any]:
         return {
