@@ -208,6 +208,23 @@ def launch(tmp_path):
             job.kill()
 
 
+@pytest.fixture
+def committed_files():
+    """``committed_files(*folders)``: a write-once checker over the folders, watching from now
+    (tests/helpers/committed_files.py); the test calls ``.check()``, teardown stops it anyway."""
+    from tests.helpers.committed_files import CommittedFiles
+
+    started: list[CommittedFiles] = []
+
+    def watch(*folders) -> CommittedFiles:
+        started.append(CommittedFiles(*folders).start())
+        return started[-1]
+
+    yield watch
+    for files in started:
+        files.stop()
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     """With ELASTICTRAIN_CPU_REPORT=FILE, append each test's wall and CPU seconds (its own and its

@@ -23,6 +23,7 @@ on until ``trials`` kills landed inside the window. Used by the test suite, and 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -42,6 +43,12 @@ from tests.helpers.restart_loop import count_events, wait_for_count
 TOY = ("hidden=1024", "layers=5", "batch_size=32")
 
 
+def _is_payload(name: str) -> bool:
+    """A payload file, published (``state-g<gen>.bin``) or still being written under its
+    temporary name (``.state-g<gen>.bin.tmp-<uuid>``: write-once publishes it whole, at the end)."""
+    return name.startswith(("state-", ".state-"))
+
+
 def _payload_files(ckpt: str) -> set[str]:
     return {
         os.path.join(name, f)
@@ -50,7 +57,7 @@ def _payload_files(ckpt: str) -> set[str]:
         for f in (
             os.listdir(os.path.join(ckpt, name)) if os.path.isdir(os.path.join(ckpt, name)) else []
         )
-        if f.startswith("state-")
+        if _is_payload(f)
     }
 
 
@@ -76,7 +83,7 @@ def _half_written(ckpt: str, leftovers: set[str]) -> int | None:
             continue
         if MANIFEST_NAME in files:
             committed.append(step)
-        elif any(f.startswith("state-") and os.path.join(name, f) not in leftovers for f in files):
+        elif any(_is_payload(f) and os.path.join(name, f) not in leftovers for f in files):
             partial.append(step)
     newer = [s for s in partial if s > max(committed, default=-1)]
     return max(newer) if newer else None
@@ -218,8 +225,12 @@ def run_trials(
 def _new_payload_bytes(ckpt: str, step: int) -> int:
     """Bytes of the newest payload file in ``step``'s directory (the one being written)."""
     step_dir = os.path.join(ckpt, step_dir_name(step))
-    paths = [os.path.join(step_dir, f) for f in os.listdir(step_dir) if f.startswith("state-")]
-    return os.path.getsize(max(paths, key=os.path.getmtime)) if paths else 0
+    stats = []
+    for name in os.listdir(step_dir) if os.path.isdir(step_dir) else []:
+        if _is_payload(name):
+            with contextlib.suppress(FileNotFoundError):  # a temporary name, published since
+                stats.append(os.stat(os.path.join(step_dir, name)))
+    return max(stats, key=lambda st: st.st_mtime_ns).st_size if stats else 0
 
 
 def _wait_dead(pid: int, timeout: float = 10) -> None:

@@ -44,7 +44,7 @@ def app_args(tmp_path, name: str, step_time: float = 0.03, extra=(), steps=STEPS
 
 
 @pytest.mark.slow
-def test_fsdp_node_loss_reshards_and_trains_every_sample_once(launch, tmp_path):
+def test_fsdp_node_loss_reshards_and_trains_every_sample_once(launch, tmp_path, committed_files):
     """FSDP under c10d, 2 nodes of 2 ranks: one node is lost; the survivor reshards from 4 ranks
     to 2 out of the fast tier (its own shards, and the lost node's, which its ranks kept as their
     buddies') and finishes, reading no state from the durable tier; the ledger shows every sample
@@ -61,6 +61,7 @@ def test_fsdp_node_loss_reshards_and_trains_every_sample_once(launch, tmp_path):
     def node(host: bool) -> list[str]:
         return node_args(port, run_id, is_host=host, nproc=2)
 
+    committed = committed_files(tmp_path)  # both tiers, buddies' copies too: write-once holds
     host = launch(on("a"), torchrun_args=node(True), env=env, name="a")
     wait_for_event(ev, lambda e: e["event"] == Event.START, 60, host)  # the store is up
     node_b = launch(on("b"), torchrun_args=node(False), env=env, name="b")
@@ -81,6 +82,7 @@ def test_fsdp_node_loss_reshards_and_trains_every_sample_once(launch, tmp_path):
     wait_for_fast_copies(str(tmp_path / "a"), copies, ckpt, durable["step"], 120, host)
     node_b.kill()  # SIGKILL the agent and every descendant: a lost node
     assert host.wait(240) == 0, host.log()[-3000:]
+    committed.check()
     events = read_events(ev)
     shrunk = [e for e in events if e["event"] == Event.MEMBERSHIP and e["new_world_size"] == 2]
     assert shrunk and shrunk[-1]["old_world_size"] == 4, events

@@ -16,6 +16,7 @@ import torch
 from elastictrain.observe import report, timeline
 from elastictrain.observe.events import Event, read_events
 from elastictrain.observe.timeline import Outcome
+from tests.helpers.committed_files import tier_folder
 from tests.helpers.launcher import (
     REPO_ROOT,
     assert_bitwise_equal,
@@ -166,7 +167,7 @@ def custom_loop_args(ckpt: str, events: str) -> list[str]:
 
 @pytest.mark.slow
 def test_library_mode_custom_loop_killed_preempted_or_replaced_in_place_ends_exactly(
-    launch, tmp_path
+    launch, tmp_path, committed_files
 ):
     """The tutorial's loop shape under plain torchrun, with no special environment: SIGKILLed
     twice, rank 0 then rank 1 (each restart must get through init, where plain
@@ -184,10 +185,12 @@ def test_library_mode_custom_loop_killed_preempted_or_replaced_in_place_ends_exa
     ref = launch(custom_loop_args(ref_dir, str(tmp_path / "ref.jsonl")), entry=script, env=env)
 
     ckpt, ev = str(tmp_path / "run"), str(tmp_path / "run.jsonl")
+    in_place_dir, in_place_ev = str(tmp_path / "in-place"), str(tmp_path / "in-place.jsonl")
+    # Kills, a preemption, in-place epochs, both tiers: library mode keeps write-once too.
+    committed = committed_files(tmp_path, tier_folder(ckpt), tier_folder(in_place_dir))
     job = launch(
         custom_loop_args(ckpt, ev), entry=script, env=env, max_restarts=KILLS, name="killed"
     )
-    in_place_dir, in_place_ev = str(tmp_path / "in-place"), str(tmp_path / "in-place.jsonl")
     in_place_args = [*custom_loop_args(in_place_dir, in_place_ev), "--replace-in-place"]
     # Time to kill twice (the reference runs at full speed); a replacement is waited for as long
     # as this loaded machine needs (the default --replace-wait would drop a late one).
@@ -238,6 +241,7 @@ def test_library_mode_custom_loop_killed_preempted_or_replaced_in_place_ends_exa
     assert got["extra"] == ref_state["extra"]  # the user's own state round-trips too
     killer.result()
     _assert_replaced_in_place(in_place, in_place_ev, in_place_dir, ref_state)
+    committed.check()
 
 
 def _kill_twice(job, ev: str) -> None:

@@ -9,6 +9,7 @@ import pytest
 
 import storage
 from elastictrain.observe.events import Event, read_events
+from tests.helpers.committed_files import CommittedFiles
 from tests.helpers.kill_during_persist import TOY, _wait_half_written
 from tests.helpers.launcher import (
     assert_bitwise_equal,
@@ -44,39 +45,42 @@ def test_killed_training_processes_are_replaced_in_place_bitwise(launch, tmp_pat
     # default --replace-wait (0.5 s) would drop its rank and restart (the lost-node test below).
     extra = ["--replace-in-place", "--replace-wait", "10", "--keep-last", "2", *TOY_ARGS]
     extra += ["--local-checkpoint-dir", shm, "--local-every-steps", "5"]
-    job = launch(
-        toy_args(run_dir, ev, max_steps=STEPS, every=20, step_time=0.05, extra=tuple(extra)),
-        max_restarts=1,  # the fallback, if the double kill lands inside the handshake
-        name="in-place",
-        env=job_env(ELASTICTRAIN_LOG_LEVEL="INFO"),  # every rank's spare says when it is ready
-    )
-    _wait_epoch_began(ev, 0, job)
-    wait_for_spares(job, rank=1, n=1)
-    killed = [job.kill_training_process(ev, rank=1, epoch=0)]
-    _wait_epoch_began(ev, 1, job)
-    wait_for_spares(job, rank=0, n=1)
-    torn = _wait_half_written(run_dir, 60, job)
-    killed.append(job.kill_training_process(ev, rank=0, epoch=1))
-    _wait_epoch_began(ev, 2, job)
-    wait_for_spares(job, rank=0, n=2)
-    torn_copy = _wait_half_written(shm, 60, job)
-    killed.append(job.kill_training_process(ev, rank=0, epoch=2))
-    _wait_epoch_began(ev, 3, job)
-    copies = storage.open_store(shm)
-    assert all(c.ok for c in copies.list()), copies.list()  # every committed copy verifies
-    print(f"\nkilled writing local copy {torn_copy}: committed {copies.committed_steps()}")
-    # Both processes, 50 ms apart: the second dies while the first's recovery runs, so no
-    # survivor holds the state and the epoch resumes from the checkpoints.
-    t3 = read_events(ev)[-1]["time"]
-    newest = wait_for_event(
-        ev, lambda e: e["event"] == Event.CHECKPOINT and e["time"] > t3, 90, job
-    )
-    wait_for_spares(job, rank=0, n=3)
-    wait_for_spares(job, rank=1, n=2)
-    job.kill_training_process(ev, rank=1, epoch=3)
-    time.sleep(0.05)
-    job.kill_training_process(ev, rank=0, epoch=3)
-    assert job.wait(180) == 0, job.log()[-3000:]
+    # In-place epochs, a kill mid-persist and mid-copy, retention (--keep-last 2): write-once holds.
+    with CommittedFiles(run_dir, shm) as committed:
+        job = launch(
+            toy_args(run_dir, ev, max_steps=STEPS, every=20, step_time=0.05, extra=tuple(extra)),
+            max_restarts=1,  # the fallback, if the double kill lands inside the handshake
+            name="in-place",
+            env=job_env(ELASTICTRAIN_LOG_LEVEL="INFO"),  # every rank's spare says when it is ready
+        )
+        _wait_epoch_began(ev, 0, job)
+        wait_for_spares(job, rank=1, n=1)
+        killed = [job.kill_training_process(ev, rank=1, epoch=0)]
+        _wait_epoch_began(ev, 1, job)
+        wait_for_spares(job, rank=0, n=1)
+        torn = _wait_half_written(run_dir, 60, job)
+        killed.append(job.kill_training_process(ev, rank=0, epoch=1))
+        _wait_epoch_began(ev, 2, job)
+        wait_for_spares(job, rank=0, n=2)
+        torn_copy = _wait_half_written(shm, 60, job)
+        killed.append(job.kill_training_process(ev, rank=0, epoch=2))
+        _wait_epoch_began(ev, 3, job)
+        copies = storage.open_store(shm)
+        assert all(c.ok for c in copies.list()), copies.list()  # every committed copy verifies
+        print(f"\nkilled writing local copy {torn_copy}: committed {copies.committed_steps()}")
+        # Both processes, 50 ms apart: the second dies while the first's recovery runs, so no
+        # survivor holds the state and the epoch resumes from the checkpoints.
+        t3 = read_events(ev)[-1]["time"]
+        newest = wait_for_event(
+            ev, lambda e: e["event"] == Event.CHECKPOINT and e["time"] > t3, 90, job
+        )
+        wait_for_spares(job, rank=0, n=3)
+        wait_for_spares(job, rank=1, n=2)
+        job.kill_training_process(ev, rank=1, epoch=3)
+        time.sleep(0.05)
+        job.kill_training_process(ev, rank=0, epoch=3)
+        assert job.wait(180) == 0, job.log()[-3000:]
+    committed.check()
     assert ref.wait(120) == 0, ref.log()[-3000:]
 
     events = read_events(ev)

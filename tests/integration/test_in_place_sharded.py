@@ -44,7 +44,7 @@ def _resume_after(events: list[dict], start: dict) -> dict:
 
 @pytest.mark.slow
 def test_hsdp_heals_replaced_ranks_from_their_twins_bitwise_then_drops_and_regrows_a_replica(
-    launch, tmp_path
+    launch, tmp_path, committed_files
 ):
     """HSDP 2x2 as two simulated nodes of 2 (one replica each). Rank 1's training process is
     SIGKILLed, then rank 0's: each replacement loads its shards from its twin in the other
@@ -78,6 +78,7 @@ def test_hsdp_heals_replaced_ranks_from_their_twins_bitwise_then_drops_and_regro
             ev, lambda e: e["event"] == Event.FIRST_STEP and e["time"] > after, 90, nodes[0]
         )
 
+    committed = committed_files(ckpt)  # heals, a frozen and a lost node: write-once holds
     nodes = [start_node(0, "node0"), start_node(1, "node1")]
     wait_for_event(ev, lambda e: e["event"] == Event.CHECKPOINT, 120, nodes[0])
     _spares_ready(nodes, rank=1, n=1)
@@ -113,6 +114,7 @@ def test_hsdp_heals_replaced_ranks_from_their_twins_bitwise_then_drops_and_regro
     wait_for_event(ev, lambda e: e["event"] == Event.END, 120, nodes[0])
     # Training is over; torchrun's agent waits in its exit barrier for the lost node's (300 s).
     nodes[0].kill()
+    committed.check()
     assert ref.wait(120) == 0, ref.log()[-3000:]
 
     events = read_events(ev)
@@ -177,7 +179,7 @@ def _ranks_on(ev: str, job) -> list[int]:
 
 @pytest.mark.slow
 def test_fsdp_rolls_back_in_memory_to_the_newest_whole_copy_skipping_a_corrupt_one(
-    launch, tmp_path
+    launch, tmp_path, committed_files
 ):
     """FSDP over 4 ranks, no replicas: a dead rank's shards are in no survivor's memory. Rank 2's
     training process is SIGKILLed: every rank, in its own process, rolls back to the newest step
@@ -189,6 +191,7 @@ def test_fsdp_rolls_back_in_memory_to_the_newest_whole_copy_skipping_a_corrupt_o
     run_dir, ev, shm = str(tmp_path / "run"), str(tmp_path / "ev.jsonl"), str(tmp_path / "shm")
     extra = ["--parallel", "fsdp", "--replace-in-place", "--replace-wait", "10"]
     extra += ["--local-checkpoint-dir", shm, "--local-every-steps", "10"]
+    committed = committed_files(run_dir, shm)  # rollbacks in memory, buddies: write-once holds
     job = launch(
         toy_args(run_dir, ev, max_steps=steps, every=100, step_time=0.04, extra=tuple(extra)),
         nproc=4,
@@ -213,11 +216,12 @@ def test_fsdp_rolls_back_in_memory_to_the_newest_whole_copy_skipping_a_corrupt_o
     for pid in training:
         os.kill(pid, signal.SIGSTOP)
     newest, older = _whole_copies(shm)[:2]
-    _flip_a_byte(os.path.join(shm, "shards", "own-r00001"), newest)
+    _flip_a_byte(os.path.join(shm, "shards", "own-r00001"), newest, committed)
     job.kill_training_process(ev, rank=2, epoch=1)
     for pid in training:
         os.kill(pid, signal.SIGCONT)
     assert job.wait(180) == 0, job.log()[-3000:]
+    committed.check()
     assert ref.wait(120) == 0, ref.log()[-3000:]
 
     events = read_events(ev)
@@ -266,10 +270,12 @@ def _whole_copies(shm: str) -> list[int]:
     return sorted(common or (), reverse=True)
 
 
-def _flip_a_byte(folder: str, step: int) -> None:
-    """Corrupt the shard file of ``folder``'s copy of ``step`` (its checksums will not match)."""
+def _flip_a_byte(folder: str, step: int, committed) -> None:
+    """Corrupt the shard file of ``folder``'s copy of ``step`` (its checksums will not match),
+    telling the write-once checker first: this change is the test's own."""
     step_dir = os.path.join(folder, step_dir_name(step))
     name = next(n for n in sorted(os.listdir(step_dir)) if n.startswith("shard-"))
+    committed.damaged(os.path.join(step_dir, name))
     with open(os.path.join(step_dir, name), "r+b") as f:
         first = f.read(1)
         f.seek(0)

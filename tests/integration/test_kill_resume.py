@@ -9,6 +9,7 @@ import pytest
 
 from elastictrain.checkpoint.api import Reason, Tier
 from elastictrain.observe.events import Event, read_events, read_sample_log
+from tests.helpers.committed_files import CommittedFiles
 from tests.helpers.launcher import (
     assert_bitwise_equal,
     final_state,
@@ -30,16 +31,18 @@ def test_sigkill_workers_resume_bitwise(launch, tmp_path, nproc):
     run_dir, ev = str(tmp_path / "run"), str(tmp_path / "run.jsonl")
     # The durable tier alone: resumes land on its steps (the local tier's kill is on S3, below).
     durable_only = toy_args(run_dir, ev, extra=("--no-local-checkpoint",))
-    job = launch(durable_only, nproc=nproc, max_restarts=3, name="killed")
-    rng = random.Random(1000 + nproc)
-    # Kill 1: right after the first checkpoint commits.
-    wait_for_event(ev, lambda e: e["event"] == Event.CHECKPOINT, 90, job)
-    job.kill_worker(rng.randrange(nproc))
-    # Kill 2: at a random moment after the restarted group resumed from a checkpoint.
-    wait_for_event(ev, lambda e: e["event"] == Event.RESUME and not e["fresh"], 90, job)
-    time.sleep(rng.uniform(0.1, 1.0))
-    job.kill_worker(rng.randrange(nproc))
-    assert job.wait(180) == 0, job.log()[-3000:]
+    with CommittedFiles(run_dir) as committed:  # kills, restarts, retention: write-once holds
+        job = launch(durable_only, nproc=nproc, max_restarts=3, name="killed")
+        rng = random.Random(1000 + nproc)
+        # Kill 1: right after the first checkpoint commits.
+        wait_for_event(ev, lambda e: e["event"] == Event.CHECKPOINT, 90, job)
+        job.kill_worker(rng.randrange(nproc))
+        # Kill 2: at a random moment after the restarted group resumed from a checkpoint.
+        wait_for_event(ev, lambda e: e["event"] == Event.RESUME and not e["fresh"], 90, job)
+        time.sleep(rng.uniform(0.1, 1.0))
+        job.kill_worker(rng.randrange(nproc))
+        assert job.wait(180) == 0, job.log()[-3000:]
+    committed.check()
 
     events = read_events(ev)
     starts = [e for e in events if e["event"] == Event.START]

@@ -91,7 +91,7 @@ def _kill_while_shards_are_written(job, ckpt: str, after: int, timeout: float) -
 
 @pytest.mark.slow
 def test_fsdp_sigkilled_twice_once_mid_shard_write_then_preempted_ends_bitwise_equal(
-    launch, tmp_path
+    launch, tmp_path, committed_files
 ):
     # ~10 MB of sharded state (weights + AdamW moments), so a shard write takes a moment; fast
     # copies at the durable tier's steps, so a kill between checkpoints resumes from node memory.
@@ -110,6 +110,7 @@ def test_fsdp_sigkilled_twice_once_mid_shard_write_then_preempted_ends_bitwise_e
     )
     ev, ckpt = str(tmp_path / "run.jsonl"), str(tmp_path / "run")
     args = toy_args(ckpt, ev, max_steps=160, every=20, step_time=0.015, extra=extra)
+    watched = committed_files(ckpt, tmp_path / "shm")  # kills mid-write, a preemption: write-once
     job = launch(args)
     first = wait_for_event(ev, lambda e: e["event"] == Event.CHECKPOINT, 90, job)
     caught = _kill_while_shards_are_written(job, ckpt, first["step"], 90)
@@ -138,6 +139,7 @@ def test_fsdp_sigkilled_twice_once_mid_shard_write_then_preempted_ends_bitwise_e
     assert len(preempted) == 1
     again = launch(args, name="relaunch")
     assert again.wait(240) == 0, again.log()[-3000:]
+    watched.check()
     assert ref.wait(240) == 0, ref.log()[-3000:]
 
     resumes = [e for e in read_events(ev) if e["event"] == Event.RESUME]
