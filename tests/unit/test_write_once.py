@@ -31,7 +31,9 @@ class Died(BaseException):
     """The process ended here (SIGKILL, ``os._exit``): nothing of the writer runs after it."""
 
 
-def writer(store, rank: int = 0, world: int = 0, *, generation: int = 5, keep_last: int = 10):
+def writer(
+    store, rank=0, world=0, *, generation=5, keep_last=10, attached=lambda: True
+) -> Persister:
     """Rank ``rank``'s persister; ``world`` 0: the flat (DDP) layout, else sharded over W."""
     config = CheckpointConfig(checkpoint_dir=store.url, keep_last=keep_last)
     events = EventLog(None, enabled=False)
@@ -39,7 +41,7 @@ def writer(store, rank: int = 0, world: int = 0, *, generation: int = 5, keep_la
     return Persister(
         store=store, layout=layout, config=config, record=SaveRecord(),
         policy=StopTheRun(config, events), world_size=world or 1,
-        generation=lambda: generation, events=events, attached=lambda: True,
+        generation=lambda: generation, events=events, attached=attached,
         is_committer=rank == 0,
     )  # fmt: skip
 
@@ -185,3 +187,23 @@ def test_retention_never_deletes_a_step_another_rank_is_writing(tmp_path):
     )
     assert store.committed_steps() == [50, 100]
     assert "shard-r00001-g2.bin" in store.names_in(60)
+
+
+def test_a_stale_commit_that_lands_between_the_check_and_the_commit_is_replaced(tmp_path):
+    """An abandoned epoch's persist (generation 3) commits step 10 after generation 5 found it
+    free and wrote its files: generation 5's manifest is published over it, not refused."""
+    store = storage.open_store(str(tmp_path / "ckpt"))
+    calls = []
+
+    def attached() -> bool:  # called before writing, and right before the commit point
+        calls.append(1)
+        if len(calls) == 2:
+            writer(store, generation=3).save(
+                10, 0, Reason.STEPS, lambda: payload(3.0), background=False
+            )
+        return True
+
+    new = writer(store, generation=5, attached=attached)
+    assert new.save(10, 0, Reason.STEPS, lambda: payload(5.0), background=False) == (
+        SaveOutcome.COMMITTED, None)  # fmt: skip
+    assert store.read(10).manifest.generation == 5 and len(calls) == 2

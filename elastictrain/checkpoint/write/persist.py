@@ -188,12 +188,9 @@ class Persister:
         step, reason, blocked = job.step, job.reason, job.blocked
         t0 = time.monotonic()
         job.snap.wait()  # CUDA: the device-to-host copies have landed
-        existing = Existing.NONE
-        if self.is_committer and job.commit:
-            existing = self.existing(step)
-            if existing is Existing.KEEP:
-                self.record.committed(step)
-                return
+        if self.is_committer and job.commit and self.existing(step) is Existing.KEEP:
+            self.record.committed(step)
+            return
         self._check_attached(step)  # before writing anything, and again right before the commit
         generation = self.generation()
         if write:
@@ -209,7 +206,11 @@ class Persister:
             before_commit=lambda: self._check_attached(step),
             abandoned=lambda s: s in self.abandoned,
             deadline_s=self.config.checkpoint_timeout,
-            replace_older=existing is Existing.REPLACE,
+            # Not KEEP, so whatever an older generation committed here is outside this run's
+            # history: replaced, even one that landed after the check above (an abandoned
+            # epoch's persist, a stale writer). The store never replaces its own generation's
+            # or a newer one's (CheckpointExistsError).
+            replace_older=True,
         )
         self.record.committed(step)
         persist = time.monotonic() - t0
