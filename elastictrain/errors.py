@@ -12,7 +12,9 @@ from collections.abc import Iterator
 
 from storage.errors import (
     CheckpointCorruptError,
+    CheckpointExistsError,
     CheckpointNotFoundError,
+    FileConflictError,
     NewerFormatError,
     StaleWriterError,
     StorageError,
@@ -204,6 +206,7 @@ def named_timeout(setting: str, value: float, what: str) -> Iterator[None]:
 
 __all__ = [
     "CheckpointCorruptError",
+    "CheckpointExistsError",
     "CheckpointFailedError",
     "CheckpointMismatchError",
     "CheckpointNotFoundError",
@@ -211,6 +214,7 @@ __all__ = [
     "ConfigError",
     "DataLoadError",
     "ElasticTrainError",
+    "FileConflictError",
     "InitTimeoutError",
     "NewerFormatError",
     "OrphanedError",

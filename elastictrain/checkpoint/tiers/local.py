@@ -39,6 +39,7 @@ from elastictrain.checkpoint.write.layouts import FlatLayout
 from elastictrain.checkpoint.write.persist import Persister
 from elastictrain.config import CheckpointConfig
 from elastictrain.observe.events import Event, EventLog
+from storage.manifest import MANIFEST_NAME
 from storage.urls import is_local, redact_url
 
 logger = logging.getLogger(__name__)
@@ -340,8 +341,7 @@ class LocalTier:
         if self.writer is not None:
             self.writer.wait()
         if self.config.local_checkpoint and self.local_rank == 0:
-            with contextlib.suppress(OSError):
-                shutil.rmtree(self.dir)
+            remove_copies(self.dir)
         self.writes, self.writer, self.store = False, None, None
         self.finish()
 
@@ -352,6 +352,17 @@ class LocalTier:
         if self._lock is not None:
             os.close(self._lock)
             self._lock = None
+
+
+def remove_copies(root: str) -> None:
+    """Remove every copy under ``root`` as retention removes a checkpoint: each manifest first,
+    then the files, so a reader never meets a copy that is committed but incomplete."""
+    with contextlib.suppress(OSError):
+        for folder, _, names in os.walk(root):
+            if MANIFEST_NAME in names:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(folder, MANIFEST_NAME))
+        shutil.rmtree(root)
 
 
 def _size(n: float) -> str:

@@ -29,11 +29,9 @@ Resume (``shard_fetch``) finds the newest step of which some node holds every ra
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
-import shutil
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -45,7 +43,13 @@ import storage
 from elastictrain import dist as edist
 from elastictrain.checkpoint.sharded import format as sharded
 from elastictrain.checkpoint.state import train_state as tstate
-from elastictrain.checkpoint.tiers.local import KEEP, LocalTier, payload_bytes, tier_dir
+from elastictrain.checkpoint.tiers.local import (
+    KEEP,
+    LocalTier,
+    payload_bytes,
+    remove_copies,
+    tier_dir,
+)
 from elastictrain.checkpoint.write.layouts import ShardSnap, ShardSnapshots
 from elastictrain.config import CheckpointConfig
 from elastictrain.observe.events import EventLog
@@ -383,7 +387,6 @@ class ShardTier(LocalTier):
             self.writer.wait()
         edist.barrier(self.group)
         if self.config.local_checkpoint and self.local_rank == 0:
-            with contextlib.suppress(OSError):
-                shutil.rmtree(os.path.join(self.dir, SHARDS))
+            remove_copies(os.path.join(self.dir, SHARDS))
         self.writes, self.writer, self.store = False, None, None
         self.finish()
