@@ -6,6 +6,8 @@ and for skew tests: slow_rank (none), slow_factor (1: that rank's step_time mult
 start_delay (0 s that rank sleeps before initialising), wedge_step (none: in the first attempt,
 that rank stops inside this micro-step for good, its process alive, as a rank wedged in a kernel or
 a collective is) and first_step_time (0 s more in every rank's first micro-step: a compilation).
+frozen_mb (0) adds that many MB of frozen weights: a checkpoint that size, whose persist a test
+can aim a kill at, without the compute (or the all-reduce) of a model that size at every step.
 """
 
 from __future__ import annotations
@@ -34,18 +36,22 @@ KNOWN_OPTIONS = {
     "start_delay",
     "wedge_step",
     "first_step_time",
+    "frozen_mb",
 }
 
 
 class ToyModel(nn.Module):
     """Linear(10, hidden) -> ReLU -> [Linear(hidden, hidden) -> ReLU]* -> Linear(hidden, 5)."""
 
-    def __init__(self, hidden: int = 10, layers: int = 1) -> None:
+    def __init__(self, hidden: int = 10, layers: int = 1, frozen_mb: float = 0.0) -> None:
         super().__init__()
         self.net1 = nn.Linear(10, hidden)
         self.relu = nn.ReLU()
         self.extra = nn.ModuleList(nn.Linear(hidden, hidden) for _ in range(layers - 1))
         self.net2 = nn.Linear(hidden, 5)
+        if frozen_mb > 0:  # checkpointed like any weight; no gradient, so no step touches it
+            frozen = torch.randn(int(frozen_mb * (1 << 20)) // 4)
+            self.frozen = nn.Parameter(frozen, requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.relu(self.net1(x))
@@ -139,7 +145,7 @@ def make_task(options: Mapping[str, str]) -> Task:
         return mse(model(x), y)
 
     return Task(
-        model=ToyModel(hidden, layers),
+        model=ToyModel(hidden, layers, option(options, "frozen_mb", 0.0, float)),
         dataset=synthetic_dataset(option(options, "dataset_size", 4096)),
         batch_size=option(options, "batch_size", 64),
         make_optimizer=lambda params: torch.optim.SGD(params, lr=lr, momentum=momentum),

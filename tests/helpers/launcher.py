@@ -218,15 +218,49 @@ def wait_for_spares(job, rank: int, n: int) -> None:
         time.sleep(0.1)
 
 
+class _Tail:
+    """One event log as read so far: a poll parses only the lines appended since the last."""
+
+    def __init__(self, inode: int = 0) -> None:
+        self.inode, self.offset = inode, 0
+        self.events: list[dict[str, Any]] = []
+
+
+_TAILS: dict[str, _Tail] = {}
+
+
+def events_so_far(path: str) -> list[dict[str, Any]]:
+    """``read_events(path)``, incrementally: the tests poll their jobs' logs 20 times a second
+    for minutes, and parsing the whole file each time was a few per cent of a core per waiting
+    test. A torn last line waits for its newline; a line torn by a kill, then appended to, is
+    skipped, as ``read_events`` skips it. The list is shared: read it, do not change it."""
+    try:
+        stat = os.stat(path)
+    except FileNotFoundError:
+        return []
+    tail = _TAILS.get(path)
+    if tail is None or tail.inode != stat.st_ino or stat.st_size < tail.offset:
+        tail = _TAILS[path] = _Tail(stat.st_ino)
+    if stat.st_size > tail.offset:
+        with open(path, "rb") as f:
+            f.seek(tail.offset)
+            chunk = f.read()
+        whole = chunk.rfind(b"\n") + 1
+        for line in chunk[:whole].splitlines():
+            with contextlib.suppress(ValueError):  # json.JSONDecodeError, a torn line
+                tail.events.append(json.loads(line))
+        tail.offset += whole
+    return tail.events
+
+
 def wait_for_event(
     path: str, predicate: Callable[[dict[str, Any]], bool], timeout: float, job: Job | None = None
 ) -> dict[str, Any]:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if os.path.exists(path):
-            for event in read_events(path):
-                if predicate(event):
-                    return event
+        for event in events_so_far(path):
+            if predicate(event):
+                return event
         if job is not None and job.proc.poll() is not None:
             raise AssertionError(
                 f"job exited with {job.proc.returncode} before the event; log:\n{job.log()[-4000:]}"

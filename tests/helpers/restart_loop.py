@@ -18,12 +18,12 @@ import tempfile
 import time
 from typing import Any
 
-from elastictrain.observe.events import Event, read_events
-from tests.helpers.launcher import Job, job_env
+from elastictrain.observe.events import Event
+from tests.helpers.launcher import Job, events_so_far, job_env
 
 
 def count_events(path: str, name: str) -> list[dict[str, Any]]:
-    return [e for e in read_events(path) if e["event"] == name] if os.path.exists(path) else []
+    return [e for e in events_so_far(path) if e["event"] == name]
 
 
 def wait_for_count(path: str, name: str, n: int, timeout: float, job: Job) -> dict[str, Any]:

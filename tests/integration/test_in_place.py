@@ -22,7 +22,7 @@ from tests.helpers.launcher import (
 from tests.helpers.restart_loop import wait_for_count
 
 STEPS = 220
-TOY_ARGS = tuple(a for opt in TOY for a in ("--task-option", opt))  # ~40 MB: a persist to aim at
+TOY_ARGS = tuple(a for opt in TOY for a in ("--task-option", opt))  # ~32 MB: a persist to aim at
 
 
 def _wait_epoch_began(events: str, n: int, job) -> None:
