@@ -40,6 +40,15 @@ KNOWN_OPTIONS = {
 }
 
 
+class Frozen(nn.Module):
+    """Weights a checkpoint carries and no step touches (``frozen_mb``): no gradient, and, being
+    a module whose forward never runs, never gathered under FSDP either."""
+
+    def __init__(self, nbytes: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(nbytes // 4), requires_grad=False)
+
+
 class ToyModel(nn.Module):
     """Linear(10, hidden) -> ReLU -> [Linear(hidden, hidden) -> ReLU]* -> Linear(hidden, 5)."""
 
@@ -49,9 +58,8 @@ class ToyModel(nn.Module):
         self.relu = nn.ReLU()
         self.extra = nn.ModuleList(nn.Linear(hidden, hidden) for _ in range(layers - 1))
         self.net2 = nn.Linear(hidden, 5)
-        if frozen_mb > 0:  # checkpointed like any weight; no gradient, so no step touches it
-            frozen = torch.randn(int(frozen_mb * (1 << 20)) // 4)
-            self.frozen = nn.Parameter(frozen, requires_grad=False)
+        if frozen_mb > 0:
+            self.frozen = Frozen(int(frozen_mb * (1 << 20)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.relu(self.net1(x))

@@ -141,6 +141,8 @@ def run_trials(
             "2",
             *tier_args,
             *(arg for opt in TOY for arg in ("--task-option", opt)),
+            # Paced as the trained model of that size paced itself: a persist every half second.
+            *("--task-option", "step_time=0.04"),
         ],
         os.path.join(workdir, "torchrun.log"),
         cwd=workdir,

@@ -48,7 +48,7 @@ def test_killed_training_processes_are_replaced_in_place_bitwise(launch, tmp_pat
     # In-place epochs, a kill mid-persist and mid-copy, retention (--keep-last 2): write-once holds.
     with CommittedFiles(run_dir, shm) as committed:
         job = launch(
-            toy_args(run_dir, ev, max_steps=STEPS, every=20, step_time=0.05, extra=tuple(extra)),
+            toy_args(run_dir, ev, max_steps=STEPS, every=20, step_time=0.1, extra=tuple(extra)),
             max_restarts=1,  # the fallback, if the double kill lands inside the handshake
             name="in-place",
             env=job_env(ELASTICTRAIN_LOG_LEVEL="INFO"),  # every rank's spare says when it is ready

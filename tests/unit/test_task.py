@@ -33,6 +33,9 @@ def test_toy_options():
         build_task("elastictrain.toy:make_task", {"hiden": "3"})
     with pytest.raises(ConfigError, match="fewer than one global batch"):
         build_task("elastictrain.toy:make_task", {"dataset_size": "5", "batch_size": "10"})
+    # frozen_mb: that much more checkpoint, and nothing a step computes on or updates.
+    frozen = build_task("elastictrain.toy:make_task", {"frozen_mb": "2"}).model.frozen.weight
+    assert frozen.numel() * 4 == 2 << 20 and not frozen.requires_grad
 
 
 def test_task_state_entries_need_the_stateful_methods():
