@@ -15,8 +15,15 @@ from elastictrain import load_checkpoint
 from elastictrain.checkpoint.api import Tier
 from elastictrain.observe.events import Event, read_events, read_sample_log
 from storage.manifest import parse_step_dir
+from tests.helpers.committed_files import tier_folder
 from tests.helpers.elastic import assert_exactly_once
-from tests.helpers.launcher import assert_bitwise_equal, final_state, toy_args, wait_for_event
+from tests.helpers.launcher import (
+    assert_bitwise_equal,
+    final_state,
+    toy_args,
+    wait_for_event,
+    wait_for_fast_copies,
+)
 from tests.helpers.paths import flip_a_byte
 from tests.helpers.tp_task import read_losses
 
@@ -104,7 +111,13 @@ def test_a_2d_mesh_resumes_bitwise_after_a_kill_and_exactly_once_at_a_smaller_dp
     tier = ["--no-local-checkpoint"] if replicated else ["--local-every-steps", "5"]
     args = toy_args(run_dir, ev, max_steps=120, every=20, extra=(*TASK, *layout))
     job = launch([*args, "--sample-log", samples, *tier], nproc=4, name="run")
-    wait_for_event(ev, lambda e: e["event"] == Event.CHECKPOINT and e["step"] >= 40, 120, job)
+    durable = wait_for_event(
+        ev, lambda e: e["event"] == Event.CHECKPOINT and e["step"] >= 40, 120, job
+    )
+    if not replicated:  # every rank's copy of that step is in node memory too (a CI run killed
+        # rank 3 while it wrote its copy of 40: the resume then took the durable tier's 40)
+        own = [f"own-r{r:05d}" for r in range(4)]
+        wait_for_fast_copies(tier_folder(run_dir), own, run_dir, durable["step"], 60, job)
     job.kill_worker(kill)
     assert job.wait(240) == 0, job.log()[-3000:]
     assert ref.wait(240) == 0, ref.log()[-3000:]
