@@ -10,7 +10,7 @@ import pytest
 import storage
 from elastictrain.observe.events import Event, read_events
 from tests.helpers.committed_files import CommittedFiles
-from tests.helpers.kill_during_persist import TOY, _wait_half_written
+from tests.helpers.kill_during_persist import _wait_half_written
 from tests.helpers.launcher import (
     assert_bitwise_equal,
     final_state,
@@ -22,7 +22,11 @@ from tests.helpers.launcher import (
 from tests.helpers.restart_loop import wait_for_count
 
 STEPS = 220
-TOY_ARGS = tuple(a for opt in TOY for a in ("--task-option", opt))  # ~32 MB: a persist to aim at
+# ~40 MB of trained state: a persist to aim at. Trained, not frozen (``frozen_mb``): the steps
+# compute slows the job as the machine's load slows the spares it waits for, so the four kills
+# land before the job's last step; paced by a sleep alone, a loaded run finished first.
+TOY = ("hidden=1024", "layers=5", "batch_size=32")
+TOY_ARGS = tuple(a for opt in TOY for a in ("--task-option", opt))
 
 
 def _wait_epoch_began(events: str, n: int, job) -> None:
@@ -48,7 +52,7 @@ def test_killed_training_processes_are_replaced_in_place_bitwise(launch, tmp_pat
     # In-place epochs, a kill mid-persist and mid-copy, retention (--keep-last 2): write-once holds.
     with CommittedFiles(run_dir, shm) as committed:
         job = launch(
-            toy_args(run_dir, ev, max_steps=STEPS, every=20, step_time=0.1, extra=tuple(extra)),
+            toy_args(run_dir, ev, max_steps=STEPS, every=20, step_time=0.05, extra=tuple(extra)),
             max_restarts=1,  # the fallback, if the double kill lands inside the handshake
             name="in-place",
             env=job_env(ELASTICTRAIN_LOG_LEVEL="INFO"),  # every rank's spare says when it is ready

@@ -95,10 +95,9 @@ def _kill_while_shards_are_written(job, ckpt: str, after: int, timeout: float) -
 def test_fsdp_sigkilled_twice_once_mid_shard_write_then_preempted_ends_bitwise_equal(
     launch, tmp_path, committed_files
 ):
-    # ~10 MB of sharded state, so a shard write takes a moment (frozen: no step computes on it,
-    # paced by step_time instead); fast copies at the durable tier's steps, so a kill between
-    # checkpoints resumes from node memory.
-    extra = (*FSDP, "--task-option", "frozen_mb=10")
+    # ~10 MB of sharded state (weights + momentum), so a shard write takes a moment; fast
+    # copies at the durable tier's steps, so a kill between checkpoints resumes from node memory.
+    extra = (*FSDP, "--task-option", "hidden=512", "--task-option", "layers=3")
     extra += ("--local-every-steps", "20", "--local-checkpoint-dir", str(tmp_path / "shm"))
     ref = launch(
         toy_args(
@@ -112,7 +111,7 @@ def test_fsdp_sigkilled_twice_once_mid_shard_write_then_preempted_ends_bitwise_e
         name="ref",
     )
     ev, ckpt = str(tmp_path / "run.jsonl"), str(tmp_path / "run")
-    args = toy_args(ckpt, ev, max_steps=160, every=20, step_time=0.03, extra=extra)
+    args = toy_args(ckpt, ev, max_steps=160, every=20, step_time=0.015, extra=extra)
     watched = committed_files(ckpt, tmp_path / "shm")  # kills mid-write, a preemption: write-once
     job = launch(args)
     first = wait_for_event(ev, lambda e: e["event"] == Event.CHECKPOINT, 90, job)
