@@ -195,8 +195,10 @@ def test_an_in_place_connect_opens_no_bare_socket_which_stalls_the_store(store_s
     monkeypatch.setattr(
         job_store.socket, "create_connection", lambda *a, **k: bare.append(a) or real(*a, **k)
     )
-    connect(_env(port=port), timeout_s=5, silent_s=5.0)
+    # The default --silent-timeout (15 s): the bare connection below may stall the server for the
+    # 5 s this test is about, and a bound of exactly 5 s then failed (a fresh-clone CI run).
+    connect(_env(port=port), timeout_s=15, silent_s=15.0)
     assert len(bare) == 1  # a start waits for the host to listen
-    job = connect(_env(port=port), timeout_s=5, silent_s=5.0, store_up=True)
+    job = connect(_env(port=port), timeout_s=15, silent_s=15.0, store_up=True)
     job.store.set("k", "v")
     assert job.store.get("k") == b"v" and len(bare) == 1
