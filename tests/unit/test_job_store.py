@@ -126,7 +126,8 @@ def test_a_frozen_store_host_ends_the_connection_within_the_silence(store_server
 def test_a_store_whose_host_starts_late_is_waited_for(store_server):
     port = free_port()
     threading.Timer(1.5, store_server, args=(port,)).start()
-    job = connect(_env(port=port), timeout_s=60, silent_s=1.0)
+    # The default silence: the wait's bare connection may stall the server 5 s (see below).
+    job = connect(_env(port=port), timeout_s=60, silent_s=15.0)
     job.store.set("k", "v")
     assert job.store.get("k") == b"v"
 
@@ -142,8 +143,9 @@ def test_under_a_named_rendezvous_the_workers_share_it_under_their_run_id(store_
     store_server(port)
     with fake_agent(f"--rdzv-endpoint=127.0.0.1:{port}") as agent:
         # MASTER_PORT names a dead port, as a stale agent's would: it must not be used. (The
-        # silence bound is not what this test is about: 1 s missed once under a loaded CI host.)
-        job = connect(_env(agent_pid=agent, port=free_port()), timeout_s=5, silent_s=5.0)
+        # silence is not what this test is about: the default 15 s outlasts the 5 s stall a bare
+        # connection can cause, see the bare-socket test; 1 s missed once under a loaded CI host.)
+        job = connect(_env(agent_pid=agent, port=free_port()), timeout_s=15, silent_s=15.0)
     assert job.name == f"torchrun's rendezvous store at 127.0.0.1:{port}"
     job.store.set("k", "v")
     raw = dist.TCPStore("127.0.0.1", port, None, False, timedelta(seconds=5))
