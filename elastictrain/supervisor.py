@@ -38,6 +38,10 @@ GO = "go"
 EXIT_ORPHANED = 6  # errors.EXIT_ORPHANED; not imported: errors is cheap but this module is leaner
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 POLL_S = 0.05  # how often the death of the training process is looked for: the detection floor
+# A spare that keeps dying (a broken import, the node out of memory) is started again after
+# 1, 2, 4 ... 60 s, not at every poll: each start imports torch (seconds of CPU) beside training.
+SPARE_BACKOFF_S = (1.0, 60.0)
+SPARE_SETTLED_S = 60.0  # a spare alive this long has started well: the next death waits 1 s again
 
 logger = logging.getLogger("elastictrain.supervisor")
 
@@ -75,7 +79,10 @@ class Supervisor:
         self.agent_pid = os.getppid()
         self.stopping: signal.Signals | None = None
         self.worker = self._start("worker")
-        self.spare = self._start("spare")
+        self.spare: subprocess.Popen | None = self._start("spare")
+        self._spare_started = time.monotonic()
+        self._spare_deaths = 0
+        self._next_spare_at = 0.0
 
     def _start(self, role_name: str) -> subprocess.Popen:
         env = {**os.environ, ROLE: role_name, AGENT_PID: str(os.getppid())}
@@ -104,13 +111,8 @@ class Supervisor:
     def _watch(self) -> int:
         while True:
             code = self.worker.poll()
-            if code is None and self.spare.poll() is not None:  # the spare died (OOM?): anew
-                logger.warning(
-                    "rank %d: the spare exited (%s); starting another",
-                    self.rank,
-                    self.spare.returncode,
-                )
-                self.spare = self._start("spare")
+            if code is None:
+                self._keep_a_spare()
             if code is None:
                 if os.getppid() != self.agent_pid:
                     logger.error(
@@ -136,6 +138,14 @@ class Supervisor:
                     self.max_replacements,
                 )
                 return self._die_like(died)
+            if self.spare is None:  # none ready (a spare that keeps dying is backing off)
+                logger.error(
+                    "rank %d: the training process died (%s) and no spare is ready (the last "
+                    "one exited, see above): leaving it to torchrun to restart the group",
+                    self.rank,
+                    died.name,
+                )
+                return self._die_like(died)
             self.replaced += 1
             logger.warning(
                 "rank %d: the training process (pid %d) died (%s); its spare (pid %d) takes "
@@ -153,6 +163,26 @@ class Supervisor:
             except (BrokenPipeError, OSError):  # the spare died too: nothing left to do here
                 return self._die_like(died)
             self.worker, self.spare = self.spare, self._start("spare")
+            self._spare_started = time.monotonic()
+
+    def _keep_a_spare(self) -> None:
+        """A spare that exited (the OOM killer, a broken import) is started again, backing off
+        while it keeps dying."""
+        now = time.monotonic()
+        if self.spare is not None and self.spare.poll() is not None:
+            settled = now - self._spare_started >= SPARE_SETTLED_S
+            self._spare_deaths = 1 if settled else self._spare_deaths + 1
+            first, most = SPARE_BACKOFF_S
+            delay = min(most, first * 2 ** (self._spare_deaths - 1))
+            logger.warning(
+                "rank %d: the spare exited (%s); starting another in %.0fs",
+                self.rank,
+                self.spare.returncode,
+                delay,
+            )
+            self.spare, self._next_spare_at = None, now + delay
+        if self.spare is None and now >= self._next_spare_at:
+            self.spare, self._spare_started = self._start("spare"), now
 
     def _end_if_stopped_too_long(self) -> None:
         """A training process stopped (SIGSTOP, a debugger) past ``stopped_s``: the others have
@@ -182,8 +212,8 @@ class Supervisor:
         return 128 + died  # only for a signal that does not end a process (never here)
 
     @staticmethod
-    def _end(proc: subprocess.Popen) -> None:
-        if proc.poll() is None:
+    def _end(proc: subprocess.Popen | None) -> None:
+        if proc is not None and proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 proc.kill()
             proc.wait()

@@ -18,6 +18,9 @@ STANDIN = r"""
 import os, signal, sys, time
 d = os.environ["STANDIN_DIR"]
 if os.environ["ELASTICTRAIN_ROLE"] == "spare":
+    open(os.path.join(d, "spares"), "a").write("started\n")
+    if os.path.exists(os.path.join(d, "spare-dies")):
+        sys.exit(1)
     line = sys.stdin.readline()
     if not line.startswith("go"):
         sys.exit(0)
@@ -89,4 +92,26 @@ def test_a_stop_signal_is_forwarded_to_the_training_process_once(standin):
     _wait(lambda: len(_training_pids(d)) == 1)
     sup.send_signal(signal.SIGTERM)
     assert sup.wait(20) == 75  # the stand-in's preemption exit, after one SIGTERM
+    assert not (d / "went").exists()
+
+
+def test_a_spare_that_keeps_dying_is_started_again_backing_off_not_at_every_poll(standin):
+    """Each spare imports torch (seconds of CPU): one that dies at once (a broken import, a node
+    out of memory) was started again every 50 ms poll, beside the training it slowed. With the
+    backoff (1, 2, 4 ... s) a few seconds see a few starts; a death with no spare ready is then
+    left to torchrun, as when the spare died too."""
+    d, script = standin
+    (d / "spare-dies").touch()
+    sup = _supervise(d, script, max_replacements=3)
+    try:
+        _wait(lambda: len(_training_pids(d)) == 1)
+        time.sleep(4.0)
+        starts = (d / "spares").read_text().count("started")
+        assert 2 <= starts <= 4, starts  # 0, 1, 3 s (then 7): not the 80 of a 50 ms poll
+        (pid,) = _training_pids(d)
+        os.kill(pid, signal.SIGKILL)
+        assert sup.wait(20) == -signal.SIGKILL  # no spare ready: torchrun's restart
+    finally:
+        if sup.poll() is None:
+            sup.kill()
     assert not (d / "went").exists()
