@@ -52,12 +52,16 @@ class BoundedCalls:
     def __init__(self, seconds: float, name: str = "elastictrain-store") -> None:
         self.seconds, self._name = seconds, name
         self._pending: threading.Event | None = None
+        # The beat thread and a rank's stop (or its verdict) may ask at once: the look at the
+        # pending request and the claim of the slot are one step, or both requests would run.
+        self._claim = threading.Lock()
 
     def __call__(self, request: Callable[[], T]) -> T:
-        if self._pending is not None and not self._pending.is_set():
-            raise TimeoutError("the previous request is still unanswered")
+        with self._claim:
+            if self._pending is not None and not self._pending.is_set():
+                raise TimeoutError("the previous request is still unanswered")
+            done = self._pending = threading.Event()
         answer: dict[str, Any] = {}
-        done = self._pending = threading.Event()
 
         def call() -> None:
             try:

@@ -204,3 +204,31 @@ def test_an_in_place_connect_opens_no_bare_socket_which_stalls_the_store(store_s
     job = connect(_env(port=port), timeout_s=15, silent_s=15.0, store_up=True)
     job.store.set("k", "v")
     assert job.store.get("k") == b"v" and len(bare) == 1
+
+
+def test_two_threads_asking_at_once_never_have_two_requests_in_flight():
+    """The beat thread and a rank's stop may ask at once. The look at the pending request and its
+    claim were two steps: with fine thread switching, both requests ran in 15 trials of 300."""
+    previous = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        both = 0
+        for _ in range(300):
+            calls = job_store.BoundedCalls(0.005)
+            ran, release, together = [], threading.Event(), threading.Barrier(2)
+
+            def ask(calls=calls, ran=ran, release=release, together=together) -> None:
+                together.wait()
+                with contextlib.suppress(TimeoutError):  # unanswered within 5 ms, or refused
+                    calls(lambda: (ran.append(1), release.wait(5)))
+
+            threads = [threading.Thread(target=ask) for _ in range(2)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            release.set()
+            both += len(ran) == 2
+    finally:
+        sys.setswitchinterval(previous)
+    assert both == 0
