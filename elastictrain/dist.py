@@ -83,6 +83,8 @@ class ProcessGroups:
     """gloo group with --checkpoint-timeout for resume/save gates (CPU tensors even on GPU jobs)."""
     store: dist.Store | None = None
     """The job's store (torchrun's), unprefixed: what outlives an attempt (``membership``)."""
+    connections: epoch_end.EpochConnections | None = None
+    """Which TCP connections are this epoch's (``epoch_end``): all that its end may shut."""
 
 
 def init_process_groups(
@@ -122,6 +124,8 @@ def init_process_groups(
     with _InitWatchdog(init_timeout, env.rank, timeout_flag):
         silent_s = liveness.silent_s if liveness.enabled else 0.0
         job_store = connect(env, timeout_s=init_timeout, silent_s=silent_s, store_up=store_up)
+        # After the store (whose listener, on rank 0 without an agent, is not the epoch's).
+        connections = epoch_end.EpochConnections()
         liveness.watch_store(job_store)
         base = job_store.store
         # 90% of the budget, so a missing rank is reported by name before the hard bound fires.
@@ -140,9 +144,10 @@ def init_process_groups(
         control = dist.new_group(backend="gloo", timeout=timedelta(seconds=checkpoint_timeout))
         liveness.announce(store)
         dist.barrier(group=control)
+        connections.learn(control)
     global _built_on_a_fresh_store
     _built_on_a_fresh_store = True
-    return ProcessGroups(attempt=attempt, control=control, store=base)
+    return ProcessGroups(attempt=attempt, control=control, store=base, connections=connections)
 
 
 _built_on_a_fresh_store = False

@@ -20,6 +20,7 @@ since an NCCL collective returns to Python before it has run.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -59,10 +60,18 @@ class EpochWatch:
     """One epoch's watch: when its end is announced, fail its collectives (once, and never after
     :meth:`close`, when the next epoch's groups may already exist)."""
 
-    def __init__(self, store: dist.Store, nonce: str, keep_port: int) -> None:
+    def __init__(
+        self,
+        store: dist.Store,
+        nonce: str,
+        keep_port: int,
+        connections: EpochConnections | None = None,
+    ) -> None:
         """``store``: the job's store (cloned: the wait blocks its connection); ``keep_port``: its
-        port, whose connections are not shut."""
+        port, whose connections are not shut; ``connections``: the epoch's own (None: every TCP
+        connection but the store's, for a caller that built its groups without a ledger)."""
         self.nonce, self.keep_port = nonce, keep_port
+        self.connections = connections
         self.ended = False
         self.silent: list[int] = []
         """The members the announcer found silent (torchrun ranks)."""
@@ -99,7 +108,7 @@ class EpochWatch:
                 return
             self.silent, self.ended = silent, True
             nccl = dist.is_initialized() and dist.get_backend() == "nccl"
-            shut = abort_collectives(self.keep_port)
+            shut = abort_collectives(self.keep_port, self.connections)
         # INFO: the rank's own leaving (runner, library) is what warns.
         logger.info(
             "this membership epoch's end was announced: its collectives failed here (%s%d "
@@ -133,10 +142,16 @@ def heard_silent() -> list[int]:
     return list(_current.silent) if _current is not None else []
 
 
-def abort_collectives(keep_port: int) -> int:
+def current_connections() -> EpochConnections | None:
+    """The ledger of the epoch being watched, if any."""
+    return _current.connections if _current is not None else None
+
+
+def abort_collectives(keep_port: int, connections: EpochConnections | None = None) -> int:
     """Fail every collective of this process's epoch: NCCL's communicators aborted (all of them,
-    inside one NCCL group), then every TCP connection but the job store's (``keep_port``) shut
-    (gloo's, the CPU control group's on GPU jobs too). The number of connections shut.
+    inside one NCCL group), then the epoch's own TCP connections shut (gloo's, the CPU control
+    group's on GPU jobs too: ``connections``, or, without a ledger, every one but the job
+    store's, ``keep_port``). The number of connections shut.
 
     After an abort no group is left to destroy (``dist.shutdown`` skips it): a communicator
     aborted once is never destroyed too (pytorch#194679). An abort that hangs inside NCCL
@@ -145,12 +160,12 @@ def abort_collectives(keep_port: int) -> int:
     with _aborting:
         if dist.is_initialized() and dist.get_backend() == "nccl":
             dist.distributed_c10d._abort_process_group()
-        return break_collectives(keep_port)
+        return break_collectives(keep_port, connections)
 
 
-def break_collectives(keep_port: int) -> int:
-    """Shut down every TCP connection of this process but those to the job's store (remote port
-    ``keep_port``); the number shut.
+def break_collectives(keep_port: int, connections: EpochConnections | None = None) -> int:
+    """Shut down the epoch's TCP connections (``connections``; without a ledger, every one of
+    this process), never those to the job's store (port ``keep_port``); the number shut.
 
     Why: a frozen peer (SIGSTOP, a wedged host) keeps its sockets open, so a gloo collective
     waiting on it blocks until --collective-timeout, and gloo cannot abort one. Shutting the
@@ -160,6 +175,57 @@ def break_collectives(keep_port: int) -> int:
     through it.
     """
     shut = 0
+    ours = connections.owns if connections is not None else (lambda local, peer: True)
+    for sock in _tcp_sockets():
+        with sock:
+            try:
+                if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                    continue  # a listener: no collective waits on it
+                local, peer = _endpoint(sock.getsockname()), _endpoint(sock.getpeername())
+                if keep_port in (peer[1], local[1]) or not ours(local, peer):
+                    continue
+                sock.shutdown(socket.SHUT_RDWR)  # the connection itself, for every fd of it
+                shut += 1
+            except (OSError, IndexError, TypeError):  # not connected: nothing waits on it
+                continue
+    return shut
+
+
+class EpochConnections:
+    """Which TCP connections are the epoch's: those of its gloo groups, found by their listeners.
+
+    Every gloo group listens on a port of its own and each pair of ranks connects once, one end
+    to the other's listener (``ProcessGroupGloo``'s full mesh). So a connection is the epoch's
+    when one of its ends is a listener the epoch's groups opened, on any member: each member
+    records its own as its groups are built (the listeners that appeared since
+    :meth:`__init__`) and all of them learn everyone's (:meth:`learn`). Nothing else is touched:
+    a user's socket, an S3 upload in flight (a background persist), a metrics logger's
+    connection to its local service, a listener opened once training runs, or the job's store.
+    """
+
+    def __init__(self) -> None:
+        """Before the epoch's first group is built."""
+        self._before = _listeners()
+        self._known: set[tuple[str, int]] = set()
+        self._anywhere: set[int] = set()
+
+    def learn(self, group: dist.ProcessGroup) -> None:
+        """Every member, collectively, each time the epoch has built groups (its first groups;
+        then the mesh, tiers and sessions, before training): every member's listeners, so that
+        a connection this rank opened to a frozen member is known as the epoch's too."""
+        mine = sorted(_listeners() - self._before)
+        everyone: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(everyone, mine, group=group)
+        self._known = {(host, port) for listeners in everyone for host, port in listeners}
+        # A listener on every interface is seen by the other end at one host's address: its port.
+        self._anywhere = {port for host, port in self._known if host in _ANY_HOST}
+
+    def owns(self, local: tuple[str, int], peer: tuple[str, int]) -> bool:
+        return bool({local, peer} & self._known) or bool({local[1], peer[1]} & self._anywhere)
+
+
+def _tcp_sockets():
+    """This process's TCP stream sockets (each a dup: closing it leaves the connection alone)."""
     for name in os.listdir("/proc/self/fd"):
         try:
             if not stat.S_ISSOCK(os.fstat(int(name)).st_mode):
@@ -167,18 +233,29 @@ def break_collectives(keep_port: int) -> int:
             sock = socket.socket(fileno=os.dup(int(name)))
         except OSError:
             continue
-        with sock:
-            try:
-                tcp = sock.family in (socket.AF_INET, socket.AF_INET6)
-                if not tcp or sock.type != socket.SOCK_STREAM:
-                    continue  # a loader worker's pipe, a unix socket: not the group's
-                if sock.getpeername()[1] == keep_port:
-                    continue
-                sock.shutdown(socket.SHUT_RDWR)  # the connection itself, for every fd of it
-                shut += 1
-            except (OSError, IndexError, TypeError):  # not connected, not TCP: not gloo's
-                continue
-    return shut
+        tcp = sock.family in (socket.AF_INET, socket.AF_INET6) and sock.type == socket.SOCK_STREAM
+        if tcp:
+            yield sock  # a loader worker's pipe, a unix socket: never the groups'
+        else:
+            sock.close()
+
+
+def _listeners() -> set[tuple[str, int]]:
+    found = set()
+    for sock in _tcp_sockets():
+        with sock, contextlib.suppress(OSError):
+            if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                found.add(_endpoint(sock.getsockname()))
+    return found
+
+
+_ANY_HOST = ("0.0.0.0", "::")
+
+
+def _endpoint(address) -> tuple[str, int]:
+    """(host, port), an IPv4 address mapped into IPv6 written as IPv4: how the other end sees it."""
+    host = address[0].removeprefix("::ffff:")
+    return host, int(address[1])
 
 
 def refuse_unverified_nccl(device: torch.device, what: str) -> None:

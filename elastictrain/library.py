@@ -236,7 +236,7 @@ def _open(
     if groups.store is not None:
         if here.rank == 0:
             membership.publish(groups.store, groups.attempt.nonce, members)
-        membership.watch_epoch(groups.store, groups.attempt.nonce, env)
+        membership.watch_epoch(groups.store, groups.attempt.nonce, env, groups.connections)
     liveness.start()
     return Epoch(env, device, settings, members, groups, liveness, died_at)
 

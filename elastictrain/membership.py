@@ -360,10 +360,16 @@ def leave(carry: LiveState, store: dist.Store | None, env: DistEnv) -> None:
         carry.counted_in = True
 
 
-def watch_epoch(store: dist.Store, nonce: str, env: DistEnv) -> epoch_end.EpochWatch:
+def watch_epoch(
+    store: dist.Store,
+    nonce: str,
+    env: DistEnv,
+    connections: epoch_end.EpochConnections | None = None,
+) -> epoch_end.EpochWatch:
     """Every member, once its epoch's groups exist (``env``: torchrun's): the watch that fails
-    them when the epoch's end is announced (``epoch_end``; closed by ``dist.shutdown``)."""
-    return epoch_end.EpochWatch(store, nonce, _store_port(env)).start()
+    them when the epoch's end is announced (``epoch_end``; closed by ``dist.shutdown``).
+    ``connections``: the epoch's own (``dist.ProcessGroups.connections``), all it may shut."""
+    return epoch_end.EpochWatch(store, nonce, _store_port(env), connections).start()
 
 
 def _store_port(env: DistEnv) -> int:
@@ -377,4 +383,4 @@ def leave_collectives(env: DistEnv) -> int:
     a collective on a survivor (not on the dead rank: with more than two ranks, a ring or a tree
     passes through others) would otherwise wait for --collective-timeout, since the survivor's
     groups keep their sockets open until their last reference goes."""
-    return epoch_end.abort_collectives(_store_port(env))
+    return epoch_end.abort_collectives(_store_port(env), epoch_end.current_connections())

@@ -221,7 +221,9 @@ def _epoch(b: _Built, carry: LiveState | None, died_at: float | None) -> int:
             if groups.store is not None and cfg.replace_in_place:
                 if env.rank == 0:
                     membership.publish(groups.store, groups.attempt.nonce, members)
-                membership.watch_epoch(groups.store, groups.attempt.nonce, b.env)
+                membership.watch_epoch(
+                    groups.store, groups.attempt.nonce, b.env, groups.connections
+                )
             dropped = sorted(set(carry.members) - set(members)) if carry is not None else []
             epoch = membership.agree(
                 carry,

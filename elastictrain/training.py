@@ -59,6 +59,10 @@ def train(attempt: Attempt, live: Live | None = None) -> int:
     model = attempt.parallelism.wrap(
         state.model, attempt.device, attempt.task.model_devices, synced=live is not None
     )
+    connections = attempt.groups.connections
+    if cfg.replace_in_place and connections is not None:
+        # Every group of the epoch is built now (mesh, tiers): its end may shut each of them.
+        connections.learn(attempt.groups.control)
     data = attempt.data
     sample_log = SampleLog(
         # One ledger per data-parallel rank: a tensor-parallel group trains on one share.

@@ -201,6 +201,9 @@ class CheckpointManager:
         live = Live.of(carry, epoch) if epoch is not None and epoch.in_place else None
         resumed = self._session.resume(state, device, live)
         self.extra = resumed.extra
+        if epoch is not None and library.current().groups.connections is not None:
+            # Every group of the epoch is built now (this session's): its end may shut each.
+            library.current().groups.connections.learn(self._group)
         return resumed
 
     def run(

@@ -48,7 +48,7 @@ def abort() -> dict:
     torch.cuda.set_device(device)
     epoch_end.prepare_nccl()
     groups = _groups(env, device, in_place=False)
-    membership.watch_epoch(groups.store, groups.attempt.nonce, env)
+    membership.watch_epoch(groups.store, groups.attempt.nonce, env, groups.connections)
     t = torch.full((1024,), 3.0, device=device)
     dist.all_reduce(t)
     first_ok = bool((t == 3.0).all())

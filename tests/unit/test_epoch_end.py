@@ -7,11 +7,13 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 from datetime import timedelta
 
+import pytest
 import torch.distributed as dist
 
 from elastictrain import epoch_end
@@ -22,9 +24,10 @@ def _store() -> dist.TCPStore:
     return dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=30))
 
 
-def _probe(rank: int, port: int, nonce: str) -> subprocess.Popen:
+def _probe(rank: int, port: int, nonce: str, blocked: int) -> subprocess.Popen:
+    probe = ("tests.helpers.epoch_watch_probe", str(rank), str(port), nonce, str(blocked))
     return subprocess.Popen(
-        [sys.executable, "-m", "tests.helpers.epoch_watch_probe", str(rank), str(port), nonce],
+        [sys.executable, "-m", *probe],
         cwd=REPO_ROOT,
         stdout=subprocess.PIPE,
         text=True,
@@ -32,20 +35,20 @@ def _probe(rank: int, port: int, nonce: str) -> subprocess.Popen:
     )
 
 
-def _blocked_all_reduce_after_the_end_is_announced(wait_s: float = 20) -> dict:
+def _blocked_all_reduce_after_the_end_is_announced(blocked: int, wait_s: float = 20) -> dict:
     server = _store()
-    procs = [_probe(r, server.port, "n1") for r in (0, 1)]
+    procs = [_probe(r, server.port, "n1", blocked) for r in (0, 1)]
     try:
         for p in procs:
             assert p.stdout.readline().strip() == "ready"
-        time.sleep(1.0)  # rank 0 is inside its all-reduce, waiting on rank 1
-        epoch_end.announce(server, "n1", [1])  # what a dead peer's replacement does first
+        time.sleep(1.0)  # the blocked rank is inside its all-reduce, waiting on the other
+        epoch_end.announce(server, "n1", [1 - blocked])  # what a dead peer's replacement does first
         deadline = time.monotonic() + wait_s
-        while procs[0].poll() is None and time.monotonic() < deadline:
+        while procs[blocked].poll() is None and time.monotonic() < deadline:
             time.sleep(0.1)
-        if procs[0].poll() is None:
+        if procs[blocked].poll() is None:
             return {"raised": False, "blocked_for_s": wait_s}
-        return json.loads(procs[0].stdout.read().strip().splitlines()[-1])
+        return json.loads(procs[blocked].stdout.read().strip().splitlines()[-1])
     finally:
         for p in procs:
             if p.poll() is None:
@@ -53,19 +56,26 @@ def _blocked_all_reduce_after_the_end_is_announced(wait_s: float = 20) -> dict:
             p.wait()
 
 
-def test_a_collective_blocked_on_a_live_peer_fails_when_the_epochs_end_is_announced():
+@pytest.mark.parametrize("blocked", [0, 1])
+def test_a_collective_blocked_on_a_live_peer_fails_when_the_epochs_end_is_announced(blocked):
     """Without the watch the all-reduce stays blocked for the peer's 120 s (seen: with the
-    abort taken out of the watch, this fails)."""
-    got = _blocked_all_reduce_after_the_end_is_announced()
+    abort taken out of the watch, this fails). Only the epoch's connections are shut: a user's
+    (opened before the epoch, or while it trains) still carries bytes; every TCP connection of
+    the process was shut before (seen: both False). Which end of the pair dialed is gloo's
+    choice; the test below takes each side in turn."""
+    got = _blocked_all_reduce_after_the_end_is_announced(blocked)
     assert got["raised"], got
     assert got["after_s"] < 15, got  # 1 s after it began, on an idle host
     assert got["peer_loss"], got  # the survivor leaves with its state, as after a reset
-    assert got["silent"] == [1], got  # what the announcer found silent reaches every member
+    assert got["silent"] == [1 - blocked], got  # what the announcer found silent reaches all
+    assert got["own_connections_carry"] == [True, True], got
 
 
 def test_a_closed_watch_ignores_the_end_and_the_first_announcement_stands(monkeypatch):
     aborted = []
-    monkeypatch.setattr(epoch_end, "abort_collectives", lambda port: aborted.append(port) or 0)
+    monkeypatch.setattr(
+        epoch_end, "abort_collectives", lambda port, connections: aborted.append(port) or 0
+    )
     server = _store()
     closed = epoch_end.EpochWatch(server, "old", keep_port=server.port).start()
     closed.close()  # the epoch's groups are gone; the next epoch's must not be touched
@@ -103,3 +113,35 @@ def test_nccl_in_place_is_refused_unless_asked_for_and_then_keeps_nccls_watchdog
     assert callable(epoch_end.update_gate(cuda, twins=False))
     assert epoch_end.update_gate(torch.device("cpu"), twins=True) is dist.barrier
     assert epoch_end.update_gate(torch.device("cpu"), twins=False) is None
+
+
+def test_the_epochs_end_shuts_its_groups_connections_from_either_end_and_nothing_else():
+    """A connection is the epoch's when one end is a listener a member's groups opened: this
+    rank's own (it accepted the connection) or another member's (it dialed one). Each is shut
+    from this end; a user's connection, opened once training runs, is left alone, as is the
+    job's store. (Seen failing with the dialed rule taken out: the dial to a member stays open.)"""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    opened = []
+    try:
+        ledger = epoch_end.EpochConnections()
+        member = socket.create_server(("127.0.0.1", 0))  # a member's gloo listener: never
+        mine = socket.create_server(("127.0.0.1", 0))  # accepted here (its end is not ours)
+        ledger.learn(dist.group.WORLD)  # the groups are built: their listeners recorded
+        dialed = socket.create_connection(member.getsockname())
+        caller = socket.create_connection(mine.getsockname())
+        accepted, _ = mine.accept()
+        user = socket.create_server(("127.0.0.1", 0))  # a listener opened while training runs
+        user_client = socket.create_connection(user.getsockname())
+        user_accepted, _ = user.accept()
+        opened += [member, mine, dialed, caller, accepted, user, user_client, user_accepted]
+        shut = epoch_end.break_collectives(keep_port=-1, connections=ledger)
+        assert shut == 3  # the dial to a member's listener; both ends of the one to ours
+        for sock in (dialed, accepted):
+            sock.setblocking(False)
+            assert sock.recv(1) == b""  # shut: end of stream at once, nothing blocks
+        user_client.sendall(b"x")
+        assert user_accepted.recv(1) == b"x"
+    finally:
+        for sock in opened:
+            sock.close()
+        dist.destroy_process_group()
