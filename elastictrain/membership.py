@@ -62,6 +62,8 @@ class LiveState:
     silent: list[int] = field(default_factory=list)
     """The failed epoch's members (by torchrun rank) found silent (a frozen host): not waited
     for. Non-empty when the epoch ended by a silence, not by a death's reset."""
+    error: str = ""
+    """What this rank saw fail (its first line): named if every member turns out alive."""
 
 
 class PeerLost(Exception):
@@ -69,7 +71,14 @@ class PeerLost(Exception):
 
     def __init__(self, carry: LiveState, cause: BaseException) -> None:
         super().__init__(f"a peer's training process is gone at step {carry.step}: {cause}")
+        carry.error = carry.error or error_line(cause)
         self.carry = carry
+
+
+def error_line(error: BaseException) -> str:
+    """``error`` in one line, for last words and verdicts."""
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0][:300] if text else ''}"
 
 
 def is_peer_loss(error: BaseException) -> bool:
@@ -271,14 +280,15 @@ def agree(
         carry.failed_seen_at if carry else None,
         died_at,
         len(carry.members) if carry else 0,
+        carry.error if carry else "",
     )
     everyone = edist.all_gather_object(mine, group)
-    steps = [s for s, _, _, _, _ in everyone]
+    steps = [s for s, _, _, _, _, _ in everyone]
     newest = max(steps)
-    replaced = [r for r, (_, _, _, d, _) in enumerate(everyone) if d is not None]
-    deaths = [d for _, _, _, d, _ in everyone if d is not None]
-    seen = [t for _, _, t, _, _ in everyone if t is not None]
-    committed = [c for _, c, _, _, _ in everyone if c is not None]
+    replaced = [r for r, (_, _, _, d, _, _) in enumerate(everyone) if d is not None]
+    deaths = [d for _, _, _, d, _, _ in everyone if d is not None]
+    seen = [t for _, _, t, _, _, _ in everyone if t is not None]
+    committed = [c for _, c, _, _, _, _ in everyone if c is not None]
     # The earliest sign of the death: its supervisor's poll, or a survivor's failed collective.
     died = min(deaths + seen) if deaths or seen else None
     epoch = Epoch(
@@ -288,21 +298,39 @@ def agree(
         last_committed=max(committed) if committed else None,
         died_at=died,
         detected_s=max(seen) - died if seen and died is not None else None,
-        previous_world_size=max(w for _, _, _, _, w in everyone) or None,
+        previous_world_size=max(w for _, _, _, _, w, _ in everyone) or None,
     )
     members = members if members is not None else list(range(len(everyone)))
     lost = sorted({members[r] for r in replaced} | set(dropped)) if newest >= 0 else []
-    _refuse_recurring(lost, newest, group=group, store=store, rank=rank)
+    # Every member back with its state: no peer was lost, whatever the error said (any DistError
+    # reads as a loss). Once at a step it may be a transient reset; again there, it is not.
+    errors = [e for _, _, _, _, _, e in everyone if e]
+    unexplained = errors[0] if newest >= 0 and not lost and errors else None
+    _refuse_recurring(lost, newest, group=group, store=store, rank=rank, unexplained=unexplained)
     return epoch
 
 
 def _refuse_recurring(
-    lost: list[int], step: int, *, group: dist.ProcessGroup, store: dist.Store | None, rank: int
+    lost: list[int],
+    step: int,
+    *,
+    group: dist.ProcessGroup,
+    store: dist.Store | None,
+    rank: int,
+    unexplained: str | None = None,
 ) -> None:
+    """``unexplained``: the error that ended an epoch none of whose members was lost."""
     verdict = ""
     if rank == 0 and store is not None:
         if store.check([RECURRING_KEY]):
             verdict = store.get(RECURRING_KEY).decode()
+        if unexplained is not None and store.add(f"elastictrain/no-loss/step-{step}", 1) > 1:
+            verdict = (
+                f"a collective failed twice at step {step} with every member alive and back, so "
+                f"it is no peer's loss: {unexplained}. Regrouping would only repeat it; fix its "
+                "cause and relaunch"
+            )
+            store.set(RECURRING_KEY, verdict)
         for r in lost:
             if store.add(f"elastictrain/lost/rank-{r}/step-{step}", 1) > 1:
                 verdict = (

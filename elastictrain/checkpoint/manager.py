@@ -268,7 +268,9 @@ class CheckpointManager:
 
     def _recover(self, error: Exception, state: TrainState, step: int) -> int:
         """A peer's process died during ``step``: the next epoch, resumed in place; its step."""
-        carry = LiveState(step, tstate.capture(state, step=step), self.last_committed, time.time())
+        captured = tstate.capture(state, step=step)
+        carry = LiveState(step, captured, self.last_committed, time.time())
+        carry.error = membership.error_line(error)
         logger.warning("a peer's training process is gone at step %d (%s); regrouping", step, error)
         library.leave(carry)
         self._session.abandon()

@@ -153,3 +153,35 @@ def test_a_death_that_recurs_is_refused_and_the_verdict_stops_the_next_attempt_a
         membership._refuse_recurring([1], 30, group=None, store=_client(server), rank=0)
     with pytest.raises(RecurringFailureError, match="died twice at step 30"):
         membership._refuse_recurring([], 0, group=None, store=_client(server), rank=0)
+
+
+def test_an_error_with_every_member_back_is_refused_when_it_recurs_at_its_step():
+    """Any DistError reads as a peer's loss, and an epoch whose members all come back replaced
+    nobody, so the recurring-death check never counted it: a failure that is no peer's loss
+    regrouped forever (the runner's epoch loop is ``while True``). Once at a step it may be a
+    transient reset; a second time there it is refused, naming the error, and the verdict stops
+    a restart too. (Seen failing before: the third agreement regrouped again.)"""
+    from elastictrain.errors import RecurringFailureError
+
+    server = _store()
+    members = [0, 1, 2]
+
+    def survivor(step: int, error: str) -> LiveState:
+        carry = LiveState(step, {}, None, time.time(), nonce="n", members=members)
+        carry.error = error
+        return carry
+
+    agree_args = {"group": None, "store": _client(server), "rank": 0, "members": [0]}
+    bug = "DistBackendError: a bug in a custom collective"
+    membership.agree(survivor(30, bug), None, **agree_args)  # once: maybe a transient reset
+    membership.agree(survivor(31, bug), None, **agree_args)  # another step: counted apart
+    with pytest.raises(RecurringFailureError, match=r"failed twice at step 30.*a bug in a custom"):
+        membership.agree(survivor(30, bug), None, **agree_args)
+    with pytest.raises(RecurringFailureError, match="failed twice at step 30"):  # the restart
+        membership.agree(None, None, **agree_args)
+    # An epoch that did lose a member is the recurring-death check's (one rank twice), never
+    # this one's: two different ranks lost at one step are two deaths, and go on.
+    other_job = _store()
+    agree_args["store"] = _client(other_job)
+    for lost in (2, 1):
+        membership.agree(survivor(30, bug), None, **agree_args, dropped=[lost])
