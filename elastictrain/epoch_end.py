@@ -101,7 +101,14 @@ class EpochWatch:
                 return
             silent = json.loads(store.get(ended_key(self.nonce)))
         except Exception as e:  # the store is gone: liveness names it and ends the rank
-            logger.debug("epoch watch ended: %s", e)
+            if not self._closed:  # after close() the store may go with the epoch: nothing to say
+                logger.warning(
+                    "the watch of membership epoch %s stopped (%s: %s): its end is no longer "
+                    "heard here, only through liveness",
+                    self.nonce,
+                    type(e).__name__,
+                    e,
+                )
             return
         with self._lock:
             if self._closed:

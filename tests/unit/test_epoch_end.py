@@ -145,3 +145,20 @@ def test_the_epochs_end_shuts_its_groups_connections_from_either_end_and_nothing
         for sock in opened:
             sock.close()
         dist.destroy_process_group()
+
+
+def test_a_watch_that_fails_says_so_at_warning(caplog):
+    """The watch caught every error and logged it at DEBUG: an epoch whose end could no longer be
+    heard said nothing. (Seen failing before: no record at WARNING.)"""
+
+    class Unreachable:
+        def clone(self):
+            raise ConnectionRefusedError("the job's store is gone")
+
+    with caplog.at_level("WARNING", logger="elastictrain.epoch_end"):
+        watch = epoch_end.EpochWatch(Unreachable(), "n9", keep_port=1).start()
+        watch._thread.join(5)
+    said = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert said and "n9 stopped (ConnectionRefusedError" in said[0].getMessage()
+    assert not watch.ended
+    watch.close()
