@@ -26,8 +26,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from elastictrain import agreement, epoch_end, membership, supervisor
 from elastictrain import dist as edist
-from elastictrain import epoch_end, membership, supervisor
 from elastictrain.env import DistEnv, read_env
 from elastictrain.errors import EXIT_INIT_TIMEOUT
 from elastictrain.liveness import Liveness
@@ -249,11 +249,11 @@ def _warm() -> None:
     torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
 
 
-def agree(carry: LiveState | None, group: dist.ProcessGroup) -> membership.Epoch:
-    """Every rank of the epoch, as its session resumes: how it began (``membership.agree``)."""
+def agree(carry: LiveState | None, group: dist.ProcessGroup) -> agreement.Epoch:
+    """Every rank of the epoch, as its session resumes: how it began (``agreement.agree``)."""
     epoch = _epoch
     dropped = sorted(set(carry.members) - set(epoch.members)) if carry is not None else []
-    return membership.agree(
+    return agreement.agree(
         carry,
         epoch.died_at,
         group=group,

@@ -18,8 +18,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from elastictrain import agreement, epoch_end, membership, mesh, streams, supervisor, training
 from elastictrain import dist as edist
-from elastictrain import epoch_end, membership, mesh, streams, supervisor, training
 from elastictrain.attempt import Attempt
 from elastictrain.checkpoint.resume.live import Live
 from elastictrain.checkpoint.session import CheckpointSession, install_stop_signals
@@ -225,7 +225,7 @@ def _epoch(b: _Built, carry: LiveState | None, died_at: float | None) -> int:
                     groups.store, groups.attempt.nonce, b.env, groups.connections
                 )
             dropped = sorted(set(carry.members) - set(members)) if carry is not None else []
-            epoch = membership.agree(
+            epoch = agreement.agree(
                 carry,
                 died_at,
                 group=groups.control,

@@ -42,6 +42,11 @@ def main() -> None:
     p.add_argument("--event-log", default=None)
     p.add_argument("--hang-timeout", type=float, default=600.0, help="seconds without a step")
     p.add_argument("--replace-in-place", action="store_true", help="survivors keep training")
+    p.add_argument(
+        "--run-loop",
+        action="store_true",
+        help="train with CheckpointManager.run (what --replace-in-place uses), not the for loop",
+    )
     p.add_argument("--replace-wait", type=float, default=0.5, help="seconds for a replacement")
     args = p.parse_args()
 
@@ -96,7 +101,7 @@ def train(args: argparse.Namespace, distributed: bool) -> None:
             return {"loss": loss.item()}
 
         wrap = DDP if distributed else (lambda m: m)
-        if args.replace_in_place:  # a peer's death is recovered inside run()
+        if args.replace_in_place or args.run_loop:  # in place, a death is recovered in run()
             extra = ckpt.run(
                 train_step, model, optimizer, scheduler, start=start, stop=args.steps, wrap=wrap
             )

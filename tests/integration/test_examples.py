@@ -245,17 +245,19 @@ def test_library_mode_in_place_at_four_ranks_ends_bitwise_equal(launch, tmp_path
     order is the ranks', not the nodes'.)"""
     script = (os.path.join(REPO_ROOT, "examples", "custom_loop.py"),)
 
-    def args(name: str) -> list[str]:
+    def args(name: str, *loop_args: str) -> list[str]:
         loop = custom_loop_args(str(tmp_path / name), str(tmp_path / f"{name}.jsonl"))
-        # Time to kill twice; a replacement is waited for as long as this loaded machine needs
-        # (the default --replace-wait would drop a late one).
-        in_place = ["--replace-in-place", "--replace-wait", "10"]
-        return [*loop, "--steps", "300", "--step-time", "0.04", *in_place]
+        return [*loop, "--steps", "300", "--step-time", "0.04", *loop_args]
 
     run_dir, ev = str(tmp_path / "run"), str(tmp_path / "run.jsonl")
-    ref = launch(args("ref"), entry=script, nproc=4, name="ref")
     committed = committed_files(run_dir)  # in-place epochs: library mode keeps write-once too
-    job = launch(args("run"), entry=script, nproc=4, max_restarts=0, name="in-place")
+    # Time to kill twice; a replacement is waited for as long as this loaded machine needs (the
+    # default --replace-wait would drop a late one).
+    in_place = ("--replace-in-place", "--replace-wait", "10")
+    job = launch(args("run", *in_place), entry=script, nproc=4, max_restarts=0, name="in-place")
+    wait_for_count(ev, Event.RESUME, 1, 150, job)  # 8 processes starting: the ref after them
+    # The same loop (CheckpointManager.run, primed) without spares: nothing of it is in place.
+    ref = launch(args("ref", "--run-loop"), entry=script, nproc=4, name="ref")
     _kill_twice(job, ev)
     assert ref.wait(180) == 0, ref.log()[-3000:]
     _assert_replaced_in_place(job, ev, run_dir, final_state(str(tmp_path / "ref")))

@@ -22,7 +22,8 @@ from elastictrain.checkpoint.state import train_state as tstate
 from elastictrain.errors import LiveStateCorruptError
 
 if TYPE_CHECKING:
-    from elastictrain.membership import Epoch, LiveState
+    from elastictrain.agreement import Epoch
+    from elastictrain.membership import LiveState
 
 
 @dataclass(frozen=True)
@@ -44,7 +45,7 @@ class Live:
 
     @classmethod
     def of(cls, carry: LiveState | None, epoch: Epoch) -> Live:
-        """An in-place epoch's source, as every rank agreed it (``membership.agree``)."""
+        """An in-place epoch's source, as every rank agreed it (``agreement.agree``)."""
         return cls(
             carry.captured if carry is not None else None,
             carry.step if carry is not None else -1,
