@@ -68,8 +68,7 @@ class EpochWatch:
         connections: EpochConnections | None = None,
     ) -> None:
         """``store``: the job's store (cloned: the wait blocks its connection); ``keep_port``: its
-        port, whose connections are not shut; ``connections``: the epoch's own (None: every TCP
-        connection but the store's, for a caller that built its groups without a ledger)."""
+        port, whose connections are not shut; ``connections``: the epoch's own, all it shuts."""
         self.nonce, self.keep_port = nonce, keep_port
         self.connections = connections
         self.ended = False
@@ -149,16 +148,11 @@ def heard_silent() -> list[int]:
     return list(_current.silent) if _current is not None else []
 
 
-def current_connections() -> EpochConnections | None:
-    """The ledger of the epoch being watched, if any."""
-    return _current.connections if _current is not None else None
-
-
 def abort_collectives(keep_port: int, connections: EpochConnections | None = None) -> int:
     """Fail every collective of this process's epoch: NCCL's communicators aborted (all of them,
     inside one NCCL group), then the epoch's own TCP connections shut (gloo's, the CPU control
-    group's on GPU jobs too: ``connections``, or, without a ledger, every one but the job
-    store's, ``keep_port``). The number of connections shut.
+    group's on GPU jobs too: ``connections``, none without them; never the job store's,
+    ``keep_port``). The number of connections shut.
 
     After an abort no group is left to destroy (``dist.shutdown`` skips it): a communicator
     aborted once is never destroyed too (pytorch#194679). An abort that hangs inside NCCL
@@ -171,8 +165,8 @@ def abort_collectives(keep_port: int, connections: EpochConnections | None = Non
 
 
 def break_collectives(keep_port: int, connections: EpochConnections | None = None) -> int:
-    """Shut down the epoch's TCP connections (``connections``; without a ledger, every one of
-    this process), never those to the job's store (port ``keep_port``); the number shut.
+    """Shut down the epoch's TCP connections (``connections``: none without them), never those
+    to the job's store (port ``keep_port``); the number shut.
 
     Why: a frozen peer (SIGSTOP, a wedged host) keeps its sockets open, so a gloo collective
     waiting on it blocks until --collective-timeout, and gloo cannot abort one. Shutting the
@@ -182,14 +176,15 @@ def break_collectives(keep_port: int, connections: EpochConnections | None = Non
     through it.
     """
     shut = 0
-    ours = connections.owns if connections is not None else (lambda local, peer: True)
+    if connections is None:  # groups not built here (a diagnostic init): nothing is known ours
+        return shut
     for sock in _tcp_sockets():
         with sock:
             try:
                 if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
                     continue  # a listener: no collective waits on it
                 local, peer = _endpoint(sock.getsockname()), _endpoint(sock.getpeername())
-                if keep_port in (peer[1], local[1]) or not ours(local, peer):
+                if keep_port in (peer[1], local[1]) or not connections.owns(local, peer):
                     continue
                 sock.shutdown(socket.SHUT_RDWR)  # the connection itself, for every fd of it
                 shut += 1

@@ -176,7 +176,7 @@ def leave(carry: LiveState) -> None:
     failed = _epoch
     carry.nonce, carry.members = failed.groups.attempt.nonce, failed.members
     carry.silent = membership.silent_members(failed.liveness, failed.members)
-    membership.leave(carry, failed.groups.store, failed.env)
+    membership.leave(carry, failed.groups.store, failed.env, failed.groups.connections)
 
 
 def regroup(carry: LiveState) -> Epoch:
@@ -216,12 +216,13 @@ def _open(
         )
         sys.exit(EXIT_INIT_TIMEOUT)
     here = dataclasses.replace(env, rank=members.index(env.rank), world_size=len(members))
+    connections = None  # the epoch's, once its groups exist: all its silence may shut
     liveness = Liveness(
         here.rank,
         here.world_size,
         interval_s=_BEAT_S,
         silent_s=settings.silent_timeout,
-        on_silent=lambda reason: membership.drop_silent(liveness, reason, env),
+        on_silent=lambda reason: membership.drop_silent(liveness, reason, env, connections),
     )
     groups = edist.init_process_groups(
         here,
@@ -233,6 +234,7 @@ def _open(
         timeout_flag="replace_timeout" if in_place else "init_timeout",
         store_up=in_place,
     )
+    connections = groups.connections
     if groups.store is not None:
         if here.rank == 0:
             membership.publish(groups.store, groups.attempt.nonce, members)

@@ -186,7 +186,9 @@ class Liveness:
         while not self._stop.wait(self.interval_s):
             reason = self.round()
             if reason is not None:
-                self._on_silent(reason)
+                # A round may take seconds; an epoch ended meanwhile (stop) is not this one's to end.
+                if not self._stop.is_set():
+                    self._on_silent(reason)
                 return
 
     def _exchange(self) -> list[str]:

@@ -219,16 +219,20 @@ def _get_json(store: dist.Store, key: str, me: int, timeout_s: float) -> list[in
         store.set_timeout(original)
 
 
-def drop_silent(liveness, reason: str, env: DistEnv) -> None:
+def drop_silent(
+    liveness, reason: str, env: DistEnv, connections: epoch_end.EpochConnections | None
+) -> None:
     """A peer silent past --silent-timeout (a frozen host), in place: fail this epoch's
     collectives now (:func:`leave_collectives`), so the survivors regroup without it, instead of
     exiting 8 for a restart. A silent store is still an exit: nothing can be agreed without it.
-    ``liveness``: the epoch's :class:`~elastictrain.liveness.Liveness`."""
+    ``liveness``: the epoch's :class:`~elastictrain.liveness.Liveness`; ``connections``: the
+    epoch's own (None before its groups exist): a silence heard late, once the next epoch's
+    groups are built, shuts nothing of theirs."""
     if liveness.store_lost:
         liveness.exit_silent(reason)
         return
     liveness.peer_silent = True
-    shut = leave_collectives(env)
+    shut = leave_collectives(env, connections)
     logger.error(
         "PEER SILENT: %s (--silent-timeout=%gs); this epoch's %d connections shut so the others "
         "go on without it",
@@ -249,14 +253,19 @@ def silent_members(liveness, members: list[int]) -> list[int]:
     return sorted(found | heard)
 
 
-def leave(carry: LiveState, store: dist.Store | None, env: DistEnv) -> None:
+def leave(
+    carry: LiveState,
+    store: dist.Store | None,
+    env: DistEnv,
+    connections: epoch_end.EpochConnections | None,
+) -> None:
     """A survivor, the moment it sees a peer's death (``carry`` names the failed epoch): fail
     every collective blocked on this rank (:func:`leave_collectives`), then count itself back
     for the next epoch in the job's ``store``. Counted here, before this process tears the epoch
     down (its groups, its liveness thread, its session: seconds on a loaded host), since the
     others wait only ``--replace-wait`` for whoever is not back: a survivor late for that would
-    be dropped with the dead rank's node."""
-    leave_collectives(env)
+    be dropped with the dead rank's node. ``connections``: the failed epoch's."""
+    leave_collectives(env, connections)
     if store is not None:
         _count_in(store, carry.nonce, env.rank, carry.silent)
         carry.counted_in = True
@@ -279,10 +288,10 @@ def _store_port(env: DistEnv) -> int:
     return store.port if store else env.master_port
 
 
-def leave_collectives(env: DistEnv) -> int:
-    """Fail every collective of this process's epoch (``epoch_end.abort_collectives``); the
-    number of connections shut. Called by every survivor as it leaves the epoch: a rank blocked in
+def leave_collectives(env: DistEnv, connections: epoch_end.EpochConnections | None) -> int:
+    """Fail every collective of the epoch whose ``connections`` these are
+    (``epoch_end.abort_collectives``); the number of connections shut. Called by every survivor as it leaves the epoch: a rank blocked in
     a collective on a survivor (not on the dead rank: with more than two ranks, a ring or a tree
     passes through others) would otherwise wait for --collective-timeout, since the survivor's
     groups keep their sockets open until their last reference goes."""
-    return epoch_end.abort_collectives(_store_port(env), epoch_end.current_connections())
+    return epoch_end.abort_collectives(_store_port(env), connections)

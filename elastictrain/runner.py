@@ -171,7 +171,9 @@ def _epoch(b: _Built, carry: LiveState | None, died_at: float | None) -> int:
         b.sampler.share(0, data.rank, data.size)  # the global batch over the new world size
     check_micro_steps(task.batch_size, data.size, cfg.grad_accum_steps)
     # Beats carry the watchdog's step and phase; the watchdog asks liveness whether a peer in a
-    # gate excuses a slow step.
+    # gate excuses a slow step. Its silence shuts this epoch's connections (once its groups
+    # exist), never a later epoch's: the closure reads them when it is called.
+    connections = None
     liveness = Liveness(
         env.rank,
         env.world_size,
@@ -180,7 +182,7 @@ def _epoch(b: _Built, carry: LiveState | None, died_at: float | None) -> int:
         step=lambda: watchdog.step,
         phase=lambda: watchdog.phase_name,
         last_words=b.last_words,
-        on_silent=(lambda reason: membership.drop_silent(liveness, reason, b.env))
+        on_silent=(lambda reason: membership.drop_silent(liveness, reason, b.env, connections))
         if cfg.replace_in_place
         else None,
     )
@@ -199,6 +201,7 @@ def _epoch(b: _Built, carry: LiveState | None, died_at: float | None) -> int:
                 timeout_flag="--replace-timeout" if in_place else "--init-timeout",
                 store_up=in_place,
             )
+            connections = groups.connections
             attached = (
                 (lambda: os.getppid() == b.agent_pid)
                 if env.launched_by_torchrun
@@ -262,7 +265,7 @@ def _epoch(b: _Built, carry: LiveState | None, died_at: float | None) -> int:
         except PeerLost as lost:
             lost.carry.nonce, lost.carry.members = groups.attempt.nonce, members
             lost.carry.silent = membership.silent_members(liveness, members)
-            membership.leave(lost.carry, groups.store, b.env)
+            membership.leave(lost.carry, groups.store, b.env, groups.connections)
             session.abandon()
             peer_lost = True
             raise

@@ -162,3 +162,38 @@ def test_a_watch_that_fails_says_so_at_warning(caplog):
     assert said and "n9 stopped (ConnectionRefusedError" in said[0].getMessage()
     assert not watch.ended
     watch.close()
+
+
+def test_a_silence_heard_late_shuts_its_own_epochs_connections_never_the_next_ones(monkeypatch):
+    """A survivor's liveness thread of the failed epoch may find the silence after the next epoch
+    has built its groups (seen in a fresh-clone CI run: the next epoch's agreement failed, and
+    torchrun restarted the group). The silence shuts the connections of the epoch it watched:
+    each epoch's liveness is bound to that epoch's ledger, not to whichever epoch is current."""
+    from types import SimpleNamespace
+
+    from elastictrain import membership
+
+    monkeypatch.setattr(membership, "_store_port", lambda env: -1)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    opened = []
+    try:
+        failed = epoch_end.EpochConnections()
+        failed_listener = socket.create_server(("127.0.0.1", 0))
+        failed.learn(dist.group.WORLD)
+        following = epoch_end.EpochConnections()
+        following_listener = socket.create_server(("127.0.0.1", 0))
+        following.learn(dist.group.WORLD)
+        to_failed = socket.create_connection(failed_listener.getsockname())
+        to_following = socket.create_connection(following_listener.getsockname())
+        accepted, _ = following_listener.accept()
+        opened += [failed_listener, following_listener, to_failed, to_following, accepted]
+        liveness = SimpleNamespace(store_lost=False, peer_silent=False, silent_s=4.0)
+        membership.drop_silent(liveness, "no heartbeat from rank 2", None, failed)
+        to_failed.setblocking(False)
+        assert to_failed.recv(1) == b"" and liveness.peer_silent
+        to_following.sendall(b"x")
+        assert accepted.recv(1) == b"x"
+    finally:
+        for sock in opened:
+            sock.close()
+        dist.destroy_process_group()

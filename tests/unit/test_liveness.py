@@ -185,3 +185,22 @@ def test_a_peer_inside_a_gate_excuses_a_slow_step_on_every_rank():
     phases[2] = "training"
     _beat(ranks, clock, 6)
     assert [r.excuse() for r in ranks] == [None, None, None]
+
+
+def test_a_silence_found_after_its_epoch_ended_calls_nobody():
+    """A round can take seconds (a store request). If the rank's epoch ended meanwhile (a peer's
+    death, heard from the watch), the next epoch may be forming: the old epoch's verdict must not
+    end it. Seen in a fresh-clone CI run: a survivor's old liveness thread shut the new epoch's
+    connections during its agreement, and torchrun restarted the group."""
+    called = []
+    rank = Liveness(1, 2, interval_s=0.05, silent_s=0.2, on_silent=called.append)
+
+    def a_slow_round_the_epoch_ends_during():
+        rank.stop(wait=False)
+        return "no heartbeat from rank 0"
+
+    rank.round = a_slow_round_the_epoch_ends_during
+    rank.announce(dist.HashStore())
+    rank.start()
+    time.sleep(0.3)
+    assert called == []

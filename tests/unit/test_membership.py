@@ -96,14 +96,14 @@ def test_a_survivor_counted_back_as_it_leaves_is_not_counted_again(monkeypatch):
     teardown; their regroup must not count them a second time, or the count is full before the
     dead rank's replacement is back, which is then dropped with its node."""
     shut = []
-    monkeypatch.setattr(membership, "leave_collectives", lambda env: shut.append(env))
+    monkeypatch.setattr(membership, "leave_collectives", lambda env, connections: shut.append(env))
     server = _store()
     server.set(ATTEMPT_KEY, "n3")
     publish(server, "n3", [0, 1, 2])
     results: dict = {}
     for r in (0, 2):  # survivors; rank 1 died
         carry = LiveState(5, {}, None, time.time(), nonce="n3", members=[0, 1, 2])
-        membership.leave(carry, _client(server), SimpleNamespace(rank=r))
+        membership.leave(carry, _client(server), SimpleNamespace(rank=r), connections=None)
         assert carry.counted_in
 
     def survivor(r):
