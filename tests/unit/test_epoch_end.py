@@ -4,6 +4,7 @@ survivor of a death); and never touches the next epoch's."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -115,36 +116,56 @@ def test_nccl_in_place_is_refused_unless_asked_for_and_then_keeps_nccls_watchdog
     assert epoch_end.update_gate(torch.device("cpu"), twins=False) is None
 
 
-def test_the_epochs_end_shuts_its_groups_connections_from_either_end_and_nothing_else():
+@pytest.fixture
+def tcp():
+    """Open TCP sockets on loopback (``tcp.listen()``, ``tcp.connect(listener)``,
+    ``tcp.accept(listener)``), every one closed at teardown."""
+    with contextlib.ExitStack() as opened:
+
+        class Tcp:
+            def listen(self) -> socket.socket:
+                return opened.enter_context(socket.create_server(("127.0.0.1", 0)))
+
+            def connect(self, listener: socket.socket) -> socket.socket:
+                return opened.enter_context(socket.create_connection(listener.getsockname()))
+
+            def accept(self, listener: socket.socket) -> socket.socket:
+                return opened.enter_context(listener.accept()[0])
+
+        yield Tcp()
+
+
+def _shut(sock: socket.socket) -> bool:
+    """Shut from this end: end of stream at once, nothing blocks."""
+    sock.setblocking(False)
+    return sock.recv(1) == b""
+
+
+def _carries(sender: socket.socket, receiver: socket.socket) -> bool:
+    sender.sendall(b"x")
+    return receiver.recv(1) == b"x"
+
+
+def test_the_epochs_end_shuts_its_groups_connections_from_either_end_and_nothing_else(
+    gloo_world, tcp
+):
     """A connection is the epoch's when one end is a listener a member's groups opened: this
     rank's own (it accepted the connection) or another member's (it dialed one). Each is shut
     from this end; a user's connection, opened once training runs, is left alone, as is the
     job's store. (Seen failing with the dialed rule taken out: the dial to a member stays open.)"""
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    opened = []
-    try:
-        ledger = epoch_end.EpochConnections()
-        member = socket.create_server(("127.0.0.1", 0))  # a member's gloo listener: never
-        mine = socket.create_server(("127.0.0.1", 0))  # accepted here (its end is not ours)
-        ledger.learn(dist.group.WORLD)  # the groups are built: their listeners recorded
-        dialed = socket.create_connection(member.getsockname())
-        caller = socket.create_connection(mine.getsockname())
-        accepted, _ = mine.accept()
-        user = socket.create_server(("127.0.0.1", 0))  # a listener opened while training runs
-        user_client = socket.create_connection(user.getsockname())
-        user_accepted, _ = user.accept()
-        opened += [member, mine, dialed, caller, accepted, user, user_client, user_accepted]
-        shut = epoch_end.break_collectives(keep_port=-1, connections=ledger)
-        assert shut == 3  # the dial to a member's listener; both ends of the one to ours
-        for sock in (dialed, accepted):
-            sock.setblocking(False)
-            assert sock.recv(1) == b""  # shut: end of stream at once, nothing blocks
-        user_client.sendall(b"x")
-        assert user_accepted.recv(1) == b"x"
-    finally:
-        for sock in opened:
-            sock.close()
-        dist.destroy_process_group()
+    ledger = epoch_end.EpochConnections()
+    member = tcp.listen()  # a member's gloo listener: never accepted here (its end is not ours)
+    mine = tcp.listen()
+    ledger.learn(gloo_world)  # the groups are built: their listeners recorded
+    dialed, caller = tcp.connect(member), tcp.connect(mine)
+    accepted = tcp.accept(mine)
+    user = tcp.listen()  # a listener opened while training runs
+    user_client = tcp.connect(user)
+    user_accepted = tcp.accept(user)
+    shut = epoch_end.break_collectives(keep_port=-1, connections=ledger)
+    assert shut == 3  # the dial to a member's listener; both ends of the one to ours
+    assert _shut(dialed) and _shut(accepted) and _shut(caller)
+    assert _carries(user_client, user_accepted)
 
 
 def test_a_watch_that_fails_says_so_at_warning(caplog):
@@ -164,7 +185,9 @@ def test_a_watch_that_fails_says_so_at_warning(caplog):
     watch.close()
 
 
-def test_a_silence_heard_late_shuts_its_own_epochs_connections_never_the_next_ones(monkeypatch):
+def test_a_silence_heard_late_shuts_its_own_epochs_connections_never_the_next_ones(
+    monkeypatch, gloo_world, tcp
+):
     """A survivor's liveness thread of the failed epoch may find the silence after the next epoch
     has built its groups (seen in a fresh-clone CI run: the next epoch's agreement failed, and
     torchrun restarted the group). The silence shuts the connections of the epoch it watched:
@@ -174,26 +197,15 @@ def test_a_silence_heard_late_shuts_its_own_epochs_connections_never_the_next_on
     from elastictrain import membership
 
     monkeypatch.setattr(membership, "_store_port", lambda env: -1)
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    opened = []
-    try:
-        failed = epoch_end.EpochConnections()
-        failed_listener = socket.create_server(("127.0.0.1", 0))
-        failed.learn(dist.group.WORLD)
-        following = epoch_end.EpochConnections()
-        following_listener = socket.create_server(("127.0.0.1", 0))
-        following.learn(dist.group.WORLD)
-        to_failed = socket.create_connection(failed_listener.getsockname())
-        to_following = socket.create_connection(following_listener.getsockname())
-        accepted, _ = following_listener.accept()
-        opened += [failed_listener, following_listener, to_failed, to_following, accepted]
-        liveness = SimpleNamespace(store_lost=False, peer_silent=False, silent_s=4.0)
-        membership.drop_silent(liveness, "no heartbeat from rank 2", None, failed)
-        to_failed.setblocking(False)
-        assert to_failed.recv(1) == b"" and liveness.peer_silent
-        to_following.sendall(b"x")
-        assert accepted.recv(1) == b"x"
-    finally:
-        for sock in opened:
-            sock.close()
-        dist.destroy_process_group()
+    failed = epoch_end.EpochConnections()
+    failed_listener = tcp.listen()
+    failed.learn(gloo_world)
+    following = epoch_end.EpochConnections()
+    following_listener = tcp.listen()
+    following.learn(gloo_world)
+    to_failed, to_following = tcp.connect(failed_listener), tcp.connect(following_listener)
+    accepted = tcp.accept(following_listener)
+    liveness = SimpleNamespace(store_lost=False, peer_silent=False, silent_s=4.0)
+    membership.drop_silent(liveness, "no heartbeat from rank 2", None, failed)
+    assert _shut(to_failed) and liveness.peer_silent
+    assert _carries(to_following, accepted)
