@@ -15,14 +15,13 @@ from elastictrain import lazy
 from elastictrain.version import __version__
 
 if TYPE_CHECKING:
-    from elastictrain.checkpoint.manager import CheckpointManager
     from elastictrain.checkpoint.readers.load import load_checkpoint
     from elastictrain.errors import Preempted
-    from elastictrain.library import init_distributed
+    from elastictrain.library import CheckpointManager, init_distributed
     from elastictrain.task import Task, eval_shard
 
 _LAZY = {
-    "CheckpointManager": "elastictrain.checkpoint.manager",
+    "CheckpointManager": "elastictrain.library",
     "Preempted": "elastictrain.errors",
     "Task": "elastictrain.task",
     "eval_shard": "elastictrain.task",

@@ -28,8 +28,8 @@ def main(argv: list[str] | None = None, early_signals: StopSignals | None = None
         except (ElasticTrainError, storage.StorageError) as e:
             print(f"error: {e}", file=sys.stderr)
             return EXIT_USER_ERROR
-    from elastictrain import supervisor
     from elastictrain.flags import parse_args
+    from elastictrain.inplace import supervisor
 
     try:
         cfg = parse_args(argv)

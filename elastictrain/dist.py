@@ -26,7 +26,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from elastictrain import epoch_end, knobs
+from elastictrain import knobs
+from elastictrain.connections import EpochConnections
 from elastictrain.env import DistEnv
 from elastictrain.errors import EXIT_INIT_TIMEOUT
 from elastictrain.handshake import Attempt, handshake
@@ -83,8 +84,8 @@ class ProcessGroups:
     """gloo group with --checkpoint-timeout for resume/save gates (CPU tensors even on GPU jobs)."""
     store: dist.Store | None = None
     """The job's store (torchrun's), unprefixed: what outlives an attempt (``membership``)."""
-    connections: epoch_end.EpochConnections | None = None
-    """Which TCP connections are this epoch's (``epoch_end``): all that its end may shut."""
+    connections: EpochConnections | None = None
+    """Which TCP connections are this epoch's (``connections``): all that its end may shut."""
 
 
 def init_process_groups(
@@ -125,7 +126,7 @@ def init_process_groups(
         silent_s = liveness.silent_s if liveness.enabled else 0.0
         job_store = connect(env, timeout_s=init_timeout, silent_s=silent_s, store_up=store_up)
         # After the store (whose listener, on rank 0 without an agent, is not the epoch's).
-        connections = epoch_end.EpochConnections()
+        connections = EpochConnections()
         liveness.watch_store(job_store)
         base = job_store.store
         # 90% of the budget, so a missing rank is reported by name before the hard bound fires.
@@ -239,6 +240,5 @@ def all_gather_object(obj: Any, group: dist.ProcessGroup | None) -> list[Any]:
 
 def shutdown() -> None:
     """Tear down this process's groups (after an NCCL abort there are none left to destroy)."""
-    epoch_end.close_current()  # an epoch's end heard from now on must not touch the next one's
     if dist.is_initialized():
         dist.destroy_process_group()

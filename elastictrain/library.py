@@ -1,76 +1,50 @@
-"""Library mode's process groups: :func:`init_distributed`, the runner's restart-safe handshake for
-a loop the user writes; and in place (``init_distributed(replace_in_place=True)`` and
-:meth:`CheckpointManager.run`), the survivors of a peer's death keep training, as under the
-runner's ``--replace-in-place``, with the same pieces (``supervisor``, ``membership``, the live
-resume).
+"""Library mode: your own loop, with the runner's process groups and checkpoints.
 
-- ``init_distributed`` turns the process torchrun started into the rank's supervisor: it runs the
-  same command line again as the training process and as a spare. The spare runs the script up to
-  its ``init_distributed`` call (every import at its top, and torch's first optimizer) and waits
-  there; told to go, it joins the survivors' next membership epoch and returns, and the script
-  goes on as a replacement: its :meth:`CheckpointManager.resume` takes the state from a survivor.
-- A survivor's :meth:`CheckpointManager.run` sees the death as an error from a collective in the
-  step, keeps its state at the newest completed step, and builds the next epoch here:
-  :func:`regroup`, then a fresh session, the agreement and the live resume (``manager``).
+- :func:`init_distributed` is the runner's restart-safe handshake for a loop the user writes,
+  through the same epoch driver (``inplace.driver``). With ``replace_in_place=True`` the process
+  torchrun started becomes the rank's supervisor: it runs the same command line again as the
+  training process and as a spare. The spare runs the script up to its ``init_distributed`` call
+  (every import at its top, and torch's first optimizer) and waits there; told to go, it joins
+  the survivors' next membership epoch and returns, and the script goes on as a replacement: its
+  :meth:`CheckpointManager.resume` takes the state from a survivor.
+- :class:`CheckpointManager` is the checkpoint facade (``checkpoint.manager``) plus
+  :meth:`CheckpointManager.run`, the loop that recovers in place (``inplace.recovering``): a
+  survivor sees a peer's death as an error from a collective in the step, keeps its state at the
+  newest completed step, and the driver builds the next epoch; the live resume follows.
 
-This module holds the epoch the process is in: its torchrun identity, members and groups.
+The process's driver is held here (:func:`driver`): ``init_distributed`` returns a device, as
+``init_process_group``'s users expect, and the manager built later finds the epoch through it.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import sys
-from dataclasses import dataclass
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
-from elastictrain import agreement, epoch_end, membership, supervisor
 from elastictrain import dist as edist
+from elastictrain.checkpoint import manager as checkpoint_manager
+from elastictrain.checkpoint.checkpointer import Resumed
+from elastictrain.checkpoint.resume.live import Live
+from elastictrain.checkpoint.sharded.format import is_sharded
+from elastictrain.checkpoint.state.train_state import TrainState
 from elastictrain.env import DistEnv, read_env
-from elastictrain.errors import EXIT_INIT_TIMEOUT
-from elastictrain.liveness import Liveness
-from elastictrain.membership import LiveState
+from elastictrain.errors import EXIT_INIT_TIMEOUT, ConfigError
+from elastictrain.inplace import epoch_end, recovering, supervisor
+from elastictrain.inplace.driver import EpochDriver, EpochSettings
+from elastictrain.inplace.members import LiveState
+from elastictrain.inplace.states import EpochState
 
 logger = logging.getLogger(__name__)
 
-
-_BEAT_S = 2.0  # seconds between liveness beats (the runner's --heartbeat-seconds default)
-
-
-@dataclass(frozen=True)
-class Settings:
-    """``init_distributed``'s arguments, kept for every epoch after the first."""
-
-    init_timeout: float
-    timeout: float
-    silent_timeout: float
-    replace_wait: float
-    replace_timeout: float
-
-
-@dataclass
-class Epoch:
-    """The membership epoch this process trains in."""
-
-    env: DistEnv
-    """torchrun's identity of this rank (its rank is the torchrun rank, fixed for the process)."""
-    device: torch.device
-    settings: Settings
-    members: list[int]
-    """The epoch's torchrun ranks, in its rank order."""
-    groups: edist.ProcessGroups
-    liveness: Liveness
-    died_at: float | None = None
-    """A replacement's first epoch: when the death it replaces was seen."""
-
-    @property
-    def rank(self) -> int:
-        return self.members.index(self.env.rank)
-
-
-_epoch: Epoch | None = None
+_driver: EpochDriver | None = None
+"""The process's epoch driver, once :func:`init_distributed` built the groups (architecture
+allow-list: one per process, found by the manager built after it)."""
 
 
 def init_distributed(
@@ -79,6 +53,7 @@ def init_distributed(
     timeout: float = 600.0,
     backend: str | None = None,
     silent_timeout: float = 15.0,
+    heartbeat_seconds: float = 2.0,
     replace_in_place: bool = False,
     replace_wait: float = 0.5,
     replace_timeout: float = 60.0,
@@ -99,11 +74,12 @@ def init_distributed(
         backend: ``"gloo"`` or ``"nccl"``; default from the device.
         silent_timeout: seconds without a peer's heartbeat before this rank exits 8 naming it, so
             torchrun re-forms the group without a frozen host (``elastictrain.liveness``, beats
-            every 2 s from a thread of its own); 0 turns it off.
+            from a thread of its own); 0 turns it off.
+        heartbeat_seconds: seconds between two beats (the runner's ``--heartbeat-seconds``).
         replace_in_place: keep the survivors of a peer's death training (CPU/gloo, DDP; NCCL
             with ``ELASTICTRAIN_NCCL_IN_PLACE=1``, docs/faults.md "NCCL"): this process becomes
             the rank's supervisor and runs the script again as the training process and a spare
-            (``elastictrain.supervisor``); train with
+            (``elastictrain.inplace.supervisor``); train with
             :meth:`CheckpointManager.run`. A frozen peer is dropped after ``silent_timeout``.
         replace_wait, replace_timeout, max_replacements: the runner's ``--replace-wait``,
             ``--replace-timeout`` and ``--max-replacements`` (docs/faults.md).
@@ -113,38 +89,57 @@ def init_distributed(
         StoreSilentError: the job's store (torchrun's rendezvous store, ``job_store``) accepted
             the connection and did not answer within ``silent_timeout``: its host is frozen.
     """
+    global _driver
     env = read_env()
     device = edist.pick_device(env)
     if backend == "gloo":
         device = torch.device("cpu")
-    if replace_in_place and env.launched_by_torchrun and not dist.is_initialized():
-        timeouts = Settings(init_timeout, timeout, silent_timeout, replace_wait, replace_timeout)
-        return start(env, device, timeouts, max_replacements)
-    if env.launched_by_torchrun and not dist.is_initialized():
-        liveness = Liveness(env.rank, env.world_size, interval_s=_BEAT_S, silent_s=silent_timeout)
-        edist.init_process_groups(
-            env,
-            device,
-            init_timeout=init_timeout,
-            collective_timeout=timeout,
-            checkpoint_timeout=timeout,
-            liveness=liveness,
+    if not env.launched_by_torchrun or dist.is_initialized():
+        return device
+    if silent_timeout and silent_timeout < 2 * heartbeat_seconds:
+        raise ConfigError(
+            f"silent_timeout must be 0 (off) or at least two beats ({2 * heartbeat_seconds:g}s), "
+            f"got {silent_timeout!r}: a rank is only silent once it missed a beat."
         )
-        liveness.start()  # a daemon: it ends with the process
+    settings = EpochSettings(
+        replace_in_place=replace_in_place,
+        init_timeout=init_timeout,
+        collective_timeout=timeout,
+        checkpoint_timeout=timeout,
+        replace_wait=replace_wait,
+        replace_timeout=replace_timeout,
+        silent_timeout=silent_timeout,
+        beat_s=heartbeat_seconds,
+        init_flag="init_timeout",
+        replace_flag="replace_timeout",
+    )
+    died_at = None
+    if replace_in_place:
+        died_at = _supervise_or_wait(env, device, settings, max_replacements)
+    _driver = EpochDriver(env, device, settings, spare=died_at is not None)
+    if died_at is not None and not _driver.go(died_at):
+        sys.exit(0)  # the supervisor is gone or ended the spare's wait
+    if _driver.form(None, died_at) is None:
+        logger.error(
+            "rank %d: the other ranks went on without this one (back after replace_wait); "
+            "exiting %d so torchrun restarts the group at full size",
+            env.rank,
+            EXIT_INIT_TIMEOUT,
+        )
+        sys.exit(EXIT_INIT_TIMEOUT)
     return device
 
 
-def current() -> Epoch | None:
-    """The epoch, when this process was started by ``init_distributed(replace_in_place=True)``."""
-    return _epoch
+def driver() -> EpochDriver | None:
+    """The process's epoch driver, once :func:`init_distributed` built its groups."""
+    return _driver
 
 
-def start(
-    env: DistEnv, device: torch.device, settings: Settings, max_replacements: int
-) -> torch.device:
-    """``init_distributed(replace_in_place=True)`` under torchrun: supervise (never returns), or
-    wait as a spare, or train from the start; then the first epoch's process group."""
-    global _epoch
+def _supervise_or_wait(
+    env: DistEnv, device: torch.device, settings: EpochSettings, max_replacements: int
+) -> float | None:
+    """``replace_in_place`` under torchrun: supervise (never returns), or wait as a spare (when
+    the death it stands in for was seen), or train from the start (None)."""
     if device.type != "cpu":
         epoch_end.refuse_unverified_nccl(device, "init_distributed(replace_in_place=True)")
     role = supervisor.role()
@@ -159,88 +154,14 @@ def start(
                 stopped_s=settings.silent_timeout or None,
             )
         )
-    died_at = None
-    if role == "spare":
-        _warm()
-        logger.warning("spare for rank %d ready: waiting to stand in", env.rank)
-        died_at = supervisor.wait_for_go()
-        if died_at is None:  # the supervisor is gone or ended the spare's wait
-            sys.exit(0)
-    _epoch = _open(env, device, settings, None, died_at)
-    return device
-
-
-def leave(carry: LiveState) -> None:
-    """A survivor, the moment it sees a peer's death: ``membership.leave`` (the others' blocked
-    collectives fail, and this rank is counted back for the next epoch)."""
-    failed = _epoch
-    carry.nonce, carry.members = failed.groups.attempt.nonce, failed.members
-    carry.silent = membership.silent_members(failed.liveness, failed.members)
-    membership.leave(carry, failed.groups.store, failed.env, failed.groups.connections)
-
-
-def regroup(carry: LiveState) -> Epoch:
-    """A survivor, after :func:`leave`: tear down the failed epoch's groups and build the next
-    one's with whoever is back. Raises ``SystemExit(3)`` if the others went on without it."""
-    global _epoch
-    failed = _epoch
-    failed.liveness.stop(wait=False)
-    edist.shutdown()
-    _epoch = _open(failed.env, failed.device, failed.settings, carry, None)
-    return _epoch
-
-
-def _open(
-    env: DistEnv,
-    device: torch.device,
-    settings: Settings,
-    carry: LiveState | None,
-    died_at: float | None,
-) -> Epoch:
-    in_place = carry is not None or died_at is not None
-    members = membership.next_members(
-        env,
-        carry,
-        died_at,
-        wait_s=settings.replace_wait,
-        timeout_s=settings.replace_timeout,
-        silent_s=settings.silent_timeout,
-        beat_s=_BEAT_S,
-    )
-    if env.rank not in members:
-        logger.error(
-            "rank %d: the other ranks went on without this one (back after replace_wait); "
-            "exiting %d so torchrun restarts the group at full size",
-            env.rank,
-            EXIT_INIT_TIMEOUT,
-        )
-        sys.exit(EXIT_INIT_TIMEOUT)
-    here = dataclasses.replace(env, rank=members.index(env.rank), world_size=len(members))
-    connections = None  # the epoch's, once its groups exist: all its silence may shut
-    liveness = Liveness(
-        here.rank,
-        here.world_size,
-        interval_s=_BEAT_S,
-        silent_s=settings.silent_timeout,
-        on_silent=lambda reason: membership.drop_silent(liveness, reason, env, connections),
-    )
-    groups = edist.init_process_groups(
-        here,
-        device,
-        init_timeout=settings.replace_timeout if in_place else settings.init_timeout,
-        collective_timeout=settings.timeout,
-        checkpoint_timeout=settings.timeout,
-        liveness=liveness,
-        timeout_flag="replace_timeout" if in_place else "init_timeout",
-        store_up=in_place,
-    )
-    connections = groups.connections
-    if groups.store is not None:
-        if here.rank == 0:
-            membership.publish(groups.store, groups.attempt.nonce, members)
-        membership.watch_epoch(groups.store, groups.attempt.nonce, env, groups.connections)
-    liveness.start()
-    return Epoch(env, device, settings, members, groups, liveness, died_at)
+    if role != "spare":
+        return None
+    _warm()
+    logger.warning("spare for rank %d ready: waiting to stand in", env.rank)
+    died_at = supervisor.wait_for_go()
+    if died_at is None:
+        sys.exit(0)  # the supervisor is gone or ended the spare's wait
+    return died_at
 
 
 def _warm() -> None:
@@ -251,16 +172,118 @@ def _warm() -> None:
     torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
 
 
-def agree(carry: LiveState | None, group: dist.ProcessGroup) -> agreement.Epoch:
-    """Every rank of the epoch, as its session resumes: how it began (``agreement.agree``)."""
-    epoch = _epoch
-    dropped = sorted(set(carry.members) - set(epoch.members)) if carry is not None else []
-    return agreement.agree(
-        carry,
-        epoch.died_at,
-        group=group,
-        store=epoch.groups.store,
-        rank=epoch.rank,
-        members=epoch.members,
-        dropped=dropped,
-    )
+class CheckpointManager(checkpoint_manager.CheckpointManager):
+    __doc__ = checkpoint_manager.CheckpointManager.__doc__
+
+    def _open_session(self) -> None:
+        super()._open_session()
+        if _driver is not None:  # the epoch's transitions go to this session's event log
+            _driver.attach(self._session.events, self._last_words, self._watchdog)
+
+    def _begin(self, carry: Any) -> tuple[dict[str, Any], Live | None]:
+        """Every member agrees how the epoch began, over this manager's group (the driver), once
+        per epoch: a second manager in the same epoch (or a second resume) has nothing to agree."""
+        if _driver is None or _driver.state != EpochState.FORMING:
+            return {}, None
+        start = _driver.agree(self._group)
+        return start.start_fields(), start.live(carry)
+
+    def _resumed_epoch(self, resumed: Resumed) -> None:
+        if _driver is None or _driver.state != EpochState.RESUMING:
+            return
+        _driver.training(resumed.step)
+        connections = _driver.epoch.groups.connections
+        if _driver.settings.replace_in_place and connections is not None:
+            # Every group of the epoch is built now (this session's): its end may shut each.
+            connections.learn(self._group)
+
+    def _ending(self) -> None:
+        if _driver is not None and _driver.state == EpochState.TRAINING:
+            _driver.finish()
+
+    def emit(self, event: str, **fields: Any) -> None:
+        """An event in the run's log (rank 0 writes it)."""
+        self._session.events.emit(event, **fields)
+
+    def run(
+        self,
+        train_step: Callable[[int, nn.Module], dict[str, Any] | None],
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: Any = None,
+        *,
+        start: int,
+        stop: int,
+        wrap: Callable[[nn.Module], nn.Module] | None = None,
+    ) -> dict[str, Any] | None:
+        """Train steps ``start`` .. ``stop - 1``: for each, ``train_step(step, net)`` (the forward
+        and backward passes; it returns the step's ``extra`` or None), then the optimizer and
+        scheduler steps and :meth:`step`. ``net`` is ``wrap(model)`` (e.g. ``DDP``). Returns the
+        last step's ``extra``.
+
+        Under ``init_distributed(replace_in_place=True)``, a peer's death is recovered here: this
+        rank keeps its state at the newest completed step, the ranks regroup with the dead rank's
+        replacement (or without a lost node), the state of the newest step any survivor holds is
+        loaded everywhere, ``net`` is wrapped anew and the step in flight is redone. So
+        ``train_step`` must run every collective of its step itself (DDP's backward does) and
+        read the rank and world size from ``torch.distributed`` each time (they change when a
+        node is dropped), and its batch must depend on the step alone. Anything else raises.
+        After each wrap (DDP), ``train_step`` is called once more and discarded, in eval mode
+        (``inplace.recovering.prime_buckets``): every real step then sums in the same order,
+        wherever it runs. The first step of each epoch is a ``first_step`` event, as the
+        runner's.
+        """
+        self._require_resumed("run")
+        in_place = _driver is not None and _driver.settings.replace_in_place
+        if in_place and is_sharded(model):
+            # A sharded model is bound to the failed epoch's mesh: it must be built and sharded
+            # again, which only the code that built it can do (the runner does: its Task).
+            raise ConfigError(
+                "CheckpointManager.run recovers DDP models in place; this model is sharded "
+                "(FSDP2). Train it with the runner (--replace-in-place --parallel fsdp|hsdp), "
+                "or drop replace_in_place from init_distributed: a death then restarts the group."
+            )
+        return recovering.run_steps(
+            _Epochs(self),
+            _driver if in_place else None,
+            train_step,
+            TrainState(model, optimizer, scheduler, self.extra),
+            start=start,
+            stop=stop,
+            wrap=wrap or (lambda m: m),
+        )
+
+
+class _Epochs:
+    """What the recovering loop asks of the manager (``inplace.recovering``)."""
+
+    def __init__(self, manager: CheckpointManager) -> None:
+        self._m = manager
+
+    @property
+    def extra(self) -> dict[str, Any] | None:
+        return self._m.extra
+
+    @property
+    def last_committed(self) -> int | None:
+        return self._m.last_committed
+
+    def step(self, *args: Any) -> bool:
+        return self._m.step(*args)
+
+    def _ending(self) -> None:
+        if _driver is not None and _driver.state == EpochState.TRAINING:
+            _driver.finish()
+
+    def emit(self, event: str, **fields: Any) -> None:
+        self._m.emit(event, **fields)
+
+    def abandon_epoch(self) -> None:
+        self._m._session.abandon()
+        self._m._group = None  # the failed epoch's: its default group's teardown ends it
+
+    def open_epoch(self) -> None:
+        self._m._open_session()
+
+    def resume_epoch(self, state: TrainState, carry: LiveState) -> Resumed:
+        return self._m._resume_epoch(state, carry)

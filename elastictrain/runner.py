@@ -9,7 +9,6 @@ timed out; 6 the torchrun agent died (orphaned worker); 7 storage stayed down pa
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import os
@@ -18,18 +17,18 @@ import time
 import torch
 import torch.distributed as dist
 
-from elastictrain import agreement, epoch_end, membership, mesh, streams, supervisor, training
 from elastictrain import dist as edist
+from elastictrain import mesh, streams, training
 from elastictrain.attempt import Attempt
-from elastictrain.checkpoint.resume.live import Live
 from elastictrain.checkpoint.session import CheckpointSession, install_stop_signals
 from elastictrain.config import RunConfig
 from elastictrain.data import GlobalBatchSampler
 from elastictrain.env import DistEnv, read_env
 from elastictrain.errors import EXIT_INIT_TIMEOUT, EXIT_PREEMPTED, Preempted
-from elastictrain.liveness import Liveness
+from elastictrain.inplace import epoch_end, supervisor
+from elastictrain.inplace.driver import EpochDriver, EpochSettings
+from elastictrain.inplace.members import LiveState, PeerLost
 from elastictrain.loader import check_micro_steps
-from elastictrain.membership import LiveState, PeerLost
 from elastictrain.observe.events import LastWords
 from elastictrain.observe.logs import setup_logging
 from elastictrain.observe.terminal import STATUS
@@ -72,13 +71,6 @@ def run(cfg: RunConfig, early_signals: StopSignals | None = None) -> int:
     device = edist.pick_device(env, task.model_devices)
     if cfg.replace_in_place and device.type != "cpu":
         epoch_end.refuse_unverified_nccl(device, "--replace-in-place")
-    died_at = None
-    if supervisor.role() == "spare":
-        _warm(task)
-        logger.info("spare for rank %d ready (pid %d): waiting to stand in", env.rank, os.getpid())
-        died_at = supervisor.wait_for_go()
-        if died_at is None:  # the supervisor is gone or ended the spare's wait: nothing to do
-            return 0
     # Started before init: an orphan (agent gone) must exit even while it waits in init or resume.
     # The startup budget covers init + resume + the first step; init keeps its own hard bound.
     watchdog = HangWatchdog(
@@ -88,13 +80,33 @@ def run(cfg: RunConfig, early_signals: StopSignals | None = None) -> int:
         agent_pid=agent_pid if env.launched_by_torchrun else None,
         last_words=last_words,
     )
+    spare = supervisor.role() == "spare"
+    # Beats carry the watchdog's step and phase; the watchdog asks liveness whether a peer in a
+    # gate excuses a slow step.
+    driver = EpochDriver(
+        env,
+        device,
+        epoch_settings(cfg),
+        spare=spare,
+        watchdog=watchdog,
+        step=lambda: watchdog.step,
+        phase=lambda: watchdog.phase_name,
+    )
+    driver.attach(None, last_words)
+    died_at = None
+    if spare:
+        _warm(task)
+        logger.info("spare for rank %d ready (pid %d): waiting to stand in", env.rank, os.getpid())
+        died_at = supervisor.wait_for_go()
+        if not driver.go(died_at):  # the supervisor is gone or ended the spare's wait
+            return 0
     watchdog.start()
     built = _Built(cfg, env, task, sampler, device, watchdog, signals, last_words, agent_pid)
     carry = None
     try:
         while True:
             try:
-                return _epoch(built, carry, died_at)
+                return _epoch(built, driver, carry, died_at)
             except PeerLost as lost:
                 carry, died_at = lost.carry, None
                 logger.warning(
@@ -107,7 +119,21 @@ def run(cfg: RunConfig, early_signals: StopSignals | None = None) -> int:
     finally:
         STATUS.close()  # never leave a terminal on a half-drawn line
         watchdog.stop()
-        edist.shutdown()
+        driver.close()
+
+
+def epoch_settings(cfg: RunConfig) -> EpochSettings:
+    """The runner's flags, as every epoch's bounds."""
+    return EpochSettings(
+        replace_in_place=cfg.replace_in_place,
+        init_timeout=cfg.init_timeout,
+        collective_timeout=cfg.collective_timeout,
+        checkpoint_timeout=cfg.checkpoint.checkpoint_timeout,
+        replace_wait=cfg.replace_wait,
+        replace_timeout=cfg.replace_timeout,
+        silent_timeout=cfg.silent_timeout,
+        beat_s=cfg.heartbeat_seconds,
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,158 +151,95 @@ class _Built:
     agent_pid: int
 
 
-def _epoch(b: _Built, carry: LiveState | None, died_at: float | None) -> int:
+def _epoch(b: _Built, driver: EpochDriver, carry: LiveState | None, died_at: float | None) -> int:
     """One membership epoch: its members, process groups, checkpoint session and training.
     ``carry``: a survivor's state from the epoch before; ``died_at``: this process replaces a
-    dead one."""
+    dead one. The driver moves it through its states (``inplace.states``)."""
     cfg, watchdog = b.cfg, b.watchdog
     in_place = carry is not None or died_at is not None
-
-    def recovering():
-        if not in_place:
-            return contextlib.nullcontext()
-        return watchdog.phase("in-place recovery", cfg.replace_timeout, "--replace-timeout")
-
     t_init = time.monotonic()
-    with recovering():
-        members = membership.next_members(
-            b.env,
-            carry,
-            died_at,
-            wait_s=cfg.replace_wait,
-            timeout_s=cfg.replace_timeout,
-            silent_s=cfg.silent_timeout,
-            beat_s=cfg.heartbeat_seconds,
+    with driver.recovering(in_place):
+        epoch = driver.form(carry, died_at)
+        if epoch is None:
+            # This rank's node is alive (this process runs), only its replacement was late (its
+            # spare was still starting): torchrun's restart brings the job back to full size,
+            # the others committing their step first (they stop as on a preemption).
+            logger.error(
+                "rank %d: the other ranks went on without this one (its replacement was not "
+                "back within --replace-wait); exiting %d so torchrun restarts the group at full "
+                "size",
+                b.env.rank,
+                EXIT_INIT_TIMEOUT,
+            )
+            return EXIT_INIT_TIMEOUT
+        # The epoch's ranks are its members in torchrun's order: after a lost node, fewer.
+        env, groups = epoch.env, epoch.groups
+        setup_logging(env.rank)  # a survivor renumbered rank 0 reports as rank 0 (INFO, prefix)
+        watchdog.excuse = epoch.liveness.excuse
+        # A lost node takes a replica (HSDP) or shards (FSDP) with it: the mesh of what is left.
+        shape = mesh.resolve(cfg.parallel, cfg.mesh, env.world_size, env.local_world_size)
+        task = b.task if carry is None else _fresh_model(b)
+        data = mesh.data_ranks(shape, env.rank, env.world_size)
+        mesh.use(data)
+        if b.sampler is not None:
+            b.sampler.share(0, data.rank, data.size)  # the global batch over the new world size
+        check_micro_steps(task.batch_size, data.size, cfg.grad_accum_steps)
+        attached = (
+            (lambda: os.getppid() == b.agent_pid) if env.launched_by_torchrun else (lambda: True)
         )
-    if b.env.rank not in members:
-        # This rank's node is alive (this process runs), only its replacement was late (its
-        # spare was still starting): torchrun's restart brings the job back to full size, the
-        # others committing their step first (they stop as on a preemption).
-        logger.error(
-            "rank %d: the other ranks went on without this one (its replacement was not back "
-            "within --replace-wait); exiting %d so torchrun restarts the group at full size",
-            b.env.rank,
-            EXIT_INIT_TIMEOUT,
+        session = CheckpointSession(
+            cfg.checkpoint,
+            env=env,
+            generation=groups.attempt.generation,
+            gate=groups.control,
+            # The default group (nccl on GPUs), on the training device: the per-step agreement
+            # must be as cheap as the step's own collectives, and time out like them.
+            agree_group=dist.group.WORLD,
+            agree_device=b.device,
+            watchdog=watchdog,
+            attached=attached,
+            signals=b.signals,
+            last_words=b.last_words,
         )
-        return EXIT_INIT_TIMEOUT
-    # The epoch's ranks are its members in torchrun's order: after a lost node, fewer of them.
-    env = dataclasses.replace(b.env, rank=members.index(b.env.rank), world_size=len(members))
-    setup_logging(env.rank)  # a survivor renumbered rank 0 reports as rank 0 (INFO, its prefix)
-    # A lost node takes a replica (HSDP) or shards (FSDP) with it: the mesh of what is left.
-    shape = mesh.resolve(cfg.parallel, cfg.mesh, env.world_size, env.local_world_size)
-    task = b.task if carry is None else _fresh_model(b)
-    data = mesh.data_ranks(shape, env.rank, env.world_size)
-    mesh.use(data)
-    if b.sampler is not None:
-        b.sampler.share(0, data.rank, data.size)  # the global batch over the new world size
-    check_micro_steps(task.batch_size, data.size, cfg.grad_accum_steps)
-    # Beats carry the watchdog's step and phase; the watchdog asks liveness whether a peer in a
-    # gate excuses a slow step. Its silence shuts this epoch's connections (once its groups
-    # exist), never a later epoch's: the closure reads them when it is called.
-    connections = None
-    liveness = Liveness(
-        env.rank,
+        driver.attach(session.events, b.last_words)
+        start = driver.agree(groups.control)
+    init_s = time.monotonic() - t_init
+    logger.info(
+        "started: world size %d%s, restart %d, generation %d, device %s, init %.2fs%s%s",
         env.world_size,
-        interval_s=cfg.heartbeat_seconds,
-        silent_s=cfg.silent_timeout,
-        step=lambda: watchdog.step,
-        phase=lambda: watchdog.phase_name,
-        last_words=b.last_words,
-        on_silent=(lambda reason: membership.drop_silent(liveness, reason, b.env, connections))
-        if cfg.replace_in_place
-        else None,
+        f" (mesh {shape.describe()})" if shape else "",
+        env.restart_count,
+        groups.attempt.generation,
+        b.device,
+        init_s,
+        f", replacing rank(s) {start.replaced} in place" if start.replaced else "",
+        f", without the lost rank(s) {epoch.dropped}" if epoch.dropped else "",
     )
-    watchdog.excuse = liveness.excuse
-    peer_lost = False
+    session.emit_start(
+        max_steps=cfg.max_steps,
+        init_s=round(init_s, 4),
+        **start.start_fields(),
+        **({"dropped_ranks": epoch.dropped} if epoch.dropped else {}),
+    )
+    attempt = Attempt(cfg, env, task, b.sampler, b.device, groups, session, watchdog, shape)
+    live = start.live(carry)
     try:
-        with recovering():
-            groups = edist.init_process_groups(
-                env,
-                b.device,
-                # In place, the wait is for a replacement that is already imported: short.
-                init_timeout=cfg.replace_timeout if in_place else cfg.init_timeout,
-                collective_timeout=cfg.collective_timeout,
-                checkpoint_timeout=cfg.checkpoint.checkpoint_timeout,
-                liveness=liveness,
-                timeout_flag="--replace-timeout" if in_place else "--init-timeout",
-                store_up=in_place,
-            )
-            connections = groups.connections
-            attached = (
-                (lambda: os.getppid() == b.agent_pid)
-                if env.launched_by_torchrun
-                else (lambda: True)
-            )
-            session = CheckpointSession(
-                cfg.checkpoint,
-                env=env,
-                generation=groups.attempt.generation,
-                gate=groups.control,
-                # The default group (nccl on GPUs), on the training device: the per-step
-                # agreement must be as cheap as the step's own collectives, and time out like them.
-                agree_group=dist.group.WORLD,
-                agree_device=b.device,
-                watchdog=watchdog,
-                attached=attached,
-                signals=b.signals,
-                last_words=b.last_words,
-            )
-            if groups.store is not None and cfg.replace_in_place:
-                if env.rank == 0:
-                    membership.publish(groups.store, groups.attempt.nonce, members)
-                membership.watch_epoch(
-                    groups.store, groups.attempt.nonce, b.env, groups.connections
-                )
-            dropped = sorted(set(carry.members) - set(members)) if carry is not None else []
-            epoch = agreement.agree(
-                carry,
-                died_at,
-                group=groups.control,
-                store=groups.store,
-                rank=env.rank,
-                members=members,
-                dropped=dropped,
-            )
-        liveness.start()
-        init_s = time.monotonic() - t_init
-        logger.info(
-            "started: world size %d%s, restart %d, generation %d, device %s, init %.2fs%s%s",
-            env.world_size,
-            f" (mesh {shape.describe()})" if shape else "",
-            env.restart_count,
-            groups.attempt.generation,
-            b.device,
-            init_s,
-            f", replacing rank(s) {epoch.replaced} in place" if epoch.replaced else "",
-            f", without the lost rank(s) {dropped}" if dropped else "",
-        )
-        session.emit_start(
-            max_steps=cfg.max_steps,
-            init_s=round(init_s, 4),
-            **epoch.start_fields(),
-            **({"dropped_ranks": dropped} if dropped else {}),
-        )
-        attempt = Attempt(cfg, env, task, b.sampler, b.device, groups, session, watchdog, shape)
-        live = Live.of(carry, epoch) if epoch.in_place else None
-        try:
-            return training.train(attempt, live)
-        except Preempted:
-            return EXIT_PREEMPTED
-        except PeerLost as lost:
-            lost.carry.nonce, lost.carry.members = groups.attempt.nonce, members
-            lost.carry.silent = membership.silent_members(liveness, members)
-            membership.leave(lost.carry, groups.store, b.env, groups.connections)
-            session.abandon()
-            peer_lost = True
-            raise
-        except Exception as e:
-            # Last words for the run report: why this attempt ended (it may also be a peer's death).
+        code = training.train(attempt, live, driver)
+    except Preempted:
+        driver.fail("preempted: a stop signal, its checkpoint committed")
+        return EXIT_PREEMPTED
+    except PeerLost as lost:
+        driver.leave(lost.carry, abandon=session.abandon)
+        raise
+    except BaseException as e:
+        # Last words for the run report: why this attempt ended (it may also be a peer's death).
+        if isinstance(e, Exception):
             session.last_words(type(e).__name__, str(e).splitlines()[0][:300])
-            raise
-    finally:
-        # After a peer's death, not waiting for the beat thread: the next epoch is what counts.
-        liveness.stop(wait=not peer_lost)
-        edist.shutdown()  # a next epoch builds its groups on a fresh store prefix
+        driver.fail(e)
+        raise
+    if code != 0:
+        driver.fail(f"exit {code}")
+    return code
 
 
 def _fresh_model(b: _Built) -> Task:

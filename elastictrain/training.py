@@ -14,7 +14,6 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from elastictrain import epoch_end, membership
 from elastictrain.attempt import Attempt
 from elastictrain.checkpoint.api import Reason
 from elastictrain.checkpoint.checkpointer import Resumed
@@ -24,8 +23,10 @@ from elastictrain.checkpoint.sharded import format as sharded
 from elastictrain.checkpoint.state import TrainState
 from elastictrain.checkpoint.state import train_state as tstate
 from elastictrain.errors import named_timeout
+from elastictrain.inplace import epoch_end
+from elastictrain.inplace.driver import EpochDriver
+from elastictrain.inplace.members import LiveState, PeerLost
 from elastictrain.loop import Trainer
-from elastictrain.membership import LiveState, PeerLost
 from elastictrain.observe import stragglers
 from elastictrain.observe.events import Event, SampleLog
 from elastictrain.observe.logs import CONTEXT
@@ -37,10 +38,11 @@ from elastictrain.precision import Precision
 logger = logging.getLogger(__name__)
 
 
-def train(attempt: Attempt, live: Live | None = None) -> int:
+def train(attempt: Attempt, live: Live | None, driver: EpochDriver) -> int:
     """Every rank: resume, train to ``--max-steps``, commit the final checkpoint; 0 when done.
     ``live``: an in-place epoch, resumed from a survivor's memory. Raises :class:`PeerLost`
-    under ``--replace-in-place`` when a peer's process died, with this rank's state."""
+    under ``--replace-in-place`` when a peer's process died (``driver``: the epoch's, which
+    tells), with this rank's state."""
     cfg, env, session = attempt.cfg, attempt.env, attempt.session
     t0 = time.monotonic()
     precision = Precision(cfg.precision, attempt.device)
@@ -52,6 +54,7 @@ def train(attempt: Attempt, live: Live | None = None) -> int:
         session.preflight()
     t2 = time.monotonic()
     resumed = session.resume(state, attempt.device, live)
+    driver.training(resumed.step)
     t3 = time.monotonic()
     # Where a (re)start's time goes, for the first_step event. ddp_s (DDP wrap, loader,
     # bucket priming) runs from here to the loop's start, which adds its own clock to it.
@@ -85,13 +88,13 @@ def train(attempt: Attempt, live: Live | None = None) -> int:
         seed=cfg.seed,
         clip_grad_norm=cfg.clip_grad_norm,
         on_share=sample_log.record,
-        before_update=_update_gate(attempt, state),
+        before_update=_update_gate(attempt, state, driver),
     )
-    run = _Run(attempt, state, trainer, resumed, scalars)
+    run = _Run(attempt, state, trainer, resumed, scalars, driver)
     try:
         return run.loop(startup)
     except Exception as e:
-        if not cfg.replace_in_place or state.per_rank or not membership.is_peer_loss(e):
+        if state.per_rank or not driver.is_peer_loss(e):
             raise  # a stream's per-rank position is only gathered at checkpoints: restart
         raise PeerLost(run.carry(), e) from e
     finally:
@@ -99,7 +102,7 @@ def train(attempt: Attempt, live: Live | None = None) -> int:
         scalars.close()
 
 
-def _update_gate(attempt: Attempt, state: TrainState):
+def _update_gate(attempt: Attempt, state: TrainState, driver: EpochDriver):
     """In place: what runs between the gradients' sync and the optimizer step
     (``epoch_end.update_gate``): on CUDA always; on the CPU a barrier with replicated shards
     (HSDP), none otherwise (DDP's whole state is in every survivor, and FSDP's dead shards are in
@@ -110,7 +113,7 @@ def _update_gate(attempt: Attempt, state: TrainState):
     if sharded.is_sharded(state.model):
         params = {n: p for n, p in state.model.named_parameters() if hasattr(p, "device_mesh")}
         twins = len(sharded.twins(params)) >= 2
-    return epoch_end.update_gate(attempt.device, twins=twins)
+    return epoch_end.update_gate(attempt.device, twins=twins, end=driver.epoch.end)
 
 
 @dataclass
@@ -122,6 +125,7 @@ class _Run:
     trainer: Trainer
     resumed: Resumed
     scalars: Scalars
+    driver: EpochDriver
 
     def __post_init__(self) -> None:
         cfg, env = self.attempt.cfg, self.attempt.env
@@ -231,6 +235,7 @@ class _Run:
         logger.info(
             "FINISHED %d steps (%d this attempt in %.1fs); exit 0", cfg.max_steps, trained, elapsed
         )
+        self.driver.finish()  # before the end event: the run's last line is its end
         session.emit_end(
             max(cfg.max_steps, resumed.step),
             steps_this_attempt=trained,

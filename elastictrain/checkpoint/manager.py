@@ -19,14 +19,11 @@ does beyond this (data sharding, per-step seeding) stays your loop's business.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import os
-import random
 import threading
 import time
-from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -34,18 +31,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from elastictrain import epoch_end, library, membership
 from elastictrain.checkpoint.api import Reason
 from elastictrain.checkpoint.manager_args import config_from, signature
 from elastictrain.checkpoint.resume.live import Live
 from elastictrain.checkpoint.session import CheckpointSession, Resumed, install_stop_signals
-from elastictrain.checkpoint.sharded.format import is_sharded
-from elastictrain.checkpoint.state import train_state as tstate
 from elastictrain.checkpoint.state.train_state import TrainState, unwrap
 from elastictrain.dist import default_group_is_restart_safe
 from elastictrain.env import read_env
 from elastictrain.errors import ConfigError, Preempted
-from elastictrain.membership import LiveState
 from elastictrain.observe.events import LastWords
 from elastictrain.watchdog import HangWatchdog
 
@@ -192,97 +185,27 @@ class CheckpointManager:
         self._resumed = True
         return resumed.step
 
-    def _resume_epoch(self, state: TrainState, carry: LiveState | None) -> Resumed:
-        """Every rank, as an epoch begins. In place (``init_distributed(replace_in_place=True)``)
-        the ranks first agree how it began (``library.agree``), and the state comes from the
-        survivor holding the newest step when one does; otherwise from the checkpoints."""
+    def _resume_epoch(self, state: TrainState, carry: Any = None) -> Resumed:
+        """Every rank, as an epoch begins: how it began (:meth:`_begin`), then the state, from a
+        survivor's memory when :meth:`_begin` says so, else from the checkpoints."""
         device = torch.device(self.map_location or _first_device(unwrap(state.model)))
-        epoch = library.agree(carry, self._group) if library.current() else None
-        self._session.emit_start(**(epoch.start_fields() if epoch else {}))
-        live = Live.of(carry, epoch) if epoch is not None and epoch.in_place else None
+        start_fields, live = self._begin(carry)
+        self._session.emit_start(**start_fields)
         resumed = self._session.resume(state, device, live)
         self.extra = resumed.extra
-        if epoch is not None and library.current().groups.connections is not None:
-            # Every group of the epoch is built now (this session's): its end may shut each.
-            library.current().groups.connections.learn(self._group)
+        self._resumed_epoch(resumed)
         return resumed
 
-    def run(
-        self,
-        train_step: Callable[[int, nn.Module], dict[str, Any] | None],
-        model: nn.Module,
-        optimizer: torch.optim.Optimizer,
-        scheduler: Any = None,
-        *,
-        start: int,
-        stop: int,
-        wrap: Callable[[nn.Module], nn.Module] | None = None,
-    ) -> dict[str, Any] | None:
-        """Train steps ``start`` .. ``stop - 1``: for each, ``train_step(step, net)`` (the forward
-        and backward passes; it returns the step's ``extra`` or None), then the optimizer and
-        scheduler steps and :meth:`step`. ``net`` is ``wrap(model)`` (e.g. ``DDP``). Returns the
-        last step's ``extra``.
+    def _begin(self, carry: Any) -> tuple[dict[str, Any], Live | None]:
+        """How the epoch began (the ``start`` event's fields) and where its state comes from
+        (None: the checkpoints). Library mode's in-place epochs agree it (``elastictrain.library``)."""
+        return {}, None
 
-        Under ``init_distributed(replace_in_place=True)``, a peer's death is recovered here: this
-        rank keeps its state at the newest completed step, the ranks regroup with the dead rank's
-        replacement (or without a lost node), the state of the newest step any survivor holds is
-        loaded everywhere, ``net`` is wrapped anew and the step in flight is redone. So
-        ``train_step`` must run every collective of its step itself (DDP's backward does) and
-        read the rank and world size from ``torch.distributed`` each time (they change when a
-        node is dropped), and its batch must depend on the step alone. Anything else raises.
-        After each wrap (DDP), ``train_step`` is called once more and discarded, in eval mode
-        (:func:`_prime_buckets`): every real step then sums in the same order, wherever it runs.
-        """
-        self._require_resumed("run")
-        if library.current() is not None and is_sharded(model):
-            # A sharded model is bound to the failed epoch's mesh: it must be built and sharded
-            # again, which only the code that built it can do (the runner does: its Task).
-            raise ConfigError(
-                "CheckpointManager.run recovers DDP models in place; this model is sharded "
-                "(FSDP2). Train it with the runner (--replace-in-place --parallel fsdp|hsdp), "
-                "or drop replace_in_place from init_distributed: a death then restarts the group."
-            )
-        wrap = wrap or (lambda m: m)
-        net, step, extra, primed = wrap(model), start, self.extra, False
-        epoch = library.current()
-        gate = epoch_end.update_gate(epoch.device, twins=False) if epoch else None
-        while step < stop:
-            try:
-                if not primed:  # after each wrap; a peer lost meanwhile is recovered as below
-                    primed = _prime_buckets(train_step, step, net, model, optimizer)
-                optimizer.zero_grad(set_to_none=True)
-                extra = train_step(step, net)
-                if gate is not None:  # CUDA: the step's collectives have run everywhere
-                    gate()
-                optimizer.step()
-                if scheduler is not None:
-                    scheduler.step()
-                step += 1  # completed: what this rank's state holds from here on
-                self.step(step, model, optimizer, scheduler, extra)
-            except Exception as e:
-                if library.current() is None or not membership.is_peer_loss(e):
-                    raise
-                step = self._recover(e, TrainState(model, optimizer, scheduler, extra), step)
-                net, extra, primed = wrap(model), self.extra, False
-        return extra
+    def _resumed_epoch(self, resumed: Resumed) -> None:
+        """After the resume of each epoch (library mode's in-place epochs learn their groups)."""
 
-    def _recover(self, error: Exception, state: TrainState, step: int) -> int:
-        """A peer's process died during ``step``: the next epoch, resumed in place; its step."""
-        captured = tstate.capture(state, step=step)
-        carry = LiveState(step, captured, self.last_committed, time.time())
-        carry.error = membership.error_line(error)
-        logger.warning("a peer's training process is gone at step %d (%s); regrouping", step, error)
-        library.leave(carry)
-        self._session.abandon()
-        self._group = None  # the failed epoch's: its default group's teardown ends it
-        phase = contextlib.nullcontext()
-        if self._watchdog is not None:
-            timeout = library.current().settings.replace_timeout
-            phase = self._watchdog.phase("in-place recovery", timeout, "replace_timeout")
-        with phase:
-            library.regroup(carry)
-            self._open_session()
-            return self._resume_epoch(state, carry).step
+    def _ending(self) -> None:
+        """The final checkpoint is committed, before the end event (library mode's epoch ends)."""
 
     def step(
         self,
@@ -331,6 +254,7 @@ class CheckpointManager:
         reason = Reason.FINAL if final else Reason.STEPS
         saved = self._session.save(step, TrainState(model, optimizer, scheduler, extra), reason)
         if final:
+            self._ending()
             self._session.emit_end(step)
         return saved
 
@@ -368,27 +292,6 @@ class CheckpointManager:
 
 
 CheckpointManager.__init__.__signature__ = signature()
-
-
-def _prime_buckets(train_step, step: int, net: nn.Module, model: nn.Module, optimizer) -> bool:
-    """DDP orders its gradient buckets anew after a wrapper's first backward, and past two ranks
-    that order is gloo's summation order: a step redone right after a wrap (a recovery, a
-    restart) would sum in another order than an uninterrupted run (about 2e-7 off at 4 ranks).
-    So ``run`` primes them after each wrap, as the runner does (``loop.Trainer.prime_buckets``):
-    one discarded ``train_step``, in eval mode, with torch's and Python's random state kept."""
-    if not isinstance(net, nn.parallel.DistributedDataParallel):
-        return True
-    was_training, python_rng = net.training, random.getstate()
-    cuda = [p.device for p in model.parameters() if p.device.type == "cuda"][:1]
-    net.eval()  # the wrapper and the model: dropout off, BatchNorm's statistics untouched
-    try:
-        with torch.random.fork_rng(devices=cuda):
-            train_step(step, net)
-    finally:
-        random.setstate(python_rng)
-        optimizer.zero_grad(set_to_none=True)
-        net.train(was_training)
-    return True
 
 
 def _first_device(model: nn.Module) -> torch.device:

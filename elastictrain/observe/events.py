@@ -43,6 +43,9 @@ class Event(Name):
     PREEMPTED = "preempted"  # a stop signal was honoured: signal, save seconds
     END = "end"  # training finished
     EXIT = "exit"  # any rank's last words before it ends early: cause, detail
+    EPOCH_STATE = (
+        "epoch_state"  # a membership epoch's transition: state, previous, reason, duration_s, step
+    )
 
 
 class Cause(Name):

@@ -67,8 +67,8 @@ def draw(timeline: Timeline, title: str) -> Figure:
         style = ":" if nxt.in_place is not None else "--"  # dotted: recovered in place
         for ax in (steps, ckpt, world):
             ax.axvline(nxt.start - t0, color=colour, ls=style, lw=1)
-            if prev.end is not None:
-                ax.axvspan(prev.end - t0, back, color="grey", alpha=0.15, lw=0)
+            if prev.down_from is not None:  # in place: from its leaving, not its last event
+                ax.axvspan(prev.down_from - t0, back, color="grey", alpha=0.15, lw=0)
         steps.annotate(
             prev.outcome,
             (nxt.start - t0, nxt.resumed_step),

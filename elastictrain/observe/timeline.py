@@ -44,6 +44,9 @@ class Attempt:
     """Time of the attempt's last event."""
     trained_at: float | None = None
     """Time its first step completed: the end of the downtime a restart costs."""
+    left_at: float | None = None
+    """In place: when rank 0 left the epoch (its ``leaving`` transition): where the downtime
+    of the next epoch begins, not at the last periodic event before it."""
     outcome: Outcome = Outcome.RUNNING
     detail: str = ""
     points: list[tuple[float, int]] = field(default_factory=list)
@@ -74,6 +77,12 @@ class Attempt:
         if self.in_place is None or self.trained_at is None or not self.in_place.get("failed_at"):
             return None
         return self.trained_at - float(self.in_place["failed_at"])
+
+    @property
+    def down_from(self) -> float | None:
+        """Where the downtime after this attempt begins: its leaving (in place), else its last
+        event."""
+        return self.left_at if self.left_at is not None else self.end
 
     @property
     def last_step(self) -> int:
@@ -116,8 +125,16 @@ def build_timeline(events: list[dict[str, Any]]) -> Timeline:
         if not attempts:  # events before any start (a truncated log): nothing to hang them on
             continue
         a = attempts[-1]
-        a.end = t
         step = e.get("step")
+        if kind == Event.EPOCH_STATE:
+            # The epoch's own transitions: only its leaving ends what it trained. The next
+            # epoch's first transitions (written once its log exists) come before its start.
+            if e.get("state") == "leaving" and a.left_at is None:
+                a.left_at, a.end = t, t
+                if isinstance(step, int):
+                    a.points.append((t, step))
+            continue
+        a.end = t
         if kind == Event.RESUME:
             a.resumed, a.resumed_step = True, int(step or 0)
             a.resumed_from = _resumed_from(e)

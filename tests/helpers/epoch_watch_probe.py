@@ -1,6 +1,6 @@
 """One rank of a 2-rank gloo group on the test's TCPStore, for ``tests/unit/test_epoch_end.py``.
 
-Rank BLOCKED (0 by default) watches its epoch (``epoch_end.EpochWatch``, with the epoch's
+Rank BLOCKED (0 by default) watches its epoch (``epoch_end.EpochEnd.watch``, with the epoch's
 connection ledger) and enters an all-reduce; the other rank stays alive with its connections open
 and never joins it, as a peer wedged behind a dead one does (on NCCL, every survivor of a death).
 Gloo's rank 1 connects to rank 0's listener, so BLOCKED 1 waits on a connection it opened, BLOCKED
@@ -23,7 +23,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from elastictrain import epoch_end, membership
+from elastictrain.connections import EpochConnections
+from elastictrain.inplace import epoch_end, members
 
 
 def _user_connection() -> tuple[socket.socket, socket.socket]:
@@ -47,7 +48,7 @@ def main() -> None:
     blocked = int(sys.argv[4]) if len(sys.argv) > 4 else 0
     store = dist.TCPStore("127.0.0.1", port, None, False, timedelta(seconds=30))
     before = _user_connection()
-    connections = epoch_end.EpochConnections()
+    connections = EpochConnections()
     dist.init_process_group(
         "gloo",
         store=dist.PrefixStore(f"{nonce}/pg/", store),
@@ -61,7 +62,7 @@ def main() -> None:
         time.sleep(120)  # alive, connections open, never in the collective
         return
     during = _user_connection()
-    epoch_end.EpochWatch(store, nonce, keep_port=port, connections=connections).start()
+    end = epoch_end.EpochEnd(nonce, keep_port=port, connections=connections).watch(store)
     print("ready", flush=True)
     t0 = time.monotonic()
     try:
@@ -69,8 +70,8 @@ def main() -> None:
         out = {"raised": False}
     except Exception as e:
         out = {"raised": True, "after_s": time.monotonic() - t0}
-        out["peer_loss"] = membership.is_peer_loss(e)
-        out["silent"] = epoch_end.heard_silent()
+        out["peer_loss"] = members.is_peer_loss(e, end)
+        out["silent"] = end.silent
     out["own_connections_carry"] = [_carries(before), _carries(during)]
     print(json.dumps(out), flush=True)
 

@@ -24,10 +24,10 @@ import torch.distributed as dist
 from torch import nn
 
 from elastictrain import dist as edist
-from elastictrain import epoch_end, membership
 from elastictrain.checkpoint.resume import live as live_resume
 from elastictrain.checkpoint.state import train_state as tstate
 from elastictrain.env import read_env
+from elastictrain.inplace import epoch_end, members
 from elastictrain.liveness import Liveness
 
 
@@ -48,7 +48,8 @@ def abort() -> dict:
     torch.cuda.set_device(device)
     epoch_end.prepare_nccl()
     groups = _groups(env, device, in_place=False)
-    membership.watch_epoch(groups.store, groups.attempt.nonce, env, groups.connections)
+    end = epoch_end.EpochEnd(groups.attempt.nonce, members.store_port(env), groups.connections)
+    end.watch(groups.store)
     t = torch.full((1024,), 3.0, device=device)
     dist.all_reduce(t)
     first_ok = bool((t == 3.0).all())
@@ -56,7 +57,7 @@ def abort() -> dict:
     work = dist.all_reduce(t, async_op=True)
     t0 = time.monotonic()
     epoch_end.announce(groups.store, groups.attempt.nonce)  # a member back from the epoch
-    while not epoch_end.ended() and time.monotonic() - t0 < 30:
+    while not end.failed and time.monotonic() - t0 < 30:
         time.sleep(0.001)
     abort_s = time.monotonic() - t0
     try:
@@ -64,8 +65,9 @@ def abort() -> dict:
         dist.all_reduce(t)  # on the aborted group: must raise
         raised, peer_loss = None, False
     except Exception as e:
-        raised, peer_loss = f"{type(e).__name__}: {str(e)[:200]}", membership.is_peer_loss(e)
+        raised, peer_loss = f"{type(e).__name__}: {str(e)[:200]}", members.is_peer_loss(e, end)
     torch.cuda.synchronize(device)
+    end.close()
     edist.shutdown()
     groups = _groups(env, device, in_place=True)  # the next epoch, in this process
     u = torch.full((1024,), 5.0, device=device)

@@ -1,4 +1,4 @@
-"""elastictrain.epoch_end: an epoch's end, announced once in the job's store, fails the epoch's
+"""elastictrain.inplace.epoch_end: an epoch's end, announced once in the job's store, fails the epoch's
 collectives on every member at once, even one blocked on a live peer (what NCCL does to every
 survivor of a death); and never touches the next epoch's."""
 
@@ -17,7 +17,8 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from elastictrain import epoch_end
+from elastictrain.connections import EpochConnections, break_collectives
+from elastictrain.inplace import epoch_end
 from tests.helpers.paths import REPO_ROOT
 
 
@@ -78,21 +79,21 @@ def test_a_closed_watch_ignores_the_end_and_the_first_announcement_stands(monkey
         epoch_end, "abort_collectives", lambda port, connections: aborted.append(port) or 0
     )
     server = _store()
-    closed = epoch_end.EpochWatch(server, "old", keep_port=server.port).start()
+    closed = epoch_end.EpochEnd("old", keep_port=server.port).watch(server)
     closed.close()  # the epoch's groups are gone; the next epoch's must not be touched
-    live = epoch_end.EpochWatch(server, "new", keep_port=server.port).start()
+    live = epoch_end.EpochEnd("new", keep_port=server.port).watch(server)
     epoch_end.announce(server, "old")
     epoch_end.announce(server, "new", [3])
     epoch_end.announce(server, "new", [])  # a later member back: the first announcement stands
     deadline = time.monotonic() + 10
-    while not live.ended and time.monotonic() < deadline:
+    while not live.failed and time.monotonic() < deadline:
         time.sleep(0.02)
     time.sleep(0.3)  # the closed watch, had it acted, would have by now
-    assert live.ended and not closed.ended
+    assert live.failed and not closed.failed
     assert aborted == [server.port]
-    assert epoch_end.ended() and epoch_end.heard_silent() == [3]
-    live.close()
-    assert not epoch_end.ended()
+    assert live.silent == [3]
+    live.close()  # once closed, nothing fails the epoch's collectives again
+    assert live.fail("late") == 0 and aborted == [server.port]
 
 
 def test_nccl_in_place_is_refused_unless_asked_for_and_then_keeps_nccls_watchdog_off(monkeypatch):
@@ -111,9 +112,9 @@ def test_nccl_in_place_is_refused_unless_asked_for_and_then_keeps_nccls_watchdog
     epoch_end.refuse_unverified_nccl(cuda, "--replace-in-place")
     assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "0"
     # The gate: on CUDA always (the device waited for); on the CPU a barrier with replicas only.
-    assert callable(epoch_end.update_gate(cuda, twins=False))
-    assert epoch_end.update_gate(torch.device("cpu"), twins=True) is dist.barrier
-    assert epoch_end.update_gate(torch.device("cpu"), twins=False) is None
+    assert callable(epoch_end.update_gate(cuda, twins=False, end=None))
+    assert epoch_end.update_gate(torch.device("cpu"), twins=True, end=None) is dist.barrier
+    assert epoch_end.update_gate(torch.device("cpu"), twins=False, end=None) is None
 
 
 @pytest.fixture
@@ -153,7 +154,7 @@ def test_the_epochs_end_shuts_its_groups_connections_from_either_end_and_nothing
     rank's own (it accepted the connection) or another member's (it dialed one). Each is shut
     from this end; a user's connection, opened once training runs, is left alone, as is the
     job's store. (Seen failing with the dialed rule taken out: the dial to a member stays open.)"""
-    ledger = epoch_end.EpochConnections()
+    ledger = EpochConnections()
     member = tcp.listen()  # a member's gloo listener: never accepted here (its end is not ours)
     mine = tcp.listen()
     ledger.learn(gloo_world)  # the groups are built: their listeners recorded
@@ -162,7 +163,7 @@ def test_the_epochs_end_shuts_its_groups_connections_from_either_end_and_nothing
     user = tcp.listen()  # a listener opened while training runs
     user_client = tcp.connect(user)
     user_accepted = tcp.accept(user)
-    shut = epoch_end.break_collectives(keep_port=-1, connections=ledger)
+    shut = break_collectives(keep_port=-1, connections=ledger)
     assert shut == 3  # the dial to a member's listener; both ends of the one to ours
     assert _shut(dialed) and _shut(accepted) and _shut(caller)
     assert _carries(user_client, user_accepted)
@@ -176,12 +177,12 @@ def test_a_watch_that_fails_says_so_at_warning(caplog):
         def clone(self):
             raise ConnectionRefusedError("the job's store is gone")
 
-    with caplog.at_level("WARNING", logger="elastictrain.epoch_end"):
-        watch = epoch_end.EpochWatch(Unreachable(), "n9", keep_port=1).start()
+    with caplog.at_level("WARNING", logger="elastictrain.inplace.epoch_end"):
+        watch = epoch_end.EpochEnd("n9", keep_port=1).watch(Unreachable())
         watch._thread.join(5)
     said = [r for r in caplog.records if r.levelname == "WARNING"]
     assert said and "n9 stopped (ConnectionRefusedError" in said[0].getMessage()
-    assert not watch.ended
+    assert not watch.failed
     watch.close()
 
 
@@ -194,18 +195,17 @@ def test_a_silence_heard_late_shuts_its_own_epochs_connections_never_the_next_on
     each epoch's liveness is bound to that epoch's ledger, not to whichever epoch is current."""
     from types import SimpleNamespace
 
-    from elastictrain import membership
+    from elastictrain.inplace import members
 
-    monkeypatch.setattr(membership, "_store_port", lambda env: -1)
-    failed = epoch_end.EpochConnections()
+    failed = EpochConnections()
     failed_listener = tcp.listen()
     failed.learn(gloo_world)
-    following = epoch_end.EpochConnections()
+    following = EpochConnections()
     following_listener = tcp.listen()
     following.learn(gloo_world)
     to_failed, to_following = tcp.connect(failed_listener), tcp.connect(following_listener)
     accepted = tcp.accept(following_listener)
     liveness = SimpleNamespace(store_lost=False, peer_silent=False, silent_s=4.0)
-    membership.drop_silent(liveness, "no heartbeat from rank 2", None, failed)
+    members.drop_silent(liveness, "no heartbeat from rank 2", epoch_end.EpochEnd("n8", -1, failed))
     assert _shut(to_failed) and liveness.peer_silent
     assert _carries(to_following, accepted)

@@ -288,14 +288,16 @@ def test_a_plain_init_process_group_on_torchruns_shared_store_is_named_once_with
 def test_run_in_place_refuses_a_sharded_model_before_training(tmp_path, monkeypatch):
     """A sharded model cannot be rebuilt over a new mesh by the manager (only the code that
     built it can): under replace_in_place, run() refuses it with the fix, before any step."""
+    from types import SimpleNamespace
+
     from elastictrain import library
-    from elastictrain.checkpoint import manager as manager_module
 
     model, opt, sched = build()
     with CheckpointManager(str(tmp_path / "c"), checkpoint_every_steps=4) as ckpt:
         ckpt.resume(model, opt, sched)
-        monkeypatch.setattr(library, "current", lambda: object())  # as under replace_in_place
-        monkeypatch.setattr(manager_module, "is_sharded", lambda m: m is model)
+        in_place = SimpleNamespace(settings=SimpleNamespace(replace_in_place=True), epoch=None)
+        monkeypatch.setattr(library, "_driver", in_place)  # as under replace_in_place
+        monkeypatch.setattr(library, "is_sharded", lambda m: m is model)
         before = [p.detach().clone() for p in model.parameters()]
         with pytest.raises(ConfigError, match="--replace-in-place --parallel fsdp"):
             ckpt.run(lambda step, net: None, model, opt, sched, start=0, stop=3)

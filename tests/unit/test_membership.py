@@ -1,4 +1,4 @@
-"""elastictrain.membership: who is in the next epoch after a death, agreed through a real
+"""elastictrain.inplace.members: who is in the next epoch after a death, agreed through a real
 TCPStore, and which errors mean a peer's process is gone."""
 
 from __future__ import annotations
@@ -11,9 +11,16 @@ from types import SimpleNamespace
 import pytest
 import torch.distributed as dist
 
-from elastictrain import agreement, membership
 from elastictrain.handshake import ATTEMPT_KEY
-from elastictrain.membership import LiveState, is_peer_loss, join_as_replacement, publish, regroup
+from elastictrain.inplace import agreement
+from elastictrain.inplace import members as membership
+from elastictrain.inplace.members import (
+    LiveState,
+    is_peer_loss,
+    join_as_replacement,
+    publish,
+    regroup,
+)
 
 
 def _store() -> dist.TCPStore:
@@ -75,9 +82,9 @@ def test_a_member_found_silent_is_not_waited_for():
 
 def test_silent_members_are_the_verdicts_ranks_as_torchrun_ranks():
     liveness = SimpleNamespace(peer_silent=True, verdict=[{"rank": 1, "host": "h", "silent_s": 4}])
-    assert membership.silent_members(liveness, [0, 2, 3]) == [2]
+    assert membership.silent_members(liveness, [0, 2, 3], None) == [2]
     liveness.peer_silent = False  # the epoch ended by a death, not this silence
-    assert membership.silent_members(liveness, [0, 2, 3]) == []
+    assert membership.silent_members(liveness, [0, 2, 3], None) == []
 
 
 def test_a_member_not_back_within_the_wait_is_dropped_and_a_late_one_learns_it():
@@ -96,14 +103,14 @@ def test_a_survivor_counted_back_as_it_leaves_is_not_counted_again(monkeypatch):
     teardown; their regroup must not count them a second time, or the count is full before the
     dead rank's replacement is back, which is then dropped with its node."""
     shut = []
-    monkeypatch.setattr(membership, "leave_collectives", lambda env, connections: shut.append(env))
     server = _store()
     server.set(ATTEMPT_KEY, "n3")
     publish(server, "n3", [0, 1, 2])
     results: dict = {}
     for r in (0, 2):  # survivors; rank 1 died
         carry = LiveState(5, {}, None, time.time(), nonce="n3", members=[0, 1, 2])
-        membership.leave(carry, _client(server), SimpleNamespace(rank=r), connections=None)
+        end = SimpleNamespace(fail=lambda why, r=r: shut.append(SimpleNamespace(rank=r)))
+        membership.leave(carry, _client(server), r, end)
         assert carry.counted_in
 
     def survivor(r):
@@ -130,12 +137,12 @@ def test_a_survivor_counted_back_as_it_leaves_is_not_counted_again(monkeypatch):
 
 def test_peer_loss_is_told_from_this_ranks_own_errors():
     gone = RuntimeError("[pair.cc:537] Read error [127.0.0.1]:1: Connection reset by peer. ...")
-    assert is_peer_loss(gone)
+    assert is_peer_loss(gone, None)
     wrapped = ValueError("step failed")
     wrapped.__cause__ = gone
-    assert is_peer_loss(wrapped)
-    assert not is_peer_loss(RuntimeError("CUDA out of memory"))
-    assert not is_peer_loss(ValueError("bad batch"))
+    assert is_peer_loss(wrapped, None)
+    assert not is_peer_loss(RuntimeError("CUDA out of memory"), None)
+    assert not is_peer_loss(ValueError("bad batch"), None)
 
 
 def test_a_death_that_recurs_is_refused_and_the_verdict_stops_the_next_attempt_at_once():

@@ -193,3 +193,35 @@ def test_a_resume_from_the_fast_tier_says_which_nodes_served_which_ranks():
     text = timeline.summary(timeline.build_timeline(events))
     assert "(from the fast tier: ranks 0-3 by rank 0's node; 0 bytes from other nodes, 50 steps " \
         "past the durable one)" in text, text  # fmt: skip
+
+
+def test_an_in_place_recovery_is_down_from_the_epochs_leaving_and_keeps_the_steps_it_trained():
+    """The picture shaded an in-place recovery from the epoch's last periodic event to the next
+    first step: a 0.6 s stall drawn as 4.5 s, and the steps trained since that event looked
+    lost. The epoch's ``leaving`` transition says when it ended and what it held; the next
+    epoch's first transitions (written once its log exists) do not extend it.
+    (Seen failing before: the attempt ended at 9.2 s at step 10.)"""
+    events = [
+        *attempt(0.0, 4, 0, 0),
+        ev(Event.PROGRESS, 5.0, step=10, loss=1.0),
+        ev(Event.EPOCH_STATE, 9.0, state="leaving", previous="training", step=14, reason="x"),
+        ev(Event.EPOCH_STATE, 9.1, state="gathering", previous="leaving", reason="counted back"),
+        ev(Event.EPOCH_STATE, 9.2, state="forming", previous="gathering", reason="members"),
+        ev(
+            Event.START,
+            9.3,
+            world_size=4,
+            restart_count=0,
+            generation=9,
+            max_steps=100,
+            began="replaced in place",
+            replaced_ranks=[1],
+            failed_at=8.9,
+        ),
+        ev(Event.RESUME, 9.4, step=14, world_size=4),
+        ev(Event.FIRST_STEP, 9.5, step=15),
+    ]
+    first, second = timeline.build_timeline(events).attempts
+    assert first.last_step == 14 and first.end == 9.0 and first.down_from == 9.0
+    assert first.outcome == Outcome.LOST
+    assert round(second.stall_s, 3) == 0.6 and second.trained_at - first.down_from == 0.5

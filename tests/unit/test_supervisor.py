@@ -1,4 +1,4 @@
-"""elastictrain.supervisor with a stand-in for the training process (no torch): a child that
+"""elastictrain.inplace.supervisor with a stand-in for the training process (no torch): a child that
 dies by a signal is replaced by the spare, any exit it chose is the supervisor's own, the budget
 of replacements is kept, and a stop signal reaches the training process once."""
 
@@ -45,7 +45,7 @@ def _supervise(d, script: str, max_replacements: int) -> subprocess.Popen:
     """A supervisor in a process of its own (it may end by its child's signal), as torchrun
     starts it; this test is its agent."""
     code = (
-        "import sys; from elastictrain.supervisor import Supervisor; "
+        "import sys; from elastictrain.inplace.supervisor import Supervisor; "
         f"sys.exit(Supervisor([], max_replacements={max_replacements}, rank=3, "
         f"program=({script!r},)).run())"
     )

@@ -10,7 +10,6 @@ them, and one load path for all is what makes the epoch bitwise a resume at that
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -21,14 +20,11 @@ from elastictrain.checkpoint.api import Restored, ResumeOrigin, Tier
 from elastictrain.checkpoint.state import train_state as tstate
 from elastictrain.errors import LiveStateCorruptError
 
-if TYPE_CHECKING:
-    from elastictrain.agreement import Epoch
-    from elastictrain.membership import LiveState
-
 
 @dataclass(frozen=True)
 class Live:
-    """Where an in-place epoch's state comes from."""
+    """Where an in-place epoch's state comes from, as every rank agreed it
+    (``inplace.agreement.EpochStart.live``)."""
 
     captured: dict | None
     """This rank's carried state (references to its live tensors), None for a replacement."""
@@ -42,18 +38,6 @@ class Live:
     """The newest step committed to the durable tier, as the survivors knew it."""
     saved_world_size: int | None = None
     """The failed epoch's world size (smaller now when a lost node's ranks were dropped)."""
-
-    @classmethod
-    def of(cls, carry: LiveState | None, epoch: Epoch) -> Live:
-        """An in-place epoch's source, as every rank agreed it (``agreement.agree``)."""
-        return cls(
-            carry.captured if carry is not None else None,
-            carry.step if carry is not None else -1,
-            carry.layout if carry is not None else None,
-            epoch.source_rank,
-            epoch.last_committed,
-            epoch.previous_world_size,
-        )
 
 
 def fetch(

@@ -1,13 +1,14 @@
-"""Membership epochs (``--replace-in-place``): how the ranks that did not fail keep their processes
-and their state, and agree with a replacement how the next epoch begins.
+"""Who is in a membership epoch (``--replace-in-place``): how the ranks that did not fail keep their
+processes and their state, and find, with a replacement, the members of the next epoch.
 
 An epoch is one agreed set of training processes. A survivor's loop sees a peer's death as an
 error from a collective (gloo's connection to the dead process resets); it keeps what it trained
 (:class:`LiveState`: the state of the newest step it completed, as one flat file in memory) and
-raises :class:`PeerLost`. The runner then builds the next epoch in the same process: the restart-
-safe handshake on torchrun's store (a fresh nonce and generation: fresh process groups, and a
-dead rank 0's background persist is fenced off), then ``agreement.agree``, then a resume whose bytes
-come from the survivor holding the newest step (``checkpoint.resume.live``).
+raises :class:`PeerLost`. The epoch's driver (``driver``) then builds the next epoch in the same
+process: its members (:func:`next_members`), the restart-safe handshake on torchrun's store (a
+fresh nonce and generation: fresh process groups, and a dead rank 0's background persist is
+fenced off), then ``agreement.agree``, then a resume whose bytes come from the survivor holding
+the newest step (``checkpoint.resume.live``).
 """
 
 from __future__ import annotations
@@ -22,10 +23,10 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from elastictrain import epoch_end
 from elastictrain.env import DistEnv, rendezvous_store
 from elastictrain.errors import InitTimeoutError
 from elastictrain.handshake import ATTEMPT_KEY
+from elastictrain.inplace import epoch_end
 from elastictrain.job_store import connect
 
 logger = logging.getLogger(__name__)
@@ -80,11 +81,12 @@ def error_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {text[0][:300] if text else ''}"
 
 
-def is_peer_loss(error: BaseException) -> bool:
+def is_peer_loss(error: BaseException, end: epoch_end.EpochEnd | None) -> bool:
     """Whether ``error`` says a peer's process is gone (not a bug of this rank's own): its own
-    words (gloo's reset), or the epoch's end announced (``epoch_end``: an aborted NCCL group
-    fails in many ways, down to "no default process group")."""
-    if epoch_end.ended():
+    words (gloo's reset), or the epoch's collectives failed by its ``end`` (announced, or a
+    member silent: an aborted NCCL group fails in many ways, down to "no default process
+    group"), whichever thread failed them first."""
+    if end is not None and end.failed:
         return True
     for e in _chain(error):
         if isinstance(e, dist.DistError) or (
@@ -109,6 +111,7 @@ def next_members(
     timeout_s: float,
     silent_s: float,
     beat_s: float = 0.0,
+    store: dist.Store | None = None,
 ) -> list[int]:
     """The epoch's members by torchrun rank (``env``: torchrun's): everyone at a start; after a
     death, whoever is back (:func:`regroup`), agreed through the job's store, which outlives every
@@ -117,12 +120,13 @@ def next_members(
     After a silent peer the wait is at least two beats (``beat_s``): only rank 0 watches every
     rank, and the other survivors learn of the silence from its beat, up to a beat later (a
     death, by contrast, resets every survivor's connections at once). ``--replace-wait`` alone
-    would drop them with the frozen node."""
+    would drop them with the frozen node. ``store``: the job's (default: connected to here)."""
     if carry is None and died_at is None:
         return list(range(env.world_size))
     if carry is not None and carry.silent:
         wait_s = max(wait_s, 2 * beat_s + 0.5)
-    store = connect(env, timeout_s=timeout_s, silent_s=silent_s, store_up=True).store
+    if store is None:
+        store = connect(env, timeout_s=timeout_s, silent_s=silent_s, store_up=True).store
     if carry is not None:
         return regroup(
             store,
@@ -219,20 +223,17 @@ def _get_json(store: dist.Store, key: str, me: int, timeout_s: float) -> list[in
         store.set_timeout(original)
 
 
-def drop_silent(
-    liveness, reason: str, env: DistEnv, connections: epoch_end.EpochConnections | None
-) -> None:
+def drop_silent(liveness, reason: str, end: epoch_end.EpochEnd | None) -> None:
     """A peer silent past --silent-timeout (a frozen host), in place: fail this epoch's
-    collectives now (:func:`leave_collectives`), so the survivors regroup without it, instead of
-    exiting 8 for a restart. A silent store is still an exit: nothing can be agreed without it.
-    ``liveness``: the epoch's :class:`~elastictrain.liveness.Liveness`; ``connections``: the
-    epoch's own (None before its groups exist): a silence heard late, once the next epoch's
-    groups are built, shuts nothing of theirs."""
+    collectives now (its ``end``), so the survivors regroup without it, instead of exiting 8 for
+    a restart. A silent store is still an exit: nothing can be agreed without it.
+    ``liveness``: the epoch's :class:`~elastictrain.liveness.Liveness`; ``end``: the epoch's
+    (None before its groups exist); once closed (the next epoch began), it shuts nothing."""
     if liveness.store_lost:
         liveness.exit_silent(reason)
         return
     liveness.peer_silent = True
-    shut = leave_collectives(env, connections)
+    shut = end.fail(f"a member is silent ({reason})") if end is not None else 0
     logger.error(
         "PEER SILENT: %s (--silent-timeout=%gs); this epoch's %d connections shut so the others "
         "go on without it",
@@ -242,11 +243,11 @@ def drop_silent(
     )
 
 
-def silent_members(liveness, members: list[int]) -> list[int]:
+def silent_members(liveness, members: list[int], end: epoch_end.EpochEnd | None) -> list[int]:
     """The epoch's ranks ``liveness`` found silent (or heard of from rank 0), as torchrun ranks
-    (``members``: the epoch's, in its rank order), or that the epoch's end announced
-    (``epoch_end``: it may be heard before rank 0's beat); empty when it did not end by one."""
-    heard = set(epoch_end.heard_silent())
+    (``members``: the epoch's, in its rank order), or that the epoch's ``end`` was announced
+    with (it may be heard before rank 0's beat); empty when it did not end by one."""
+    heard = set(end.silent) if end is not None else set()
     if not liveness.peer_silent or not liveness.verdict:
         return sorted(heard)
     found = {members[v["rank"]] for v in liveness.verdict if v["rank"] < len(members)}
@@ -254,44 +255,26 @@ def silent_members(liveness, members: list[int]) -> list[int]:
 
 
 def leave(
-    carry: LiveState,
-    store: dist.Store | None,
-    env: DistEnv,
-    connections: epoch_end.EpochConnections | None,
+    carry: LiveState, store: dist.Store | None, me: int, end: epoch_end.EpochEnd | None
 ) -> None:
     """A survivor, the moment it sees a peer's death (``carry`` names the failed epoch): fail
-    every collective blocked on this rank (:func:`leave_collectives`), then count itself back
-    for the next epoch in the job's ``store``. Counted here, before this process tears the epoch
-    down (its groups, its liveness thread, its session: seconds on a loaded host), since the
-    others wait only ``--replace-wait`` for whoever is not back: a survivor late for that would
-    be dropped with the dead rank's node. ``connections``: the failed epoch's."""
-    leave_collectives(env, connections)
+    every collective of the epoch blocked on this rank (its ``end``: a rank blocked in a
+    collective on a survivor, not on the dead rank, would otherwise wait for
+    --collective-timeout, since with more than two ranks a ring or a tree passes through others,
+    and a survivor's groups keep their sockets open until their last reference goes), then
+    count itself back for the next epoch in the job's ``store``. Counted here, before this
+    process tears the epoch down (its groups, its liveness thread, its session: seconds on a
+    loaded host), since the others wait only ``--replace-wait`` for whoever is not back: a
+    survivor late for that would be dropped with the dead rank's node. ``me``: this rank's
+    torchrun rank."""
+    if end is not None:
+        end.fail("this rank left it (a peer's death)")
     if store is not None:
-        _count_in(store, carry.nonce, env.rank, carry.silent)
+        _count_in(store, carry.nonce, me, carry.silent)
         carry.counted_in = True
 
 
-def watch_epoch(
-    store: dist.Store,
-    nonce: str,
-    env: DistEnv,
-    connections: epoch_end.EpochConnections | None = None,
-) -> epoch_end.EpochWatch:
-    """Every member, once its epoch's groups exist (``env``: torchrun's): the watch that fails
-    them when the epoch's end is announced (``epoch_end``; closed by ``dist.shutdown``).
-    ``connections``: the epoch's own (``dist.ProcessGroups.connections``), all it may shut."""
-    return epoch_end.EpochWatch(store, nonce, _store_port(env), connections).start()
-
-
-def _store_port(env: DistEnv) -> int:
+def store_port(env: DistEnv) -> int:
+    """The job store's port (``env``: torchrun's): its connections are never the epoch's."""
     store = rendezvous_store(env)
     return store.port if store else env.master_port
-
-
-def leave_collectives(env: DistEnv, connections: epoch_end.EpochConnections | None) -> int:
-    """Fail every collective of the epoch whose ``connections`` these are
-    (``epoch_end.abort_collectives``); the number of connections shut. Called by every survivor as it leaves the epoch: a rank blocked in
-    a collective on a survivor (not on the dead rank: with more than two ranks, a ring or a tree
-    passes through others) would otherwise wait for --collective-timeout, since the survivor's
-    groups keep their sockets open until their last reference goes."""
-    return epoch_end.abort_collectives(_store_port(env), connections)

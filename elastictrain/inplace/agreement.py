@@ -1,24 +1,26 @@
 """How a membership epoch began, agreed by every member (``--replace-in-place``): who is a
 replacement, the newest step a survivor holds and who sends it, and whether the failure that ended
-the epoch before recurs, which ends the job instead of repeating it (``membership`` says who the
+the epoch before recurs, which ends the job instead of repeating it (``members`` says who the
 members are; this module, what they agree once they are in).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch.distributed as dist
 
 from elastictrain import dist as edist
+from elastictrain.checkpoint.resume.live import Live
 from elastictrain.errors import RecurringFailureError
-from elastictrain.membership import LiveState
+from elastictrain.inplace.members import LiveState
 
 RECURRING_KEY = "elastictrain/recurring-failure"
 
 
 @dataclass(frozen=True)
-class Epoch:
+class EpochStart:
     """How this membership epoch began, agreed by every rank."""
 
     replaced: list[int]
@@ -39,6 +41,19 @@ class Epoch:
     def in_place(self) -> bool:
         """Some rank survived with its state: it comes from memory, not the checkpoints."""
         return self.newest_step >= 0
+
+    def live(self, carry: LiveState | None) -> Live | None:
+        """Where the state comes from: a survivor's memory (None: the checkpoints)."""
+        if not self.in_place:
+            return None
+        return Live(
+            carry.captured if carry is not None else None,
+            carry.step if carry is not None else -1,
+            carry.layout if carry is not None else None,
+            self.source_rank,
+            self.last_committed,
+            self.previous_world_size,
+        )
 
     def start_fields(self) -> dict:
         """What the ``start`` event records of an epoch that replaced ranks."""
@@ -72,7 +87,8 @@ def agree(
     rank: int,
     members: list[int] | None = None,
     dropped: list[int] = (),
-) -> Epoch:
+    collectives: Any = edist,
+) -> EpochStart:
     """Every rank, at the start of every epoch: one small all-gather says who survived with what
     and who is a replacement. ``members``: the epoch's torchrun ranks, in its rank order;
     ``dropped``: the failed epoch's members not back. Rank 0 also asks the job's store whether a
@@ -86,7 +102,7 @@ def agree(
         len(carry.members) if carry else 0,
         carry.error if carry else "",
     )
-    everyone = edist.all_gather_object(mine, group)
+    everyone = collectives.all_gather_object(mine, group)
     steps = [s for s, _, _, _, _, _ in everyone]
     newest = max(steps)
     replaced = [r for r, (_, _, _, d, _, _) in enumerate(everyone) if d is not None]
@@ -95,7 +111,7 @@ def agree(
     committed = [c for _, c, _, _, _, _ in everyone if c is not None]
     # The earliest sign of the death: its supervisor's poll, or a survivor's failed collective.
     died = min(deaths + seen) if deaths or seen else None
-    epoch = Epoch(
+    epoch = EpochStart(
         replaced=replaced,
         newest_step=newest,
         source_rank=steps.index(newest) if newest >= 0 else None,
@@ -110,7 +126,15 @@ def agree(
     # reads as a loss). Once at a step it may be a transient reset; again there, it is not.
     errors = [e for _, _, _, _, _, e in everyone if e]
     unexplained = errors[0] if newest >= 0 and not lost and errors else None
-    _refuse_recurring(lost, newest, group=group, store=store, rank=rank, unexplained=unexplained)
+    _refuse_recurring(
+        lost,
+        newest,
+        group=group,
+        store=store,
+        rank=rank,
+        unexplained=unexplained,
+        collectives=collectives,
+    )
     return epoch
 
 
@@ -122,6 +146,7 @@ def _refuse_recurring(
     store: dist.Store | None,
     rank: int,
     unexplained: str | None = None,
+    collectives: Any = edist,
 ) -> None:
     """``unexplained``: the error that ended an epoch none of whose members was lost."""
     verdict = ""
@@ -144,6 +169,7 @@ def _refuse_recurring(
                     "for how it died, fix the cause, and relaunch"
                 )
                 store.set(RECURRING_KEY, verdict)
-    verdict = edist.broadcast_bytes(verdict.encode() if rank == 0 else None, group).decode()
+    verdict = collectives.broadcast_bytes(verdict.encode() if rank == 0 else None, group)
+    verdict = bytes(verdict).decode()
     if verdict:
         raise RecurringFailureError(verdict)
