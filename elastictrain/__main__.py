@@ -13,7 +13,7 @@ import sys
 
 import storage
 from elastictrain.errors import EXIT_CRASH, EXIT_USER_ERROR, ElasticTrainError, exit_code
-from elastictrain.signals import StopSignals, exit_without_teardown
+from elastictrain.runtime.signals import StopSignals, exit_without_teardown
 from elastictrain.tools import TOOLS
 
 logger = logging.getLogger("elastictrain")
@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None, early_signals: StopSignals | None = None
                 rank=rank,
                 stopped_s=cfg.silent_timeout or None,
             )
-        from elastictrain.runner import run
+        from elastictrain.train.runner import run
 
         return run(cfg, early_signals)
     except (ElasticTrainError, storage.StorageError) as e:

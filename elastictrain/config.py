@@ -21,7 +21,7 @@ from typing import Any, Literal, get_args, get_type_hints
 
 from elastictrain import mesh
 from elastictrain.errors import ConfigError
-from elastictrain.signals import parse_signal
+from elastictrain.runtime.signals import parse_signal
 from storage.hashing import DEFAULT_ALGORITHM
 
 DEFAULT_TASK = "elastictrain.toy:make_task"
@@ -121,6 +121,9 @@ class CheckpointConfig:
                 raise self._bad(name, "> 0")
         if not _positive(self.checkpoint_every_seconds, optional=True):
             raise self._bad("checkpoint_every_seconds", "> 0")
+        self._check_signals_and_local_tier()
+
+    def _check_signals_and_local_tier(self) -> None:
         self.preempt_signals = tuple(self.preempt_signals)
         for name in self.preempt_signals:
             parse_signal(name, setting=self.name_of("preempt_signals"))
@@ -234,19 +237,26 @@ class RunConfig:
             raise ConfigError(
                 f"--task must be MODULE:CALLABLE, e.g. {DEFAULT_TASK}; got {self.task!r}."
             )
-        names = ("max_steps", "init_timeout", "collective_timeout", "hang_timeout", "hang_floor",
-                 "heartbeat_seconds")  # fmt: skip
+        names = (
+            "max_steps",
+            "init_timeout",
+            "collective_timeout",
+            "hang_timeout",
+            "hang_floor",
+            "heartbeat_seconds",
+        )
         for name in names:
             if not _positive(getattr(self, name)):
                 raise ConfigError(f"{flag(name)} must be > 0, got {getattr(self, name)!r}.")
-        if self.silent_timeout < 0 or (
-            self.silent_timeout and self.silent_timeout < 2 * self.heartbeat_seconds
-        ):
-            raise ConfigError(
-                f"--silent-timeout must be 0 (off) or at least twice --heartbeat-seconds "
-                f"({2 * self.heartbeat_seconds:g}s), got {self.silent_timeout!r}: a rank is only "
-                "silent after missing more than one beat."
-            )
+        check_silent_timeout(self.silent_timeout, self.heartbeat_seconds, flag)
+        self._check_in_place()
+        if not _positive(self.log_every_seconds):
+            raise ConfigError(f"--log-every-seconds must be > 0, got {self.log_every_seconds!r}.")
+        if self.mesh is not None:
+            mesh.parse(self.mesh)  # the syntax now; the sizes against the world size at start
+        self._check_loop()
+
+    def _check_in_place(self) -> None:
         if not (_positive(self.replace_timeout) and _positive(self.replace_wait)):
             raise ConfigError(
                 f"--replace-wait and --replace-timeout must be > 0, got {self.replace_wait!r} and "
@@ -256,10 +266,8 @@ class RunConfig:
             raise ConfigError(
                 f"--max-replacements must be 0 or more, got {self.max_replacements!r}."
             )
-        if not _positive(self.log_every_seconds):
-            raise ConfigError(f"--log-every-seconds must be > 0, got {self.log_every_seconds!r}.")
-        if self.mesh is not None:
-            mesh.parse(self.mesh)  # the syntax now; the sizes against the world size at start
+
+    def _check_loop(self) -> None:
         if self.eval_every_steps == 0:
             self.eval_every_steps = None
         for name in ("grad_accum_steps", "prefetch_factor", "eval_every_steps"):
@@ -280,6 +288,19 @@ class RunConfig:
                 f"--tensorboard {self.tensorboard} needs the tensorboard package: "
                 "pip install 'elastictrain[tensorboard]' (or drop --tensorboard)."
             )
+
+
+def check_silent_timeout(
+    silent_timeout: float, heartbeat_seconds: float, name_of: Callable[[str], str]
+) -> None:
+    """0 (off), or at least two beats: a rank is only silent once it missed more than one. The
+    runner's flags and ``init_distributed``'s keywords alike (``name_of`` spells them)."""
+    if silent_timeout < 0 or (silent_timeout and silent_timeout < 2 * heartbeat_seconds):
+        raise ConfigError(
+            f"{name_of('silent_timeout')} must be 0 (off) or at least twice "
+            f"{name_of('heartbeat_seconds')} ({2 * heartbeat_seconds:g}s), got "
+            f"{silent_timeout!r}: a rank is only silent after missing more than one beat."
+        )
 
 
 def check_choices(config: Any, name_of: Callable[[str], str]) -> None:

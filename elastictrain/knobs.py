@@ -8,6 +8,14 @@ test can set it with monkeypatch.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
+
+ROLE = "ELASTICTRAIN_ROLE"
+"""Set by a rank's supervisor (``--replace-in-place``) on its children: ``worker`` (training from
+the start) or ``spare``."""
+AGENT_PID = "ELASTICTRAIN_AGENT_PID"
+"""Set by a rank's supervisor on its children: the torchrun agent's pid (their parent is the
+supervisor, not the agent)."""
 
 
 def log_level(default: str) -> str:
@@ -40,3 +48,15 @@ def nccl_in_place() -> bool:
     built (``epoch_end``) but has not yet run on GPUs beyond the GPU tier's one-device cases
     (docs/faults.md, "NCCL"); until it has, a CUDA job asks for it by name."""
     return os.environ.get("ELASTICTRAIN_NCCL_IN_PLACE") == "1"
+
+
+def role() -> str | None:
+    """``ELASTICTRAIN_ROLE``: this process's role under a supervisor, or None for the process
+    torchrun started."""
+    return os.environ.get(ROLE)
+
+
+def agent_pid(environ: Mapping[str, str] = os.environ) -> int:
+    """``ELASTICTRAIN_AGENT_PID``: the torchrun agent's pid, as the supervisor named it; else this
+    process's parent (the agent itself)."""
+    return int(environ.get(AGENT_PID, os.getppid()))

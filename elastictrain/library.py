@@ -27,13 +27,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from elastictrain import dist as edist
 from elastictrain.checkpoint import manager as checkpoint_manager
 from elastictrain.checkpoint.checkpointer import Resumed
 from elastictrain.checkpoint.resume.live import Live
 from elastictrain.checkpoint.sharded.format import is_sharded
 from elastictrain.checkpoint.state.train_state import TrainState
-from elastictrain.env import DistEnv, read_env
+from elastictrain.cluster.env import DistEnv, read_env
+from elastictrain.cluster.groups import pick_device
+from elastictrain.config import check_silent_timeout
 from elastictrain.errors import EXIT_INIT_TIMEOUT, ConfigError
 from elastictrain.inplace import epoch_end, recovering, supervisor
 from elastictrain.inplace.driver import EpochDriver, EpochSettings
@@ -73,7 +74,7 @@ def init_distributed(
         timeout: seconds a collective may wait for the slowest rank.
         backend: ``"gloo"`` or ``"nccl"``; default from the device.
         silent_timeout: seconds without a peer's heartbeat before this rank exits 8 naming it, so
-            torchrun re-forms the group without a frozen host (``elastictrain.liveness``, beats
+            torchrun re-forms the group without a frozen host (``elastictrain.cluster.liveness``, beats
             from a thread of its own); 0 turns it off.
         heartbeat_seconds: seconds between two beats (the runner's ``--heartbeat-seconds``).
         replace_in_place: keep the survivors of a peer's death training (CPU/gloo, DDP; NCCL
@@ -91,16 +92,12 @@ def init_distributed(
     """
     global _driver
     env = read_env()
-    device = edist.pick_device(env)
+    device = pick_device(env)
     if backend == "gloo":
         device = torch.device("cpu")
     if not env.launched_by_torchrun or dist.is_initialized():
         return device
-    if silent_timeout and silent_timeout < 2 * heartbeat_seconds:
-        raise ConfigError(
-            f"silent_timeout must be 0 (off) or at least two beats ({2 * heartbeat_seconds:g}s), "
-            f"got {silent_timeout!r}: a rank is only silent once it missed a beat."
-        )
+    check_silent_timeout(silent_timeout, heartbeat_seconds, str)
     settings = EpochSettings(
         replace_in_place=replace_in_place,
         init_timeout=init_timeout,

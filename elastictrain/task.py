@@ -35,7 +35,7 @@ class Task:
     dataset: Dataset
     """Map-style: ``len(dataset)`` and ``dataset[i]``, identical on every rank. Or a stream, an
     ``IterableDataset`` with ``state_dict()``/``load_state_dict()`` (and ``seek(position, rank,
-    world_size)`` to resume at another world size): see :mod:`elastictrain.streams`."""
+    world_size)`` to resume at another world size): see :mod:`elastictrain.train.streams`."""
     batch_size: int
     """Global batch: samples per optimizer step across all ranks. Constant when ranks come and go."""
     make_optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from elastictrain.env import read_env
+from elastictrain.cluster.env import read_env
 from elastictrain.errors import ConfigError
 from elastictrain.task import Task, option
 
@@ -97,7 +97,7 @@ def shard(model: nn.Module, mesh) -> None:
     from torch.distributed.fsdp import fully_shard
 
     from elastictrain.mesh import data_mesh
-    from elastictrain.parallel import default_units
+    from elastictrain.train.parallel import default_units
 
     if "tp" in (mesh.mesh_dim_names or ()):
         tensor_parallel(model, mesh["tp"])

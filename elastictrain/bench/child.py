@@ -40,18 +40,37 @@ def torchrun(*args: str, nproc: int = 2, max_restarts: int | None = None) -> lis
     """The command line of a one-node ``torchrun --standalone`` job of ``nproc`` workers."""
     restarts = [f"--max-restarts={max_restarts}"] if max_restarts is not None else []
     return [
-        sys.executable, "-m", "torch.distributed.run", "--standalone",
-        f"--nproc_per_node={nproc}", *restarts, *args,
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        *restarts,
+        *args,
+    ]
 
 
 def toy_job_args(ckpt: str, ev: str, size: int) -> list[str]:
     """The toy task's job with about ``size`` bytes of state, checkpointing every 20 steps."""
     layers = max(1, round(size / (8 * 1024 * 1024)))  # weights + momentum of 1024x1024 fp32 layers
-    return ["-m", "elastictrain", "--checkpoint-dir", ckpt, "--event-log", ev,
-            "--max-steps", "1000000", "--checkpoint-every-steps", "20",
-            "--task-option", "hidden=1024", "--task-option", f"layers={layers}",
-            "--task-option", "batch_size=32"]  # fmt: skip
+    return [
+        "-m",
+        "elastictrain",
+        "--checkpoint-dir",
+        ckpt,
+        "--event-log",
+        ev,
+        "--max-steps",
+        "1000000",
+        "--checkpoint-every-steps",
+        "20",
+        "--task-option",
+        "hidden=1024",
+        "--task-option",
+        f"layers={layers}",
+        "--task-option",
+        "batch_size=32",
+    ]
 
 
 class Torchrun:
@@ -72,8 +91,11 @@ class Torchrun:
         with open(log, "wb") as out:
             self.proc = subprocess.Popen(
                 command or torchrun(*args, nproc=nproc, max_restarts=3),
-                stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-            )  # fmt: skip
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+            )
 
     def workers(self) -> dict[int, int]:
         out, todo = {}, [self.proc.pid]

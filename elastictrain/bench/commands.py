@@ -23,8 +23,12 @@ BENCHES = {
 }
 
 # The boolean flags of earlier releases, accepted for one more with a warning.
-OLD_FLAGS = {"--recovery": "recovery", "--overhead": "overhead", "--loader": "loader",
-             "--sharded": "sharded"}  # fmt: skip
+OLD_FLAGS = {
+    "--recovery": "recovery",
+    "--overhead": "overhead",
+    "--loader": "loader",
+    "--sharded": "sharded",
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -129,8 +133,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=lambda text: [int(w) for w in text.split(",")],
         help="instead: the whole runner with W real torchrun workers on this host, at each W",
     )
-    scale.add_argument("--parallel", choices=("ddp", "fsdp"), default="ddp",
-                       help="with --processes: how the toy model is wrapped (ddp)")  # fmt: skip
+    scale.add_argument(
+        "--parallel",
+        choices=("ddp", "fsdp"),
+        default="ddp",
+        help="with --processes: how the toy model is wrapped (ddp)",
+    )
     scale.add_argument("--latency-ms", type=float, default=20.0, help="per storage request (20)")
     scale.add_argument(
         "--layout",

@@ -66,13 +66,36 @@ def step_s(workers: int, load_s: float, compute_s: float, steps: int, workdir: s
     ev = os.path.join(workdir, f"ev-{workers}-{time.monotonic_ns()}.jsonl")
     env = child_env()
     subprocess.run(
-        [sys.executable, "-m", "elastictrain", "--task", "elastictrain.bench.loader:make_task",
-         "--task-option", f"load_s={load_s}", "--task-option", f"compute_s={compute_s}",
-         "--num-workers", str(workers), "--max-steps", str(steps), "--event-log", ev,
-         "--checkpoint-dir", os.path.join(workdir, f"c-{workers}-{time.monotonic_ns()}"),
-         "--checkpoint-every-steps", "0", "--log-every-seconds", "1000", "--progress", "plain"],
-        env=env, check=True, capture_output=True, timeout=600,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "elastictrain",
+            "--task",
+            "elastictrain.bench.loader:make_task",
+            "--task-option",
+            f"load_s={load_s}",
+            "--task-option",
+            f"compute_s={compute_s}",
+            "--num-workers",
+            str(workers),
+            "--max-steps",
+            str(steps),
+            "--event-log",
+            ev,
+            "--checkpoint-dir",
+            os.path.join(workdir, f"c-{workers}-{time.monotonic_ns()}"),
+            "--checkpoint-every-steps",
+            "0",
+            "--log-every-seconds",
+            "1000",
+            "--progress",
+            "plain",
+        ],
+        env=env,
+        check=True,
+        capture_output=True,
+        timeout=600,
+    )
     (end,) = [e for e in read_events(ev) if e["event"] == Event.END]
     return end["after_first_step_s"] / (steps - 1)
 

@@ -33,11 +33,11 @@ TASK_OPTIONS = {"hidden": "512", "layers": "4", "batch_size": "64", "step_time":
 
 def plain_loop(steps: int, out: str) -> None:
     """The plain DDP loop, run by each torchrun worker."""
-    from elastictrain.data import GlobalBatchSampler
-    from elastictrain.loader import StepLoader
-    from elastictrain.loop import Trainer
-    from elastictrain.precision import Precision
     from elastictrain.task import build_task
+    from elastictrain.train.data import GlobalBatchSampler
+    from elastictrain.train.loader import StepLoader
+    from elastictrain.train.loop import Trainer
+    from elastictrain.train.precision import Precision
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -49,13 +49,26 @@ def plain_loop(steps: int, out: str) -> None:
     optimizer = task.make_optimizer(task.model.parameters())
     cpu = torch.device("cpu")
     loader = StepLoader(
-        task=task, sampler=sampler, rank=rank, world_size=world, micro_steps=1, seed=0,
-        start=0, stop=steps,
-    )  # fmt: skip
+        task=task,
+        sampler=sampler,
+        rank=rank,
+        world_size=world,
+        micro_steps=1,
+        seed=0,
+        start=0,
+        stop=steps,
+    )
     trainer = Trainer(
-        task=task, model=model, optimizer=optimizer, scheduler=None, loader=loader,
-        precision=Precision("fp32", cpu), device=cpu, rank=rank, seed=0,
-    )  # fmt: skip
+        task=task,
+        model=model,
+        optimizer=optimizer,
+        scheduler=None,
+        loader=loader,
+        precision=Precision("fp32", cpu),
+        device=cpu,
+        rank=rank,
+        seed=0,
+    )
     trainer.prime_buckets(0)
     trainer.step(0)
     t0 = time.perf_counter()
@@ -93,11 +106,24 @@ def _elastictrain_step_s(steps: int, workdir: str, i: str, *extra: str) -> float
     ev = os.path.join(workdir, f"ev{i}.jsonl")
     options = [a for k, v in TASK_OPTIONS.items() for a in ("--task-option", f"{k}={v}")]
     _torchrun(
-        ["-m", "elastictrain", "--checkpoint-dir", os.path.join(workdir, f"c{i}"),
-         "--checkpoint-every-steps", "0", "--max-steps", str(steps), "--event-log", ev,
-         "--log-every-seconds", "1000", *options, *extra],
+        [
+            "-m",
+            "elastictrain",
+            "--checkpoint-dir",
+            os.path.join(workdir, f"c{i}"),
+            "--checkpoint-every-steps",
+            "0",
+            "--max-steps",
+            str(steps),
+            "--event-log",
+            ev,
+            "--log-every-seconds",
+            "1000",
+            *options,
+            *extra,
+        ],
         workdir,
-    )  # fmt: skip
+    )
     (end,) = [e for e in read_events(ev) if e["event"] == Event.END]
     return end["after_first_step_s"] / (steps - 1)
 
@@ -108,7 +134,7 @@ def heartbeat_cpu_s(rounds: int = 500) -> float:
     too small for the step-time ratios above to resolve on a noisy host."""
     from datetime import timedelta
 
-    from elastictrain.liveness import Liveness
+    from elastictrain.cluster.liveness import Liveness
 
     server = dist.TCPStore(
         "127.0.0.1", 0, None, True, timedelta(seconds=30), wait_for_workers=False

@@ -147,8 +147,11 @@ class Bench:
         buffers.snapshot(self.state)  # first use allocates and touches the buffer, once per run
         copy = self._warm_copy()
         pairs: dict[str, list[tuple[float, float]]] = {
-            "blocked": [], "persist": [], "load": [], "load_warm": [],
-        }  # fmt: skip
+            "blocked": [],
+            "persist": [],
+            "load": [],
+            "load_warm": [],
+        }
 
         def blocked() -> float:
             t0 = time.perf_counter()

@@ -22,15 +22,36 @@ from elastictrain.observe.events import Event
 
 def measure(world: int, parallel: str, workdir: str) -> dict[str, Any]:
     ckpt, ev = os.path.join(workdir, f"ckpt-{world}"), os.path.join(workdir, f"ev-{world}.jsonl")
-    args = ["-m", "elastictrain", "--checkpoint-dir", ckpt, "--event-log", ev,
-            "--max-steps", "1000000", "--checkpoint-every-steps", "10", "--parallel", parallel,
-            "--no-local-checkpoint", "--log-every-seconds", "5",
-            "--init-timeout", "600", "--task-option", "step_time=0"]  # fmt: skip
+    args = [
+        "-m",
+        "elastictrain",
+        "--checkpoint-dir",
+        ckpt,
+        "--event-log",
+        ev,
+        "--max-steps",
+        "1000000",
+        "--checkpoint-every-steps",
+        "10",
+        "--parallel",
+        parallel,
+        "--no-local-checkpoint",
+        "--log-every-seconds",
+        "5",
+        "--init-timeout",
+        "600",
+        "--task-option",
+        "step_time=0",
+    ]
     t_launch = time.time()
     job = Torchrun(args, os.path.join(workdir, f"job-{world}.log"), child_env(), nproc=world)
     try:
-        first = wait_for(lambda: [e for e in events_in(ev) if e["event"] == Event.FIRST_STEP],
-                         600, "the first step", job)[0]  # fmt: skip
+        first = wait_for(
+            lambda: [e for e in events_in(ev) if e["event"] == Event.FIRST_STEP],
+            600,
+            "the first step",
+            job,
+        )[0]
 
         def three_saves() -> list[dict[str, Any]] | None:
             saves = [e for e in events_in(ev) if e["event"] == Event.CHECKPOINT]
@@ -40,9 +61,13 @@ def measure(world: int, parallel: str, workdir: str) -> dict[str, Any]:
         t_kill = time.time()
         os.kill(job.workers()[world - 1], signal.SIGKILL)
         again = wait_for(
-            lambda: [e for e in events_in(ev) if e["event"] == Event.FIRST_STEP and e["time"] > t_kill],
-            600, "the first step after the kill", job,
-        )[0]  # fmt: skip
+            lambda: [
+                e for e in events_in(ev) if e["event"] == Event.FIRST_STEP and e["time"] > t_kill
+            ],
+            600,
+            "the first step after the kill",
+            job,
+        )[0]
         resumed = [e for e in events_in(ev) if e["event"] == Event.RESUME and e["time"] > t_kill]
     finally:
         job.stop()
@@ -63,13 +88,18 @@ def _resume_smaller(args: list[str], ev: str, world: int, workdir: str) -> dict[
     """The same checkpoints resumed by 3W/4 workers: the sharded state resharded on load."""
     new_world = max(1, world * 3 // 4)
     t_launch = time.time()
-    job = Torchrun(args, os.path.join(workdir, f"job-{world}-to-{new_world}.log"), child_env(),
-                   nproc=new_world)  # fmt: skip
+    job = Torchrun(
+        args, os.path.join(workdir, f"job-{world}-to-{new_world}.log"), child_env(), nproc=new_world
+    )
     try:
         first = wait_for(
-            lambda: [e for e in events_in(ev) if e["event"] == Event.FIRST_STEP and e["time"] > t_launch],
-            600, f"the first step at {new_world} workers", job,
-        )[0]  # fmt: skip
+            lambda: [
+                e for e in events_in(ev) if e["event"] == Event.FIRST_STEP and e["time"] > t_launch
+            ],
+            600,
+            f"the first step at {new_world} workers",
+            job,
+        )[0]
         resume = [e for e in events_in(ev) if e["event"] == Event.RESUME and e["time"] > t_launch]
     finally:
         job.stop()
@@ -87,17 +117,24 @@ def run(worlds: list[int], parallel: str) -> list[dict[str, Any]]:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    out = [f"| W | {rows[0]['parallel']} start-up to first step | persist (median) | blocked | "
-           "kill -> first step | resumed at |", "|---|---|---|---|---|---|"]  # fmt: skip
+    out = [
+        f"| W | {rows[0]['parallel']} start-up to first step | persist (median) | blocked | "
+        "kill -> first step | resumed at |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        out.append(f"| {r['world']} | {r['startup_s']:.1f} s | {r['persist_s']:.3f} s | "
-                   f"{r['blocked_s']:.4f} s | {r['kill_to_first_step_s']:.1f} s | "
-                   f"{r['resumed_step']} |")  # fmt: skip
+        out.append(
+            f"| {r['world']} | {r['startup_s']:.1f} s | {r['persist_s']:.3f} s | "
+            f"{r['blocked_s']:.4f} s | {r['kill_to_first_step_s']:.1f} s | "
+            f"{r['resumed_step']} |"
+        )
     for r in rows:
         if "resumed_at" in r:
-            out.append(f"W = {r['world']} -> {r['resumed_at']}: launch to first step "
-                       f"{r['resume_launch_to_first_step_s']:.1f} s (load {r['resume_load_s']} s), "
-                       f"resumed at step {r['resumed_step_at_new_world']}")  # fmt: skip
+            out.append(
+                f"W = {r['world']} -> {r['resumed_at']}: launch to first step "
+                f"{r['resume_launch_to_first_step_s']:.1f} s (load {r['resume_load_s']} s), "
+                f"resumed at step {r['resumed_step_at_new_world']}"
+            )
     return "\n".join(out)
 
 

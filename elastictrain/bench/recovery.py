@@ -82,9 +82,13 @@ def measure_elastictrain(workdir: str, size: int) -> dict[str, Any]:
         wait_for(lambda: _new_worker(job, old), 120, "a new worker", job)
         spawned = time.time()  # /proc's start time is only as exact as the boot time (1 s)
         first = wait_for(
-            lambda: [e for e in events_in(ev) if e["event"] == Event.FIRST_STEP and e["time"] > t_kill],
-            180, "the first step after resume", job,
-        )[0]  # fmt: skip
+            lambda: [
+                e for e in events_in(ev) if e["event"] == Event.FIRST_STEP and e["time"] > t_kill
+            ],
+            180,
+            "the first step after resume",
+            job,
+        )[0]
         after = [e for e in events_in(ev) if e["time"] > t_kill]
         start = next(e for e in after if e["event"] == Event.START)
         resume = next(e for e in after if e["event"] == Event.RESUME)
@@ -141,8 +145,10 @@ def measure_bare(workdir: str) -> dict[str, float]:
         spawned = time.time()
         lines = wait_for(
             lambda: [ln for ln in ready_lines() if ln[0] != "0" and float(ln[1]) > t_kill],
-            120, "the restarted no-op workers", job,
-        )  # fmt: skip
+            120,
+            "the restarted no-op workers",
+            job,
+        )
         detected = _failure_logged(job.log(), t_kill) or spawned
     finally:
         job.stop()

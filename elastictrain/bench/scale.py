@@ -7,7 +7,7 @@ does). Storage is ``throttled://`` with a latency per request (``--latency-ms``)
 requests as S3 bills them. Each phase runs the functions the runner calls:
 
 - **handshake**: W threads, each its own client of one real TCPStore on loopback, through
-  ``elastictrain.handshake``; the time from the first rank starting to the last admitted.
+  ``elastictrain.cluster.handshake``; the time from the first rank starting to the last admitted.
 - **commit**: W ranks write their shard and table and post their receipt to a real TCPStore
   (``ShardedLayout.write_own``, no latency: ranks write in parallel), then rank 0's
   ``ShardedLayout.commit`` with latency: the critical path after the slowest shard is durable, the

@@ -28,8 +28,8 @@ from elastictrain.checkpoint.sharded.reader import Index
 from elastictrain.checkpoint.state.flat import Staging
 from elastictrain.checkpoint.write.layouts import ShardedLayout, ShardSnap
 from elastictrain.checkpoint.write.receipts import StoreReceipts
-from elastictrain.env import DistEnv
-from elastictrain.handshake import handshake
+from elastictrain.cluster.env import DistEnv
+from elastictrain.cluster.handshake import handshake
 
 
 @dataclass

@@ -47,9 +47,9 @@ WIDTH = 2048  # 16 MB weights: tensors the size of a small transformer's
 
 
 def _build(size: int, replicas: int = 1) -> Any:
-    from elastictrain import parallel
     from elastictrain.checkpoint.state.train_state import TrainState
     from elastictrain.mesh import MeshShape
+    from elastictrain.train import parallel
 
     torch.manual_seed(0)
     layers = max(1, size // 12 // (WIDTH * WIDTH))  # fp32 weights + AdamW's two moments
@@ -354,6 +354,6 @@ if __name__ == "__main__":
             resume_worker(url, size, sys.argv[5], replicas)
     finally:
         dist.destroy_process_group()
-    from elastictrain.signals import exit_without_teardown
+    from elastictrain.runtime.signals import exit_without_teardown
 
     exit_without_teardown(0)  # torch's FSDP/gloo teardown aborted one of these workers once

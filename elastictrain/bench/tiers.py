@@ -63,13 +63,37 @@ def measure(
     base = os.path.join(workdir, mode)
     ev, samples, log = base + "-events.jsonl", base + "-samples", base + "-reads.tsv"
     every = 10**9 if mode == "empty" else durable_every
-    args = ["-m", "elastictrain", "--checkpoint-dir", f"throttled://{base}-ckpt",
-            "--task", "elastictrain.bench.throttled_fs:make_task", "--event-log", ev,
-            "--sample-log", samples, "--max-steps", "1000000", "--log-every-seconds", "0.5",
-            "--checkpoint-every-steps", str(every), "--keep-last", "2",
-            "--task-option", "hidden=1024", "--task-option", f"layers={layers}",
-            "--task-option", "batch_size=32", "--task-option", f"step_time={STEP_S}",
-            "--parallel", parallel, *MODES[mode]]  # fmt: skip
+    args = [
+        "-m",
+        "elastictrain",
+        "--checkpoint-dir",
+        f"throttled://{base}-ckpt",
+        "--task",
+        "elastictrain.bench.throttled_fs:make_task",
+        "--event-log",
+        ev,
+        "--sample-log",
+        samples,
+        "--max-steps",
+        "1000000",
+        "--log-every-seconds",
+        "0.5",
+        "--checkpoint-every-steps",
+        str(every),
+        "--keep-last",
+        "2",
+        "--task-option",
+        "hidden=1024",
+        "--task-option",
+        f"layers={layers}",
+        "--task-option",
+        "batch_size=32",
+        "--task-option",
+        f"step_time={STEP_S}",
+        "--parallel",
+        parallel,
+        *MODES[mode],
+    ]
     if mode == "two_tiers":
         args += ["--local-every-steps", local_every]
     env = {**child_env(), "ET_THROTTLE_BPS": str(remote_bps), "ET_THROTTLE_LOG": log}
@@ -78,17 +102,25 @@ def measure(
     kill_at = 20 if mode == "empty" else durable_every + durable_every // 2
     try:
         if mode != "empty":
-            wait_for(lambda: any(e["event"] == Event.CHECKPOINT for e in events_in(ev)), 600,
-                  "the first durable checkpoint", job)  # fmt: skip
+            wait_for(
+                lambda: any(e["event"] == Event.CHECKPOINT for e in events_in(ev)),
+                600,
+                "the first durable checkpoint",
+                job,
+            )
         wait_for(lambda: _trained(samples) >= kill_at, 600, f"step {kill_at}", job)
         rates = [e["steps_per_s"] for e in events_in(ev) if e["event"] == Event.PROGRESS]
         reads_before = bytes_read(log, STATE_FILES[parallel])
         t_kill = time.time()
         os.kill(job.workers()[1], signal.SIGKILL)
         first = wait_for(
-            lambda: [e for e in events_in(ev) if e["event"] == Event.FIRST_STEP and e["time"] > t_kill],
-            600, "the first step after the kill", job,
-        )[0]  # fmt: skip
+            lambda: [
+                e for e in events_in(ev) if e["event"] == Event.FIRST_STEP and e["time"] > t_kill
+            ],
+            600,
+            "the first step after the kill",
+            job,
+        )[0]
         resume = next(e for e in events_in(ev) if e["event"] == Event.RESUME and e["time"] > t_kill)
         killed_at = _trained_by_the_killed_attempt(samples)
     finally:

@@ -15,7 +15,6 @@ import torch
 import torch.distributed as dist
 
 import storage
-from elastictrain import dist as edist
 from elastictrain.checkpoint.api import MUST_COMMIT, Reason, SaveOutcome, Tier
 from elastictrain.checkpoint.modes import Mode, mode_for
 from elastictrain.checkpoint.policies import StopTheRun
@@ -26,6 +25,7 @@ from elastictrain.checkpoint.state import train_state as tstate
 from elastictrain.checkpoint.tiers.local import LocalTier
 from elastictrain.checkpoint.write import node_check
 from elastictrain.checkpoint.write.persist import Existing, Persister
+from elastictrain.cluster.collectives import barrier, broadcast_int
 from elastictrain.config import CheckpointConfig
 from elastictrain.errors import CheckpointFailedError
 from elastictrain.observe.events import Event, EventLog
@@ -185,7 +185,7 @@ class Checkpointer:
         successful resume, so a run that fails its checks (a mismatched model) changes nothing.
         Every rank learns the fenced generation."""
         claimed = self.store.advance_fence(self.generation) if self.is_writer else -1
-        self.generation = edist.broadcast_int(claimed, self.group)
+        self.generation = broadcast_int(claimed, self.group)
         return self.generation
 
     # -- resume --------------------------------------------------------------------------------
@@ -209,7 +209,7 @@ class Checkpointer:
         self.record.committed(restored.origin.committed_step(step))
         self.begun = step if restored.origin.tier is Tier.DURABLE else None
         seconds = time.monotonic() - t0
-        edist.barrier(self.group)
+        barrier(self.group)
         report_resume(
             self.events,
             step=step,
@@ -230,11 +230,11 @@ class Checkpointer:
                 newest = max(self.store.committed_steps(), default=known)
             except storage.StorageError as e:
                 logger.warning("newest committed step unknown (%s); assuming %s", e, known)
-        newest = edist.broadcast_int(-1 if newest is None else newest, self.group)
+        newest = broadcast_int(-1 if newest is None else newest, self.group)
         return None if newest < 0 else newest
 
     def _fresh(self) -> Resumed:
-        edist.barrier(self.group)
+        barrier(self.group)
         logger.info("no committed checkpoint found: starting fresh")
         self.events.emit(Event.RESUME, fresh=True, step=0, world_size=self.world_size)
         return Resumed(step=0, checkpoint_step=None)
@@ -287,7 +287,7 @@ class Checkpointer:
                     kept = self.writer.existing(step) is Existing.KEEP
                 except storage.StorageError as e:  # the save that follows meets it, and says so
                     logger.warning("could not check whether step %d is committed: %s", step, e)
-        if edist.broadcast_int(int(kept), self.group):
+        if broadcast_int(int(kept), self.group):
             self.record.committed(step)
             return True
         return False

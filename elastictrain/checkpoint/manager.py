@@ -36,11 +36,11 @@ from elastictrain.checkpoint.manager_args import config_from, signature
 from elastictrain.checkpoint.resume.live import Live
 from elastictrain.checkpoint.session import CheckpointSession, Resumed, install_stop_signals
 from elastictrain.checkpoint.state.train_state import TrainState, unwrap
-from elastictrain.dist import default_group_is_restart_safe
-from elastictrain.env import read_env
+from elastictrain.cluster.env import read_env
+from elastictrain.cluster.groups import default_group_is_restart_safe
 from elastictrain.errors import ConfigError, Preempted
 from elastictrain.observe.events import LastWords
-from elastictrain.watchdog import HangWatchdog
+from elastictrain.runtime.watchdog import HangWatchdog
 
 __all__ = ["CheckpointManager", "Preempted"]
 

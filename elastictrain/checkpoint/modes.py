@@ -20,7 +20,6 @@ import torch
 import torch.distributed as dist
 
 import storage
-from elastictrain import dist as edist
 from elastictrain.checkpoint.api import Layout, Reason, Restored, ResumeOrigin, SaveOutcome, Tier
 from elastictrain.checkpoint.resume import live as live_resume
 from elastictrain.checkpoint.resume import live_shards, ranking, shard_fetch
@@ -32,6 +31,7 @@ from elastictrain.checkpoint.tiers.local import LocalTier
 from elastictrain.checkpoint.tiers.shards import ShardTier
 from elastictrain.checkpoint.write.layouts import FlatLayout, ShardedLayout
 from elastictrain.checkpoint.write.persist import Persister
+from elastictrain.cluster.collectives import broadcast_int, max_int
 from elastictrain.config import CheckpointConfig
 
 
@@ -159,7 +159,7 @@ class Replicated:
                 lambda: tstate.capture(state, step=step),
                 background=False,
             )
-        return ckpt.settle(step, reason, edist.broadcast_int(outcome, ckpt.group), error)
+        return ckpt.settle(step, reason, broadcast_int(outcome, ckpt.group), error)
 
 
 class Sharded:
@@ -215,7 +215,7 @@ class Sharded:
         local, error = ckpt.writer.save(
             step, epoch, reason, capture, background=False, commit=False
         )
-        outcome = edist.max_int(local, ckpt.group)
+        outcome = max_int(local, ckpt.group)
         if outcome == SaveOutcome.COMMITTED and ckpt.is_writer:
             outcome, error = ckpt.writer.commit_pending()
-        return ckpt.settle(step, reason, edist.broadcast_int(outcome, ckpt.group), error)
+        return ckpt.settle(step, reason, broadcast_int(outcome, ckpt.group), error)

@@ -29,22 +29,22 @@ import torch
 import torch.distributed as dist
 
 import storage
-from elastictrain import dist as edist
 from elastictrain import knobs
 from elastictrain.checkpoint.api import Reason
 from elastictrain.checkpoint.checkpointer import Checkpointer, Resumed
 from elastictrain.checkpoint.resume.live import Live
 from elastictrain.checkpoint.schedule import CheckpointSchedule
 from elastictrain.checkpoint.state.train_state import TrainState
+from elastictrain.cluster.collectives import all_gather_object
+from elastictrain.cluster.env import DistEnv
 from elastictrain.config import CheckpointConfig
-from elastictrain.control import Control
-from elastictrain.env import DistEnv
 from elastictrain.errors import Preempted, named_timeout
 from elastictrain.observe import goodput
 from elastictrain.observe.events import Event, EventLog, LastWords
 from elastictrain.observe.history import LAST_WORDS_WAIT_S, RunHistory
-from elastictrain.signals import StopSignals, parse_signal
-from elastictrain.watchdog import HangWatchdog
+from elastictrain.runtime.control import Control
+from elastictrain.runtime.signals import StopSignals, parse_signal
+from elastictrain.runtime.watchdog import HangWatchdog
 from storage.hashing import stop_hasher
 
 logger = logging.getLogger(__name__)
@@ -263,7 +263,7 @@ class CheckpointSession:
         returns. False only when a scheduled one was skipped under ``on_storage_failure=warn``."""
         with self.gate("checkpoint", f"the {reason} checkpoint at step {step}"):
             if state.per_rank:  # every rank is here (the save is agreed): one small all-gather
-                state.gather(lambda mine: edist.all_gather_object(mine, self._gate))
+                state.gather(lambda mine: all_gather_object(mine, self._gate))
             committed = self._ckpt.save(step, state, reason)
         # A skipped checkpoint restarts the clock too: storage that is down is retried at the
         # next scheduled checkpoint, not every step.

@@ -11,8 +11,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from elastictrain import dist as edist
 from elastictrain.checkpoint.resume.live import Live
+from elastictrain.cluster import collectives as leaf_collectives
 from elastictrain.errors import RecurringFailureError
 from elastictrain.inplace.members import LiveState
 
@@ -87,7 +87,7 @@ def agree(
     rank: int,
     members: list[int] | None = None,
     dropped: list[int] = (),
-    collectives: Any = edist,
+    collectives: Any = leaf_collectives,
 ) -> EpochStart:
     """Every rank, at the start of every epoch: one small all-gather says who survived with what
     and who is a replacement. ``members``: the epoch's torchrun ranks, in its rank order;
@@ -146,7 +146,7 @@ def _refuse_recurring(
     store: dist.Store | None,
     rank: int,
     unexplained: str | None = None,
-    collectives: Any = edist,
+    collectives: Any = leaf_collectives,
 ) -> None:
     """``unexplained``: the error that ended an epoch none of whose members was lost."""
     verdict = ""

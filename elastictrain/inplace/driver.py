@@ -20,13 +20,13 @@ from typing import Any
 
 import torch
 
-from elastictrain import dist as edist
-from elastictrain.env import DistEnv
+from elastictrain.cluster.env import DistEnv
+from elastictrain.cluster.groups import ProcessGroups, init_process_groups, shutdown
+from elastictrain.cluster.liveness import Liveness
 from elastictrain.inplace import agreement, members
 from elastictrain.inplace.epoch_end import EpochEnd
 from elastictrain.inplace.members import LiveState
 from elastictrain.inplace.states import EpochState, EpochStates, Transition
-from elastictrain.liveness import Liveness
 from elastictrain.observe.events import Event
 
 logger = logging.getLogger(__name__)
@@ -58,7 +58,7 @@ class Epoch:
     """This epoch's identity of the rank: its rank among the members, the members' count."""
     members: list[int]
     """The epoch's torchrun ranks, in its rank order."""
-    groups: edist.ProcessGroups
+    groups: ProcessGroups
     liveness: Liveness
     end: EpochEnd | None
     """Its end: fails its collectives when announced or when a member is silent (in place)."""
@@ -83,10 +83,10 @@ class Steps:
     in-memory store, members in threads)."""
 
     next_members: Callable[..., list[int]] = members.next_members
-    build_groups: Callable[..., edist.ProcessGroups] = edist.init_process_groups
+    build_groups: Callable[..., ProcessGroups] = init_process_groups
     store_port: Callable[[DistEnv], int] = members.store_port
     agree: Callable[..., agreement.EpochStart] = agreement.agree
-    shutdown: Callable[[], None] = edist.shutdown
+    shutdown: Callable[[], None] = shutdown
 
 
 class EpochDriver:

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from elastictrain import knobs
-from elastictrain.connections import EpochConnections, break_collectives
+from elastictrain.cluster.connections import EpochConnections, break_collectives
 from elastictrain.errors import ConfigError
 
 logger = logging.getLogger(__name__)

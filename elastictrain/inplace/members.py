@@ -23,11 +23,11 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from elastictrain.env import DistEnv, rendezvous_store
+from elastictrain.cluster.env import DistEnv, rendezvous_store
+from elastictrain.cluster.handshake import ATTEMPT_KEY
+from elastictrain.cluster.job_store import connect
 from elastictrain.errors import InitTimeoutError
-from elastictrain.handshake import ATTEMPT_KEY
 from elastictrain.inplace import epoch_end
-from elastictrain.job_store import connect
 
 logger = logging.getLogger(__name__)
 
@@ -227,7 +227,7 @@ def drop_silent(liveness, reason: str, end: epoch_end.EpochEnd | None) -> None:
     """A peer silent past --silent-timeout (a frozen host), in place: fail this epoch's
     collectives now (its ``end``), so the survivors regroup without it, instead of exiting 8 for
     a restart. A silent store is still an exit: nothing can be agreed without it.
-    ``liveness``: the epoch's :class:`~elastictrain.liveness.Liveness`; ``end``: the epoch's
+    ``liveness``: the epoch's :class:`~elastictrain.cluster.liveness.Liveness`; ``end``: the epoch's
     (None before its groups exist); once closed (the next epoch began), it shuts nothing."""
     if liveness.store_lost:
         liveness.exit_silent(reason)

@@ -29,10 +29,8 @@ import subprocess
 import sys
 import time
 
-ROLE = "ELASTICTRAIN_ROLE"
-"""Environment variable naming a child's role: ``worker`` (training from the start) or ``spare``."""
-AGENT_PID = "ELASTICTRAIN_AGENT_PID"
-"""The torchrun agent's pid, for children whose parent is the supervisor (``env.read_env``)."""
+from elastictrain import knobs
+
 GO = "go"
 
 EXIT_ORPHANED = 6  # errors.EXIT_ORPHANED; not imported: errors is cheap but this module is leaner
@@ -43,12 +41,12 @@ POLL_S = 0.05  # how often the death of the training process is looked for: the 
 SPARE_BACKOFF_S = (1.0, 60.0)
 SPARE_SETTLED_S = 60.0  # a spare alive this long has started well: the next death waits 1 s again
 
-logger = logging.getLogger("elastictrain.supervisor")
+logger = logging.getLogger(__name__)
 
 
 def role() -> str | None:
     """This process's role under a supervisor, or None for the process torchrun started."""
-    return os.environ.get(ROLE)
+    return knobs.role()
 
 
 def wait_for_go() -> float | None:
@@ -85,7 +83,7 @@ class Supervisor:
         self._next_spare_at = 0.0
 
     def _start(self, role_name: str) -> subprocess.Popen:
-        env = {**os.environ, ROLE: role_name, AGENT_PID: str(os.getppid())}
+        env = {**os.environ, knobs.ROLE: role_name, knobs.AGENT_PID: str(os.getppid())}
         return subprocess.Popen(
             [sys.executable, *self.program, *self.argv],
             env=env,

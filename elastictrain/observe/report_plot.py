@@ -32,42 +32,66 @@ def draw(timeline: Timeline, title: str) -> Figure:
         loss, evals = fig.add_subplot(grid[3, 0]), fig.add_subplot(grid[3, 1])
     else:
         loss = fig.add_subplot(grid[3, :])
-    t0 = timeline.t0
     colours = [f"C{i % 10}" for i in range(len(timeline.attempts))]
-
     for a, colour in zip(timeline.attempts, colours, strict=True):
-        label = f"attempt {a.index} (world {a.world_size})"
-        if a.points:
-            ts, ss = zip(*sorted(a.points), strict=True)
-            steps.plot([t - t0 for t in ts], ss, color=colour, marker=".", ms=3, label=label)
-        for c in a.checkpoints:
-            steps.plot(c["time"] - t0, c["step"], "v", color=colour, ms=7, mec="black", mew=0.5)
-        for s in a.skipped:
-            steps.plot(s["time"] - t0, s["step"], "x", color="red", ms=9, mew=2)
-        if a.losses:
-            ls, lv = zip(*sorted(a.losses), strict=True)
-            loss.plot(ls, lv, color=colour, marker=".", ms=3, label=label)
-        if evals is not None:
-            for i, name in enumerate(sorted({k for _, m in a.evals for k in m})):
-                points = sorted((s, m[name]) for s, m in a.evals if name in m)
-                evals.plot(
-                    *zip(*points, strict=True),
-                    color=colour,
-                    marker="os^D"[i % 4],
-                    ms=4,
-                    label=f"{name} ({label})",
-                )
-        end = a.end if a.end is not None else a.start
-        world.hlines(a.world_size, a.start - t0, end - t0, color=colour, lw=4)
+        _draw_attempt(a, colour, timeline.t0, steps, world, loss, evals)
+    _draw_restarts(timeline, steps, ckpt, world, loss)
+    if timeline.max_steps:
+        steps.axhline(timeline.max_steps, color="black", lw=0.5, ls=":")
+    steps.set(ylabel="completed steps", title=f"{title}: steps over time (v = checkpoint)")
+    steps.legend(loc="upper left", fontsize=8)
+    _draw_checkpoints(timeline, ckpt)
+    world.set(
+        ylabel="world size",
+        xlabel="seconds since the first start",
+        title="world size (grey: downtime, from an attempt's end (in place: its leaving) to the "
+        "next one's first step)",
+    )
+    world.set_ylim(0, max((a.world_size for a in timeline.attempts), default=1) + 1)
+    for ax in (ckpt, world):
+        ax.sharex(steps)
+    steps.set_xlim(left=0)  # the first start: time before the first step is part of the story
+    _label_loss(timeline, loss, evals)
+    return fig
+
+
+def _draw_attempt(a, colour: str, t0: float, steps, world, loss, evals) -> None:
+    label = f"attempt {a.index} (world {a.world_size})"
+    if a.points:
+        ts, ss = zip(*sorted(a.points), strict=True)
+        steps.plot([t - t0 for t in ts], ss, color=colour, marker=".", ms=3, label=label)
+    for c in a.checkpoints:
+        steps.plot(c["time"] - t0, c["step"], "v", color=colour, ms=7, mec="black", mew=0.5)
+    for s in a.skipped:
+        steps.plot(s["time"] - t0, s["step"], "x", color="red", ms=9, mew=2)
+    if a.losses:
+        ls, lv = zip(*sorted(a.losses), strict=True)
+        loss.plot(ls, lv, color=colour, marker=".", ms=3, label=label)
+    if evals is not None:
+        for i, name in enumerate(sorted({k for _, m in a.evals for k in m})):
+            points = sorted((s, m[name]) for s, m in a.evals if name in m)
+            evals.plot(
+                *zip(*points, strict=True),
+                color=colour,
+                marker="os^D"[i % 4],
+                ms=4,
+                label=f"{name} ({label})",
+            )
+    end = a.end if a.end is not None else a.start
+    world.hlines(a.world_size, a.start - t0, end - t0, color=colour, lw=4)
+
+
+def _draw_restarts(timeline: Timeline, steps, ckpt, world, loss) -> None:
+    """The restart line says why the previous attempt ended; grey is downtime, from the end of
+    one attempt (in place: its leaving, the failure seen) to the first trained step of the next."""
+    t0 = timeline.t0
     for prev, nxt in timeline.restarts:
-        # The restart line says why the previous attempt ended; grey is downtime, from the last
-        # word of one attempt to the first trained step of the next.
         colour = _CAUSE_COLOURS.get(prev.outcome, "grey")
         back = (nxt.trained_at or nxt.start) - t0
         style = ":" if nxt.in_place is not None else "--"  # dotted: recovered in place
         for ax in (steps, ckpt, world):
             ax.axvline(nxt.start - t0, color=colour, ls=style, lw=1)
-            if prev.down_from is not None:  # in place: from its leaving, not its last event
+            if prev.down_from is not None:
                 ax.axvspan(prev.down_from - t0, back, color="grey", alpha=0.15, lw=0)
         steps.annotate(
             prev.outcome,
@@ -80,14 +104,12 @@ def draw(timeline: Timeline, title: str) -> Figure:
             va="bottom",
         )
         loss.axvline(nxt.resumed_step, color=colour, ls=style, lw=1)
-    if timeline.max_steps:
-        steps.axhline(timeline.max_steps, color="black", lw=0.5, ls=":")
-    steps.set(ylabel="completed steps", title=f"{title}: steps over time (v = checkpoint)")
-    steps.legend(loc="upper left", fontsize=8)
 
+
+def _draw_checkpoints(timeline: Timeline, ckpt) -> None:
     checkpoints = [c for a in timeline.attempts for c in a.checkpoints]
     if checkpoints:
-        times = [c["time"] - t0 for c in checkpoints]
+        times = [c["time"] - timeline.t0 for c in checkpoints]
         ckpt.plot(
             times, [max(c["blocked_s"], 1e-4) for c in checkpoints], "o", label="loop blocked"
         )
@@ -105,15 +127,9 @@ def draw(timeline: Timeline, title: str) -> Figure:
     ckpt.set(
         ylabel="seconds (log)", title="checkpoints: time the loop was blocked, time to persist"
     )
-    world.set(
-        ylabel="world size",
-        xlabel="seconds since the first start",
-        title="world size (grey: downtime, from an attempt's last event to the next one's first step)",
-    )
-    world.set_ylim(0, max((a.world_size for a in timeline.attempts), default=1) + 1)
-    for ax in (ckpt, world):
-        ax.sharex(steps)
-    steps.set_xlim(left=0)  # the first start: time before the first step is part of the story
+
+
+def _label_loss(timeline: Timeline, loss, evals) -> None:
     loss.set(
         xlabel="step",
         ylabel="loss (mean over ranks)",
@@ -127,7 +143,6 @@ def draw(timeline: Timeline, title: str) -> Figure:
     if evals is not None:
         evals.set(xlabel="step", ylabel="metric", title="Task.evaluate (mean over ranks)")
         evals.legend(loc="best", fontsize=7)
-    return fig
 
 
 def render(timeline: Timeline, path: str, title: str) -> None:

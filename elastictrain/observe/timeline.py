@@ -105,94 +105,111 @@ def build_timeline(events: list[dict[str, Any]]) -> Timeline:
     attempts: list[Attempt] = []
     max_steps = None
     for e in sorted(events, key=lambda e: e.get("time", 0.0)):
-        kind, t = e.get("event"), float(e.get("time", 0.0))
-        if kind == Event.START:
-            attempts.append(
-                Attempt(
-                    index=len(attempts),
-                    start=t,
-                    world_size=int(e.get("world_size", 0)),
-                    local_world_size=e.get("local_world_size"),
-                    resumed_step=attempts[-1].last_step if attempts else 0,
-                    restart_count=int(e.get("restart_count", 0)),
-                    generation=int(e.get("generation", 0)),
-                    processes=e.get("processes"),
-                    in_place=_in_place_fields(e),
-                )
-            )
+        if e.get("event") == Event.START:
+            attempts.append(_attempt(e, len(attempts), attempts[-1] if attempts else None))
             max_steps = e.get("max_steps", max_steps)
-            continue
-        if not attempts:  # events before any start (a truncated log): nothing to hang them on
-            continue
-        a = attempts[-1]
-        step = e.get("step")
-        if kind == Event.EPOCH_STATE:
-            # The epoch's own transitions: only its leaving ends what it trained. The next
-            # epoch's first transitions (written once its log exists) come before its start.
-            if e.get("state") == "leaving" and a.left_at is None:
-                a.left_at, a.end = t, t
-                if isinstance(step, int):
-                    a.points.append((t, step))
-            continue
-        a.end = t
-        if kind == Event.RESUME:
-            a.resumed, a.resumed_step = True, int(step or 0)
-            a.resumed_from = _resumed_from(e)
-            a.points.append((t, a.resumed_step))
-        elif isinstance(step, int) and kind in (
-            Event.FIRST_STEP,
-            Event.PROGRESS,
-            Event.CHECKPOINT,
-            Event.END,
-        ):
-            a.points.append((t, step))
-        if kind == Event.FIRST_STEP:
-            a.trained_at = t
-        if kind in (Event.PROGRESS, Event.FIRST_STEP) and e.get("loss") is not None:
-            a.losses.append((step, float(e["loss"])))
-            a.overflow_skips += int(e.get("overflow_skips", 0))
-        elif kind == Event.EVAL:
-            a.evals.append((step, dict(e.get("metrics", {}))))
-        elif kind == Event.CHECKPOINT:
-            a.checkpoints.append(e)
-        elif kind == Event.CHECKPOINT_SKIPPED:
-            a.skipped.append(e)
-        elif kind == Event.END:
-            a.outcome, a.detail = Outcome.FINISHED, f"step {step}"
-        elif kind == Event.PREEMPTED:
-            a.outcome, a.detail = Outcome.PREEMPTION, f"{e.get('signal')} at step {step}"
-        elif kind == Event.EXIT:
-            a.last_words[int(e.get("rank", 0))] = e
-            if a.outcome not in (Outcome.HANG, Outcome.SILENT):
-                # Every rank may leave last words; a hang or a silent peer seen by anyone explains
-                # the others' errors.
-                a.outcome = _exit_cause(e)
-                a.detail = f"rank {e.get('rank', 0)}: {_gist(str(e.get('detail', '')))}"
+        elif attempts:  # events before any start (a truncated log): nothing to hang them on
+            _add(attempts[-1], e)
     for a in attempts:
-        if a.outcome == Outcome.KILL and a.local_world_size:
-            # A SIGKILLed rank says nothing; its peers only see the connection drop. Name the
-            # silent ones (on rank 0's node, whose last words reach this log) as the likely victims.
-            silent = sorted(set(range(a.local_world_size)) - set(a.last_words))
-            if silent:
-                who = f"rank{'s' * (len(silent) > 1)} {', '.join(map(str, silent))}"
-                a.detail = f"{who} died without a word; {a.detail}"
+        _name_the_silent(a)
     for a, nxt in zip(attempts, attempts[1:], strict=False):
-        nxt.began = _began(a, nxt)
-        if nxt.in_place is not None and a.outcome == Outcome.RUNNING:
-            # The others kept their processes: one died (or a node did), the epoch went on.
-            a.outcome, a.detail = Outcome.LOST, nxt.began
-        elif nxt.world_size != a.world_size:
-            # A node left or joined: the agents re-rendezvoused at another size. Whatever rank 0
-            # saw (SIGTERM from its agent, a dead peer) was the symptom of that.
-            a.detail = f"world size {a.world_size} -> {nxt.world_size}; {a.outcome} {a.detail}"
-            a.outcome = Outcome.MEMBERSHIP
-        elif a.outcome == Outcome.RUNNING:
-            # Rank 0 wrote nothing about its end: it, or a peer, was killed outright.
-            a.outcome, a.detail = (
-                Outcome.KILL,
-                "a worker or node died without a word (SIGKILL, OOM, crash)",
-            )
+        _classify_end(a, nxt)
     return Timeline(attempts, attempts[0].start if attempts else 0.0, max_steps)
+
+
+def _attempt(start: dict[str, Any], index: int, before: Attempt | None) -> Attempt:
+    return Attempt(
+        index=index,
+        start=float(start.get("time", 0.0)),
+        world_size=int(start.get("world_size", 0)),
+        local_world_size=start.get("local_world_size"),
+        resumed_step=before.last_step if before else 0,
+        restart_count=int(start.get("restart_count", 0)),
+        generation=int(start.get("generation", 0)),
+        processes=start.get("processes"),
+        in_place=_in_place_fields(start),
+    )
+
+
+_STEP_POINTS = (Event.FIRST_STEP, Event.PROGRESS, Event.CHECKPOINT, Event.END)
+
+
+def _add(a: Attempt, e: dict[str, Any]) -> None:
+    """One event of attempt ``a``: where it was, what it trained, how it ended."""
+    kind, t, step = e.get("event"), float(e.get("time", 0.0)), e.get("step")
+    if kind == Event.EPOCH_STATE:
+        # The epoch's own transitions: only its leaving ends what it trained. The next epoch's
+        # first transitions (written once its log exists) come before its start.
+        if e.get("state") == "leaving" and a.left_at is None:
+            a.left_at, a.end = t, t
+            if isinstance(step, int):
+                a.points.append((t, step))
+        return
+    a.end = t
+    if kind == Event.RESUME:
+        a.resumed, a.resumed_step = True, int(step or 0)
+        a.resumed_from = _resumed_from(e)
+        a.points.append((t, a.resumed_step))
+    elif isinstance(step, int) and kind in _STEP_POINTS:
+        a.points.append((t, step))
+    if kind == Event.FIRST_STEP:
+        a.trained_at = t
+    if kind in (Event.PROGRESS, Event.FIRST_STEP) and e.get("loss") is not None:
+        a.losses.append((step, float(e["loss"])))
+        a.overflow_skips += int(e.get("overflow_skips", 0))
+    elif kind == Event.EVAL:
+        a.evals.append((step, dict(e.get("metrics", {}))))
+    elif kind == Event.CHECKPOINT:
+        a.checkpoints.append(e)
+    elif kind == Event.CHECKPOINT_SKIPPED:
+        a.skipped.append(e)
+    else:
+        _add_ending(a, kind, e)
+
+
+def _add_ending(a: Attempt, kind: str | None, e: dict[str, Any]) -> None:
+    step = e.get("step")
+    if kind == Event.END:
+        a.outcome, a.detail = Outcome.FINISHED, f"step {step}"
+    elif kind == Event.PREEMPTED:
+        a.outcome, a.detail = Outcome.PREEMPTION, f"{e.get('signal')} at step {step}"
+    elif kind == Event.EXIT:
+        a.last_words[int(e.get("rank", 0))] = e
+        if a.outcome not in (Outcome.HANG, Outcome.SILENT):
+            # Every rank may leave last words; a hang or a silent peer seen by anyone explains
+            # the others' errors.
+            a.outcome = _exit_cause(e)
+            a.detail = f"rank {e.get('rank', 0)}: {_gist(str(e.get('detail', '')))}"
+
+
+def _name_the_silent(a: Attempt) -> None:
+    """A SIGKILLed rank says nothing; its peers only see the connection drop. Name the silent
+    ones (on rank 0's node, whose last words reach this log) as the likely victims."""
+    if a.outcome != Outcome.KILL or not a.local_world_size:
+        return
+    silent = sorted(set(range(a.local_world_size)) - set(a.last_words))
+    if silent:
+        who = f"rank{'s' * (len(silent) > 1)} {', '.join(map(str, silent))}"
+        a.detail = f"{who} died without a word; {a.detail}"
+
+
+def _classify_end(a: Attempt, nxt: Attempt) -> None:
+    """How ``a`` ended, given how the attempt after it began."""
+    nxt.began = _began(a, nxt)
+    if nxt.in_place is not None and a.outcome == Outcome.RUNNING:
+        # The others kept their processes: one died (or a node did), the epoch went on.
+        a.outcome, a.detail = Outcome.LOST, nxt.began
+    elif nxt.world_size != a.world_size:
+        # A node left or joined: the agents re-rendezvoused at another size. Whatever rank 0
+        # saw (SIGTERM from its agent, a dead peer) was the symptom of that.
+        a.detail = f"world size {a.world_size} -> {nxt.world_size}; {a.outcome} {a.detail}"
+        a.outcome = Outcome.MEMBERSHIP
+    elif a.outcome == Outcome.RUNNING:
+        # Rank 0 wrote nothing about its end: it, or a peer, was killed outright.
+        a.outcome, a.detail = (
+            Outcome.KILL,
+            "a worker or node died without a word (SIGKILL, OOM, crash)",
+        )
 
 
 def _in_place_fields(start: dict[str, Any]) -> dict[str, Any] | None:

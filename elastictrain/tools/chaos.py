@@ -26,6 +26,8 @@ import sys
 import time
 from typing import IO
 
+from elastictrain import knobs
+
 FAULTS = ("kill-worker", "stop-worker", "term-agent", "kill-node", "kill-agent")
 
 
@@ -76,7 +78,7 @@ def _training_process(worker: int) -> int:
 def _has_role(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/environ", "rb") as f:
-            return b"\0ELASTICTRAIN_ROLE=" in b"\0" + f.read()
+            return f"\0{knobs.ROLE}=".encode() in b"\0" + f.read()
     except OSError:
         return False
 

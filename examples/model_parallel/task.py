@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from elastictrain import Task
-from elastictrain.env import read_env
+from elastictrain.cluster.env import read_env
 from elastictrain.toy import synthetic_dataset
 
 logger = logging.getLogger(__name__)

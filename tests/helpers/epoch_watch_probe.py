@@ -23,7 +23,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from elastictrain.connections import EpochConnections
+from elastictrain.cluster.connections import EpochConnections
 from elastictrain.inplace import epoch_end, members
 
 

@@ -39,7 +39,7 @@ def make(url: str, megabytes: int) -> None:
     if sharded:
         import torch.distributed as dist
 
-        from elastictrain.parallel import shard
+        from elastictrain.train.parallel import shard
 
         shard(model, None, torch.device("cpu"), dist.get_world_size())
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)

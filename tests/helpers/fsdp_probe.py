@@ -24,7 +24,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
 from elastictrain import CheckpointManager, init_distributed
-from elastictrain.parallel import shard
+from elastictrain.train.parallel import shard
 
 WIDTH = 48  # not a multiple of 3: uneven shards at world size 3
 
@@ -115,6 +115,6 @@ if __name__ == "__main__":
     # torch 2.13's FSDP/gloo teardown aborts now and then after a clean finish ("terminate called
     # without an active exception"; rank 2 of 3 in one CI run, after this probe had passed), and
     # torchrun then reruns a finished probe. Everything is saved and printed: skip the teardown.
-    from elastictrain.signals import exit_without_teardown
+    from elastictrain.runtime.signals import exit_without_teardown
 
     exit_without_teardown(code)

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from elastictrain import parallel, toy
-from elastictrain.env import read_env
+from elastictrain import toy
+from elastictrain.cluster.env import read_env
 from elastictrain.task import Task
+from elastictrain.train import parallel
 
 
 def make_task(options: Mapping[str, str]) -> Task:

@@ -23,16 +23,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from elastictrain import dist as edist
 from elastictrain.checkpoint.resume import live as live_resume
 from elastictrain.checkpoint.state import train_state as tstate
-from elastictrain.env import read_env
+from elastictrain.cluster.env import read_env
+from elastictrain.cluster.groups import init_process_groups, shutdown
+from elastictrain.cluster.liveness import Liveness
 from elastictrain.inplace import epoch_end, members
-from elastictrain.liveness import Liveness
 
 
 def _groups(env, device, in_place: bool):
-    return edist.init_process_groups(
+    return init_process_groups(
         env,
         device,
         init_timeout=60,
@@ -68,12 +68,12 @@ def abort() -> dict:
         raised, peer_loss = f"{type(e).__name__}: {str(e)[:200]}", members.is_peer_loss(e, end)
     torch.cuda.synchronize(device)
     end.close()
-    edist.shutdown()
+    shutdown()
     groups = _groups(env, device, in_place=True)  # the next epoch, in this process
     u = torch.full((1024,), 5.0, device=device)
     dist.all_reduce(u)
     rebuilt_ok = bool((u == 5.0).all())
-    edist.shutdown()
+    shutdown()
     return {
         "first_ok": first_ok,
         "abort_s": round(abort_s, 4),

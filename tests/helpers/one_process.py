@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from elastictrain.checkpoint.state.train_state import TrainState
-from elastictrain.env import DistEnv, read_env
+from elastictrain.cluster.env import DistEnv, read_env
 from elastictrain.observe.events import EventLog
 
 

@@ -12,7 +12,7 @@ import dataclasses
 import os
 import signal
 
-from elastictrain.env import read_env
+from elastictrain.cluster.env import read_env
 from elastictrain.toy import make_task as make_toy_task
 
 

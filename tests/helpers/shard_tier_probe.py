@@ -151,6 +151,6 @@ def main() -> int:
 if __name__ == "__main__":
     code = main()
     dist.destroy_process_group()
-    from elastictrain.signals import exit_without_teardown
+    from elastictrain.runtime.signals import exit_without_teardown
 
     exit_without_teardown(code)

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 import torch
 
 from elastictrain import toy
-from elastictrain.env import read_env
+from elastictrain.cluster.env import read_env
 from elastictrain.task import Task
 
 

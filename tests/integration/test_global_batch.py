@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from elastictrain.data import GlobalBatchSampler
 from elastictrain.task import build_task
+from elastictrain.train.data import GlobalBatchSampler
 from tests.helpers.launcher import final_state
 
 OPTIONS = {"dataset_size": "100", "batch_size": "10", "lr": "0.1", "hidden": "16"}

@@ -41,7 +41,7 @@ def one_rank_group():
 def test_default_fsdp_units_group_tied_modules_and_a_task_shard_that_splits_them_is_refused(
     one_rank_group,
 ):
-    from elastictrain.parallel import default_units, shard
+    from elastictrain.train.parallel import default_units, shard
     from tests.helpers.tied_task import HandmadeLM, gpt2, split_shard
 
     for model, tie in ((gpt2(), {"transformer.wte", "lm_head"}), (HandmadeLM(), {"embed", "head"})):

@@ -135,7 +135,7 @@ def test_a_step_saved_again_in_one_session_is_skipped_and_its_node_copy_taken_on
     from torch import nn
 
     from elastictrain.checkpoint.state.train_state import TrainState
-    from elastictrain.parallel import shard
+    from elastictrain.train.parallel import shard
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 1))

@@ -211,7 +211,7 @@ def test_each_setting_is_declared_once():
                "reports_timeout_s", "async_persist", "read_mode", "on_failure", "keep_every",
                "retry_deadline"}  # fmt: skip
     found = []
-    layers = ["runner", "checkpoint/session", "checkpoint/checkpointer", "checkpoint/write/persist",
+    layers = ["train/runner", "checkpoint/session", "checkpoint/checkpointer", "checkpoint/write/persist",
               "checkpoint/tiers/local", "checkpoint/resume/ranking", "checkpoint/write/layouts"]  # fmt: skip
     for layer in layers:
         path = pathlib.Path(REPO_ROOT, "elastictrain", f"{layer}.py")

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from elastictrain.control import Control
+from elastictrain.runtime.control import Control
 
 
 @pytest.fixture

@@ -3,8 +3,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from elastictrain.data import GlobalBatchSampler, share_bounds, step_seed
 from elastictrain.errors import ConfigError
+from elastictrain.train.data import GlobalBatchSampler, share_bounds, step_seed
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 5, 7])
@@ -55,7 +55,7 @@ def test_step_seed_is_stable_and_distinct():
 
 @pytest.mark.parametrize("world,accum", [(1, 4), (3, 2), (3, 3), (4, 2)])
 def test_micro_batches_cover_the_share_and_weigh_to_the_global_mean(world, accum):
-    from elastictrain.loader import micro_shares
+    from elastictrain.train.loader import micro_shares
 
     sampler = GlobalBatchSampler(dataset_size=100, batch_size=10, seed=3)
     for rank in range(world):
@@ -68,7 +68,7 @@ def test_micro_batches_cover_the_share_and_weigh_to_the_global_mean(world, accum
 
 
 def test_more_micro_batches_than_samples_is_refused_with_the_fix():
-    from elastictrain.loader import check_micro_steps
+    from elastictrain.train.loader import check_micro_steps
 
     with pytest.raises(ConfigError, match="--grad-accum-steps 4 is more than the 3 samples"):
         check_micro_steps(batch_size=10, world_size=3, micro_steps=4)

@@ -1,4 +1,4 @@
-"""elastictrain.env: where this process sits, read from torchrun's environment (and only there)."""
+"""elastictrain.cluster.env: where this process sits, read from torchrun's environment (and only there)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from elastictrain.env import read_env
+from elastictrain.cluster.env import read_env
 from elastictrain.errors import ConfigError
 
 

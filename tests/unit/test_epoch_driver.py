@@ -16,10 +16,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from elastictrain import dist as edist
-from elastictrain.env import DistEnv
+from elastictrain.cluster.env import DistEnv
+from elastictrain.cluster.groups import ProcessGroups
+from elastictrain.cluster.handshake import handshake
 from elastictrain.errors import InitTimeoutError, RecurringFailureError, StoreSilentError
-from elastictrain.handshake import handshake
 from elastictrain.inplace import members
 from elastictrain.inplace.driver import EpochDriver, EpochSettings, Steps
 from elastictrain.inplace.members import LiveState
@@ -109,7 +109,7 @@ class Job:
             raise InitTimeoutError(f"rank {here.rank}: a member died while the groups formed")
         attempt = handshake(self.store, here, init_timeout)
         group = FakeGroup(attempt.nonce, here.rank, here.world_size, self.hub)
-        return edist.ProcessGroups(attempt=attempt, control=group, store=self.store)
+        return ProcessGroups(attempt=attempt, control=group, store=self.store)
 
     def driver(self, rank: int, *, spare: bool = False, settings=SETTINGS) -> EpochDriver:
         steps = Steps(

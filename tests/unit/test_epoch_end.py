@@ -17,7 +17,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from elastictrain.connections import EpochConnections, break_collectives
+from elastictrain.cluster.connections import EpochConnections, break_collectives
 from elastictrain.inplace import epoch_end
 from tests.helpers.paths import REPO_ROOT
 

@@ -11,9 +11,9 @@ import pytest
 import torch.distributed as dist
 
 from elastictrain.bench.scale_phases import CountingStore
-from elastictrain.env import DistEnv
+from elastictrain.cluster.env import DistEnv
+from elastictrain.cluster.handshake import ATTEMPT_KEY, handshake
 from elastictrain.errors import InitTimeoutError
-from elastictrain.handshake import ATTEMPT_KEY, handshake
 
 
 def _env(rank: int, world: int) -> DistEnv:

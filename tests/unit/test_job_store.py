@@ -1,4 +1,4 @@
-"""The workers' store (elastictrain.job_store): torchrun's rendezvous store is named from the
+"""The workers' store (elastictrain.cluster.job_store): torchrun's rendezvous store is named from the
 agent's command line as torchrun's own parser reads it; connecting waits for a store that is not
 up yet, but a host that accepts the connection and never answers (frozen) ends it within the
 silence, naming the store; liveness watches the store from the first request of init."""
@@ -18,11 +18,11 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from elastictrain import job_store
-from elastictrain.env import DistEnv, StoreAddress, rendezvous_in_command, rendezvous_store
+from elastictrain.cluster import job_store
+from elastictrain.cluster.env import DistEnv, StoreAddress, rendezvous_in_command, rendezvous_store
+from elastictrain.cluster.job_store import JobStore, connect
+from elastictrain.cluster.liveness import Liveness
 from elastictrain.errors import InitTimeoutError, StoreSilentError
-from elastictrain.job_store import JobStore, connect
-from elastictrain.liveness import Liveness
 from tests.helpers import launcher
 from tests.helpers.net import free_port
 

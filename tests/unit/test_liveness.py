@@ -1,4 +1,4 @@
-"""elastictrain.liveness on a real store and a test clock: a peer whose beats stop is named (rank
+"""elastictrain.cluster.liveness on a real store and a test clock: a peer whose beats stop is named (rank
 and host) by rank 0 and then by every rank; a frozen rank 0 is found by the others; a rank paused
 for less than the silence, or a watcher that was itself paused, condemns nobody; a store that stops
 answering ends the rank naming the store."""
@@ -9,7 +9,7 @@ import time
 
 import torch.distributed as dist
 
-from elastictrain.liveness import Liveness
+from elastictrain.cluster.liveness import Liveness
 
 BEAT, SILENT = 2.0, 15.0
 

@@ -1,4 +1,4 @@
-"""elastictrain.loader: the step loader, with and without worker processes."""
+"""elastictrain.train.loader: the step loader, with and without worker processes."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import pytest
 import torch
 from torch import nn
 
-from elastictrain.data import GlobalBatchSampler
-from elastictrain.loader import StepLoader
 from elastictrain.task import Task
+from elastictrain.train.data import GlobalBatchSampler
+from elastictrain.train.loader import StepLoader
 
 
 class _Augmented(torch.utils.data.Dataset):

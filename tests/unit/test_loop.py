@@ -1,4 +1,4 @@
-"""elastictrain.loop: one optimizer step (gradient accumulation)."""
+"""elastictrain.train.loop: one optimizer step (gradient accumulation)."""
 
 from __future__ import annotations
 
@@ -6,10 +6,10 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from elastictrain.data import GlobalBatchSampler
-from elastictrain.loader import StepLoader
-from elastictrain.precision import Precision
 from elastictrain.task import Task
+from elastictrain.train.data import GlobalBatchSampler
+from elastictrain.train.loader import StepLoader
+from elastictrain.train.precision import Precision
 
 
 def _counting_hook(calls, bucket):
@@ -26,7 +26,7 @@ def test_accumulation_all_reduces_once_per_step_and_matches_the_whole_batch_grad
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from elastictrain.loop import Trainer
+    from elastictrain.train.loop import Trainer
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:

@@ -269,11 +269,12 @@ def test_a_plain_init_process_group_on_torchruns_shared_store_is_named_once_with
     """A tutorial loop keeps its own ``init_process_group`` under torchrun, and about half its
     restarts after a kill -9 can fail or hang (issue 36). The manager says so once, with the fix;
     not when torchrun's store is not shared, nor when ``init_distributed`` built the group."""
-    from elastictrain import dist as edist
+
     from elastictrain.checkpoint import manager
+    from elastictrain.cluster import groups
 
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", str(shared_store))
-    monkeypatch.setattr(edist, "_built_on_a_fresh_store", built_here)
+    monkeypatch.setattr(groups, "_built_on_a_fresh_store", built_here)
     monkeypatch.setattr(manager, "_warned_restart_unsafe", False)
     with caplog.at_level("WARNING", logger=manager.__name__):
         for _ in range(2):

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch.distributed as dist
 
-from elastictrain.handshake import ATTEMPT_KEY
+from elastictrain.cluster.handshake import ATTEMPT_KEY
 from elastictrain.inplace import agreement
 from elastictrain.inplace import members as membership
 from elastictrain.inplace.members import (

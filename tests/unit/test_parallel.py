@@ -1,4 +1,4 @@
-"""elastictrain.parallel: a model laid out in a way the runner was not told about is refused before
+"""elastictrain.train.parallel: a model laid out in a way the runner was not told about is refused before
 anything is written; FSDP and HSDP are not. (One process: every mesh dimension has size 1, and the
 placements are what they would be at any size.)"""
 
@@ -9,9 +9,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from elastictrain import parallel
 from elastictrain.errors import ConfigError, exit_code
 from elastictrain.mesh import MeshShape
+from elastictrain.train import parallel
 
 
 @pytest.fixture

@@ -1,11 +1,11 @@
-"""elastictrain.precision: bf16 / fp16 autocast and the GradScaler."""
+"""elastictrain.train.precision: bf16 / fp16 autocast and the GradScaler."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from elastictrain.precision import Precision
+from elastictrain.train.precision import Precision
 
 
 def _model_and_opt():

@@ -16,7 +16,7 @@ from elastictrain.checkpoint.session import CheckpointSession
 from elastictrain.config import CheckpointConfig, flag
 from elastictrain.errors import CheckpointFailedError, CollectiveTimeoutError, Preempted
 from elastictrain.observe.events import Event, read_events
-from elastictrain.signals import StopSignals
+from elastictrain.runtime.signals import StopSignals
 from tests.helpers.one_process import memory_url, one_rank, state, train
 
 CPU = torch.device("cpu")

@@ -178,7 +178,7 @@ def test_the_room_check_counts_every_rank_of_the_node_and_their_buddies_copies(
     from elastictrain.checkpoint.tiers.shards import ShardTier
     from elastictrain.config import CheckpointConfig
     from elastictrain.observe.events import Event, EventLog, read_events
-    from elastictrain.parallel import shard
+    from elastictrain.train.parallel import shard
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4096), nn.Linear(4096, 1))  # shards well above the slack
@@ -230,7 +230,7 @@ def test_a_tier_turned_off_for_room_lets_go_of_its_own_older_copies_only(
     from elastictrain.checkpoint.tiers.shards import ShardTier
     from elastictrain.config import CheckpointConfig
     from elastictrain.observe.events import EventLog
-    from elastictrain.parallel import shard
+    from elastictrain.train.parallel import shard
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 64), nn.Linear(64, 1))

@@ -1,4 +1,4 @@
-"""elastictrain.signals: stop signals become a flag."""
+"""elastictrain.runtime.signals: stop signals become a flag."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import signal
 import pytest
 
 from elastictrain.errors import ConfigError
-from elastictrain.signals import StopSignals, parse_signal
+from elastictrain.runtime.signals import StopSignals, parse_signal
 
 
 def test_stop_signal_only_sets_a_flag():

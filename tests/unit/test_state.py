@@ -19,8 +19,8 @@ from elastictrain.checkpoint.state.train_state import (
     to_bytes,
 )
 from elastictrain.errors import CheckpointMismatchError, ConfigError
-from elastictrain.precision import Precision
 from elastictrain.toy import ToyModel
+from elastictrain.train.precision import Precision
 from tests.helpers.rich_task import EMA
 
 

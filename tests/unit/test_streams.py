@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from elastictrain.errors import CheckpointMismatchError, ConfigError
-from elastictrain.streams import UNKNOWN, StreamLoader, check_stream
+from elastictrain.train.streams import UNKNOWN, StreamLoader, check_stream
 from tests.helpers.stream_task import PlainStream, SeekableStream, StatefulStream
 
 BATCH = 12

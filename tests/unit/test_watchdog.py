@@ -1,8 +1,8 @@
-"""elastictrain.watchdog: hang detection and the orphan exit."""
+"""elastictrain.runtime.watchdog: hang detection and the orphan exit."""
 
 from __future__ import annotations
 
-from elastictrain.watchdog import HangWatchdog
+from elastictrain.runtime.watchdog import HangWatchdog
 
 
 class Clock:
@@ -41,7 +41,7 @@ def test_watchdog_names_checkpoint_timeout_in_save_phase():
 
 
 def test_watchdog_exits_when_the_agent_is_gone(monkeypatch):
-    import elastictrain.watchdog as wd
+    import elastictrain.runtime.watchdog as wd
 
     exits = []
     monkeypatch.setattr(wd, "_orphaned_exit", exits.append)

@@ -9,13 +9,13 @@ import torch
 import torch.distributed as dist
 
 import storage
-from elastictrain import dist as edist
 from elastictrain.checkpoint.api import Corrupt, Restored, ResumeOrigin, Tier
 from elastictrain.checkpoint.resume import shared_reads
 from elastictrain.checkpoint.resume.ranking import durable_listing, logged
 from elastictrain.checkpoint.sharded import format as sharded
 from elastictrain.checkpoint.sharded import load as shard_load
 from elastictrain.checkpoint.state import train_state as tstate
+from elastictrain.cluster.collectives import broadcast_int, max_int
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ def fetch_durable_shards(
                 break
             except storage.CheckpointCorruptError as e:
                 corrupt(manifest.step, e)
-        step = edist.broadcast_int(step, group)
+        step = broadcast_int(step, group)
         if step < 0:
             if touched:
                 raise storage.CheckpointCorruptError(
@@ -61,7 +61,7 @@ def fetch_durable_shards(
         except storage.CheckpointCorruptError as e:
             error = e
         touched = True
-        if edist.max_int(int(error is not None), group) == 0:
+        if max_int(int(error is not None), group) == 0:
             tstate.restore(state, payload, model_and_optimizer=False)
             origin = ResumeOrigin(Tier.DURABLE, remote_bytes=nbytes)
             return Restored(payload, manifest.metadata.get("world_size"), nbytes, origin)

@@ -15,9 +15,9 @@ import torch
 import torch.distributed as dist
 import xxhash
 
-from elastictrain import dist as edist
 from elastictrain.checkpoint.api import Restored, ResumeOrigin, Tier
 from elastictrain.checkpoint.state import train_state as tstate
+from elastictrain.cluster.collectives import broadcast_bytes
 from elastictrain.errors import LiveStateCorruptError
 
 
@@ -52,8 +52,8 @@ def fetch(
     source = live.source
     payload = tstate.to_bytes(live.captured) if rank == source else None
     digest = xxhash.xxh3_128_digest(payload) if rank == source else None
-    data = edist.broadcast_bytes(payload if rank == source else None, group, src=source)
-    expected = edist.broadcast_bytes(digest, group, src=source)
+    data = broadcast_bytes(payload if rank == source else None, group, src=source)
+    expected = broadcast_bytes(digest, group, src=source)
     if xxhash.xxh3_128_digest(bytes(data)) != bytes(expected):
         raise LiveStateCorruptError(
             f"rank {rank}: the state rank {source} sent does not match its checksum"

@@ -26,11 +26,11 @@ import torch
 import torch.distributed as dist
 import xxhash
 
-from elastictrain import dist as edist
 from elastictrain.checkpoint.api import Restored, ResumeOrigin, Tier
 from elastictrain.checkpoint.resume.live import Live
 from elastictrain.checkpoint.sharded.format import capture, join, split
 from elastictrain.checkpoint.state import train_state as tstate
+from elastictrain.cluster.collectives import all_gather_object
 from elastictrain.errors import LiveStateCorruptError
 
 logger = logging.getLogger(__name__)
@@ -103,7 +103,7 @@ def fetch(
     captured = live.captured
     mine = (live.held_step, live.held_layout) if captured is not None else (-1, None)
     targets, _ = split(capture(state, step=0))
-    everyone = edist.all_gather_object((mine, signature(targets)), group)
+    everyone = all_gather_object((mine, signature(targets)), group)
     found = plan([h for h, _ in everyone], [w for _, w in everyone])
     if found is None:
         if rank == 0:

@@ -19,12 +19,12 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 import storage
-from elastictrain import dist as edist
 from elastictrain.checkpoint.api import Corrupt, Tier
 from elastictrain.checkpoint.sharded import reader as shard_reader
 from elastictrain.checkpoint.sharded.format import is_sharded_checkpoint as is_sharded
 from elastictrain.checkpoint.state import train_state as tstate
 from elastictrain.checkpoint.tiers.local import LocalTier
+from elastictrain.cluster.collectives import all_gather_object, broadcast_bytes, broadcast_int
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ def durable_listing(
             listed = store.ranked_manifests(on_corrupt=logged(on_corrupt))
         except storage.NewerFormatError as e:
             refusal = str(e).encode()
-    refusal = edist.broadcast_bytes(refusal, group)
+    refusal = broadcast_bytes(refusal, group)
     if refusal:
         raise storage.NewerFormatError(bytes(refusal).decode())
     return listed
@@ -117,11 +117,11 @@ def fetch_best(
         ],
         "local": local.offers() if local is not None else [],
     }
-    ranked = candidates(edist.all_gather_object(mine, group))
+    ranked = candidates(all_gather_object(mine, group))
     newest_durable = max((c.step for c in ranked if c.tier is Tier.DURABLE), default=None)
     for c in ranked:
         data, why = _read_on_holder(durable, local, c) if rank == c.rank else (None, "")
-        if not edist.broadcast_int(int(data is not None), group, src=c.rank):
+        if not broadcast_int(int(data is not None), group, src=c.rank):
             if rank == c.rank:
                 logger.error("CORRUPT CHECKPOINT (%s tier) skipped: %s", c.tier, why)
             if rank == 0:
@@ -133,7 +133,7 @@ def fetch_best(
                 read = durable.read(c.step)
                 data = read.files[tstate.state_file_of(read.manifest.metadata)]
         else:
-            data = edist.broadcast_bytes(data if rank == c.rank else None, group, src=c.rank)
+            data = broadcast_bytes(data if rank == c.rank else None, group, src=c.rank)
         return Found(data, where, c.tier, c.rank, c.saved_world_size, newest_durable)
     return None
 

@@ -35,7 +35,6 @@ import torch
 import torch.distributed as dist
 
 import storage
-from elastictrain import dist as edist
 from elastictrain.checkpoint.api import Corrupt, Restored, ResumeOrigin, Tier
 from elastictrain.checkpoint.resume.fast_copies import (
     Copy,
@@ -49,6 +48,12 @@ from elastictrain.checkpoint.sharded import format as sharded
 from elastictrain.checkpoint.sharded import load as shard_load
 from elastictrain.checkpoint.sharded import reader as shard_reader
 from elastictrain.checkpoint.state import train_state as tstate
+from elastictrain.cluster.collectives import (
+    all_gather_object,
+    as_bytes_tensor,
+    broadcast_bytes,
+    max_int,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +103,27 @@ def _exchange(
             tally.note(len(out[i]), here=True)
         except storage.StorageError as e:
             bad.append((copy, str(e)))
-    asks = edist.all_gather_object([needs[i] for i in remote], group)
+    asks = all_gather_object([needs[i] for i in remote], group)
+    sends, keep = _send_asked(asks, reader, rank, group, bad)
+    failed_here = False
+    for i in remote:
+        out[i] = _receive(needs[i][0].holder, group)
+        if out[i] is None:
+            failed_here = True  # the holder names the copy in its own report
+            continue
+        tally.note(len(out[i]), here=False)
+    for work in sends:
+        work.wait()
+    del keep  # the sent buffers live until every send is done
+    if max_int(int(bool(bad) or failed_here), group):
+        raise _Refused([b for got in all_gather_object(bad, group) for b in got])
+    return out
+
+
+def _send_asked(asks, reader: CopyReader, rank: int, group, bad: list) -> tuple[list, list]:
+    """What the other ranks asked of this one (``asks``: each rank's needs), read and sent: its
+    size first (-1: the copy failed, named in ``bad``), then its bytes. The sends in flight, and
+    the buffers they read from."""
     sends, keep = [], []
     for requester, wanted in enumerate(asks):
         for copy, name, ranges in wanted:
@@ -113,24 +138,20 @@ def _exchange(
             keep += [size, data]
             sends.append(dist.isend(size, requester, group=group))
             if data:
-                sends.append(dist.isend(edist.as_bytes_tensor(data), requester, group=group))
-    failed_here = False
-    for i in remote:
-        holder = needs[i][0].holder
-        size = torch.zeros(1, dtype=torch.int64)
-        dist.recv(size, holder, group=group)
-        if int(size.item()) < 0:
-            failed_here = True  # the holder names the copy in its own report
-            continue
-        out[i] = bytearray(int(size.item()))
-        if out[i]:
-            dist.recv(edist.as_bytes_tensor(out[i]), holder, group=group)
-        tally.note(len(out[i]), here=False)
-    for work in sends:
-        work.wait()
-    if edist.max_int(int(bool(bad) or failed_here), group):
-        raise _Refused([b for got in edist.all_gather_object(bad, group) for b in got])
-    return out
+                sends.append(dist.isend(as_bytes_tensor(data), requester, group=group))
+    return sends, keep
+
+
+def _receive(holder: int, group) -> bytearray | None:
+    """One copy's bytes from ``holder`` (None: it failed there)."""
+    size = torch.zeros(1, dtype=torch.int64)
+    dist.recv(size, holder, group=group)
+    if int(size.item()) < 0:
+        return None
+    data = bytearray(int(size.item()))
+    if data:
+        dist.recv(as_bytes_tensor(data), holder, group=group)
+    return data
 
 
 def _pick(copies: list[Copy], my_node: str | None) -> Copy:
@@ -179,7 +200,7 @@ def _load(
             common_raw = reader.read(first, json.loads(index_raw)["common"], None)
             parts = [manifest.to_json(), index_raw, common_raw]
     manifest_raw, index_raw, common_raw = (
-        edist.broadcast_bytes(part, group, src=first.holder) for part in parts
+        broadcast_bytes(part, group, src=first.holder) for part in parts
     )
     if not manifest_raw:
         raise _Refused([(first, "its index or unsharded rest did not verify")])
@@ -249,7 +270,7 @@ def fetch_fast(
             mine["durable"] = (newest[0].generation, newest[0].step) if newest else None
         except storage.StorageError:
             mine["fence"] = None  # the durable path that follows reports it
-    offers = edist.all_gather_object(mine, group)
+    offers = all_gather_object(mine, group)
     fence, durable_newest = offers[0]["fence"], offers[0].get("durable")
     copies = [c for offer in offers for c in offer["copies"]]
     if fence is None or not copies:
@@ -280,7 +301,7 @@ def fetch_fast(
 def _origin(tally: Tally, durable_newest: tuple[int, int] | None, group) -> ResumeOrigin:
     """The resume event's account: bytes from node memory and from peers, job-wide, and which
     node served which saved ranks (nodes named by their first rank)."""
-    tallies = edist.all_gather_object(tally, group)
+    tallies = all_gather_object(tally, group)
     served: dict[int, set[int]] = defaultdict(set)
     for t in tallies:
         for holder, ranks in t.served.items():

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 import storage
-from elastictrain import dist as edist
+from elastictrain.cluster.collectives import as_bytes_tensor
 
 Range = tuple[int, int]
 Wanted = dict[str, tuple[list[str], tuple[Range, ...]]]
@@ -178,7 +178,7 @@ def _swap(mine: bytearray | None, me: int, twins: list[int], sizes: list[int], g
         if q != twins[me]:
             sends.append(dist.isend(flag, q, group=group))
             if mine is not None and len(mine):
-                sends.append(dist.isend(edist.as_bytes_tensor(mine), q, group=group))
+                sends.append(dist.isend(as_bytes_tensor(mine), q, group=group))
     got: list[Any] = []
     for i, q in enumerate(twins):
         if i == me:
@@ -191,7 +191,7 @@ def _swap(mine: bytearray | None, me: int, twins: list[int], sizes: list[int], g
             continue
         data = bytearray(sizes[i])
         if data:
-            dist.recv(edist.as_bytes_tensor(data), q, group=group)
+            dist.recv(as_bytes_tensor(data), q, group=group)
         got.append(data)
     for work in sends:
         work.wait()

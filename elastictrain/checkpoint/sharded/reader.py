@@ -111,12 +111,14 @@ class Index:
         for rank in range(lo // per, min(world, (hi - 1) // per + 1)):
             first, count = rows_of(rows, world, rank)
             if count:
-                chunks.append({
-                    "offsets": [first, *[0] * (len(t["size"]) - 1)],
-                    "sizes": [count, *t["size"][1:]],
-                    "file": shard_file(rank, self.doc["generation"]),
-                    "table": part_file(rank, self.doc["generation"]),
-                })  # fmt: skip
+                chunks.append(
+                    {
+                        "offsets": [first, *[0] * (len(t["size"]) - 1)],
+                        "sizes": [count, *t["size"][1:]],
+                        "file": shard_file(rank, self.doc["generation"]),
+                        "table": part_file(rank, self.doc["generation"]),
+                    }
+                )
         return chunks
 
     def _grid_chunks(self, t: dict[str, Any], lo: list[int], hi: list[int]):
@@ -212,8 +214,9 @@ class ShardReader(StorageReader):
         for name, reqs in by_file.items():
             table, by_fqn = self._table(name, reqs[0][1].get("table"))
             # Where each chunk's bytes are: in the index (format 1) or in the file's table.
-            located = [(req, {**by_fqn[c["fqn"]], **c} if "offset" not in c else c)
-                       for req, c in reqs]  # fmt: skip
+            located = [
+                (req, {**by_fqn[c["fqn"]], **c} if "offset" not in c else c) for req, c in reqs
+            ]
             yield name, table, located, [_byte_range(req, c) for req, c in located]
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future[None]:
@@ -236,8 +239,9 @@ class ShardReader(StorageReader):
         if name not in self._reports:
             table_name = table_name or self.index.table_of(name)
             table = json.loads(bytes(self.store.read_file(self.manifest, table_name)))
-            by_fqn = {c["fqn"]: {"offset": c["offset"], "nbytes": c["nbytes"]}
-                      for c in table["chunks"]}  # fmt: skip
+            by_fqn = {
+                c["fqn"]: {"offset": c["offset"], "nbytes": c["nbytes"]} for c in table["chunks"]
+            }
             self._reports[name] = (table, by_fqn)
         return self._reports[name]
 

@@ -40,7 +40,6 @@ import torch
 import torch.distributed as dist
 
 import storage
-from elastictrain import dist as edist
 from elastictrain.checkpoint.sharded import format as sharded
 from elastictrain.checkpoint.state import train_state as tstate
 from elastictrain.checkpoint.tiers.local import (
@@ -51,6 +50,7 @@ from elastictrain.checkpoint.tiers.local import (
     tier_dir,
 )
 from elastictrain.checkpoint.write.layouts import ShardSnap, ShardSnapshots
+from elastictrain.cluster.collectives import as_bytes_tensor, barrier, max_int, max_ints
 from elastictrain.config import CheckpointConfig
 from elastictrain.observe.events import EventLog
 from storage.hashing import digest
@@ -97,9 +97,12 @@ class Buddy:
         sizes = torch.tensor([len(header)], dtype=torch.int64)
         sends = [dist.isend(sizes, self.to, group=self.group)]
         if header:
-            sends.append(dist.isend(edist.as_bytes_tensor(header), self.to, group=self.group))
-            sends += [dist.isend(edist.as_bytes_tensor(data), self.to, group=self.group)
-                      for data in files.values() if len(data)]  # fmt: skip
+            sends.append(dist.isend(as_bytes_tensor(header), self.to, group=self.group))
+            sends += [
+                dist.isend(as_bytes_tensor(data), self.to, group=self.group)
+                for data in files.values()
+                if len(data)
+            ]
         try:
             copy = self._receive()
             if copy is not None:
@@ -115,7 +118,7 @@ class Buddy:
         if not int(size.item()):
             return None  # the source has no copy this time (its write failed)
         raw = bytearray(int(size.item()))
-        dist.recv(edist.as_bytes_tensor(raw), self.source, group=self.group)
+        dist.recv(as_bytes_tensor(raw), self.source, group=self.group)
         doc = json.loads(bytes(raw))
         manifest = storage.Manifest.from_json(doc["manifest"].encode(), where="a buddy's copy")
         # Every message of this copy is taken off the wire before anything can fail, so the next
@@ -124,7 +127,7 @@ class Buddy:
         for name in doc["order"]:
             received[name] = bytearray(manifest.files[name].size)
             if received[name]:
-                dist.recv(edist.as_bytes_tensor(received[name]), self.source, group=self.group)
+                dist.recv(as_bytes_tensor(received[name]), self.source, group=self.group)
             self.received_bytes += len(received[name])
         return manifest, received
 
@@ -338,7 +341,7 @@ class ShardTier(LocalTier):
             copies=RankCopies(rank, local_world_size, self.buddy),
         )
         # Copies are taken by all ranks or none: a rank whose folder is unusable stops them all.
-        if edist.max_int(int(not self.active), group) and self.active:
+        if max_int(int(not self.active), group) and self.active:
             self._off("another rank's local tier is off (see its log)")
 
     # -- save: all ranks at the same steps -----------------------------------------------------
@@ -352,7 +355,7 @@ class ShardTier(LocalTier):
             why = self._why_not(step, state)
             # One agreement per copy: whether every rank goes on, and the next interval.
             wanted = self.schedule.interval() if self.schedule.every == "auto" else 1
-            anyone_stops, interval = edist.max_ints([int(why is not None), wanted], self.group)
+            anyone_stops, interval = max_ints([int(why is not None), wanted], self.group)
             if anyone_stops:
                 self._off(why or "another rank's local tier cannot go on (see its log)")
                 return
@@ -385,7 +388,7 @@ class ShardTier(LocalTier):
         flight, then the node's first rank removes the node's copies."""
         if self.writer is not None:
             self.writer.wait()
-        edist.barrier(self.group)
+        barrier(self.group)
         if self.config.local_checkpoint and self.local_rank == 0:
             remove_copies(os.path.join(self.dir, SHARDS))
         self.writes, self.writer, self.store = False, None, None

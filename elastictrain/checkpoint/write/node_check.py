@@ -22,7 +22,7 @@ import socket
 import torch.distributed as dist
 
 import storage
-from elastictrain import dist as edist
+from elastictrain.cluster.collectives import broadcast_bytes
 from elastictrain.errors import StorageNotSharedError
 
 logger = logging.getLogger(__name__)
@@ -57,7 +57,7 @@ def check_shared_storage(
             marker = mine.encode()
         except storage.StorageError as e:
             logger.error("node check: could not write its marker: %s", e)
-    marker = bytes(edist.broadcast_bytes(marker if rank == 0 else None, group))
+    marker = bytes(broadcast_bytes(marker if rank == 0 else None, group))
     rank0 = json.loads(marker) if marker else None
     verdict = None
     if rank != 0 and local_rank == 0 and rank0:  # one reader per node (rank 0 reads for its own)

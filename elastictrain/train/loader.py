@@ -27,9 +27,9 @@ from typing import Any
 
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from elastictrain.data import GlobalBatchSampler, Share, load_seed, seed_all, share_bounds
 from elastictrain.errors import ConfigError, DataLoadError
 from elastictrain.task import Task
+from elastictrain.train.data import GlobalBatchSampler, Share, load_seed, seed_all, share_bounds
 
 
 def micro_shares(

@@ -1,4 +1,4 @@
-"""Process-group setup that survives torchrun restarts, and the few collectives the runner uses.
+"""Process-group setup that survives torchrun restarts (the leaf collectives are ``collectives``).
 
 Why a handshake: torchrun shares its rendezvous TCPStore with the workers and keeps it alive across
 restarts, but ``init_process_group(init_method="env://")`` then uses that store *without* a
@@ -17,22 +17,20 @@ import logging
 import os
 import threading
 import time
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from elastictrain import knobs
-from elastictrain.connections import EpochConnections
-from elastictrain.env import DistEnv
+from elastictrain.cluster.connections import EpochConnections
+from elastictrain.cluster.env import DistEnv
+from elastictrain.cluster.handshake import Attempt, handshake
+from elastictrain.cluster.job_store import connect
+from elastictrain.cluster.liveness import Liveness
 from elastictrain.errors import EXIT_INIT_TIMEOUT
-from elastictrain.handshake import Attempt, handshake
-from elastictrain.job_store import connect
-from elastictrain.liveness import Liveness
 
 logger = logging.getLogger(__name__)
 
@@ -159,83 +157,6 @@ def default_group_is_restart_safe() -> bool:
     runner, or ``init_distributed``), on a store no earlier attempt wrote to; not by a plain
     ``init_process_group`` on torchrun's shared rendezvous store."""
     return _built_on_a_fresh_store
-
-
-def barrier(group: dist.ProcessGroup | None) -> None:
-    """``group=None`` means a process alone, without torch.distributed (library mode)."""
-    if group is not None:
-        dist.barrier(group=group)
-
-
-def broadcast_bytes(
-    data: bytes | None, group: dist.ProcessGroup | None, src: int = 0
-) -> bytes | bytearray:
-    """Rank ``src``'s ``data`` on every rank (empty for None): storage is read once per job, not
-    per rank.
-
-    No copies beyond the receive buffer, and no numpy (torch does not depend on it).
-    """
-    if group is None:
-        return data or b""
-    length = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64)
-    dist.broadcast(length, src=src, group=group)
-    n = int(length.item())
-    if n == 0:
-        return b""
-    if dist.get_rank() == src:
-        with warnings.catch_warnings():
-            # The source buffer is only read by broadcast; torch warns because bytes are immutable.
-            warnings.filterwarnings("ignore", message="The given buffer is not writable")
-            dist.broadcast(torch.frombuffer(data, dtype=torch.uint8), src=src, group=group)
-        return data
-    out = bytearray(n)
-    dist.broadcast(torch.frombuffer(out, dtype=torch.uint8), src=src, group=group)
-    return out
-
-
-def as_bytes_tensor(data: Any) -> torch.Tensor:
-    """``data``'s buffer as a uint8 tensor, not copied: what point-to-point sends and receives
-    move (a received buffer must be writable)."""
-    import warnings
-
-    with warnings.catch_warnings():  # sent buffers are only read
-        warnings.filterwarnings("ignore", message="The given buffer is not writable")
-        return torch.frombuffer(data, dtype=torch.uint8) if len(data) else torch.empty(0)
-
-
-def broadcast_int(value: int, group: dist.ProcessGroup | None, src: int = 0) -> int:
-    if group is None:
-        return value
-    t = torch.tensor([value], dtype=torch.int64)
-    dist.broadcast(t, src=src, group=group)
-    return int(t.item())
-
-
-def max_int(value: int, group: dist.ProcessGroup | None) -> int:
-    """The largest of every rank's ``value`` (e.g. the worst outcome)."""
-    if group is None:
-        return value
-    t = torch.tensor([value], dtype=torch.int64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return int(t.item())
-
-
-def max_ints(values: list[int], group: dist.ProcessGroup | None) -> list[int]:
-    """The largest of every rank's value at each position, in one all-reduce."""
-    if group is None:
-        return list(values)
-    t = torch.tensor(values, dtype=torch.int64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return [int(v) for v in t.tolist()]
-
-
-def all_gather_object(obj: Any, group: dist.ProcessGroup | None) -> list[Any]:
-    """Every rank's ``obj``, in rank order (small, picklable values only)."""
-    if group is None:
-        return [obj]
-    out: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, obj, group=group)
-    return out
 
 
 def shutdown() -> None:

@@ -17,24 +17,25 @@ import time
 import torch
 import torch.distributed as dist
 
-from elastictrain import dist as edist
-from elastictrain import mesh, streams, training
-from elastictrain.attempt import Attempt
+from elastictrain import mesh
 from elastictrain.checkpoint.session import CheckpointSession, install_stop_signals
+from elastictrain.cluster.env import DistEnv, read_env
+from elastictrain.cluster.groups import pick_device
 from elastictrain.config import RunConfig
-from elastictrain.data import GlobalBatchSampler
-from elastictrain.env import DistEnv, read_env
 from elastictrain.errors import EXIT_INIT_TIMEOUT, EXIT_PREEMPTED, Preempted
 from elastictrain.inplace import epoch_end, supervisor
 from elastictrain.inplace.driver import EpochDriver, EpochSettings
 from elastictrain.inplace.members import LiveState, PeerLost
-from elastictrain.loader import check_micro_steps
 from elastictrain.observe.events import LastWords
 from elastictrain.observe.logs import setup_logging
 from elastictrain.observe.terminal import STATUS
-from elastictrain.signals import StopSignals
+from elastictrain.runtime.signals import StopSignals
+from elastictrain.runtime.watchdog import HangWatchdog
 from elastictrain.task import Task, build_task
-from elastictrain.watchdog import HangWatchdog
+from elastictrain.train import streams, training
+from elastictrain.train.attempt import Attempt
+from elastictrain.train.data import GlobalBatchSampler
+from elastictrain.train.loader import check_micro_steps
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +69,7 @@ def run(cfg: RunConfig, early_signals: StopSignals | None = None) -> int:
         sampler = GlobalBatchSampler(len(task.dataset), task.batch_size, cfg.seed)
         sampler.share(0, data.rank, data.size)  # validates the data-parallel size against the batch
     check_micro_steps(task.batch_size, data.size, cfg.grad_accum_steps)
-    device = edist.pick_device(env, task.model_devices)
+    device = pick_device(env, task.model_devices)
     if cfg.replace_in_place and device.type != "cpu":
         epoch_end.refuse_unverified_nccl(device, "--replace-in-place")
     # Started before init: an orphan (agent gone) must exit even while it waits in init or resume.

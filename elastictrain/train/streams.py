@@ -32,9 +32,9 @@ from typing import Any
 import torch
 from torch.utils.data import IterableDataset
 
-from elastictrain.data import Share
 from elastictrain.errors import CheckpointMismatchError, ConfigError, DataLoadError
-from elastictrain.loader import load_failed
+from elastictrain.train.data import Share
+from elastictrain.train.loader import load_failed
 
 UNKNOWN = -1
 """A sample's global position where the runner cannot know it (loader workers interleave)."""

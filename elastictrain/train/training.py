@@ -14,7 +14,6 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from elastictrain.attempt import Attempt
 from elastictrain.checkpoint.api import Reason
 from elastictrain.checkpoint.checkpointer import Resumed
 from elastictrain.checkpoint.resume import live_shards
@@ -26,14 +25,15 @@ from elastictrain.errors import named_timeout
 from elastictrain.inplace import epoch_end
 from elastictrain.inplace.driver import EpochDriver
 from elastictrain.inplace.members import LiveState, PeerLost
-from elastictrain.loop import Trainer
 from elastictrain.observe import stragglers
 from elastictrain.observe.events import Event, SampleLog
 from elastictrain.observe.logs import CONTEXT
 from elastictrain.observe.progress import Progress
 from elastictrain.observe.tensorboard import Scalars
 from elastictrain.observe.terminal import live_terminal
-from elastictrain.precision import Precision
+from elastictrain.train.attempt import Attempt
+from elastictrain.train.loop import Trainer
+from elastictrain.train.precision import Precision
 
 logger = logging.getLogger(__name__)
 

@@ -6,6 +6,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from elastictrain import knobs
 from elastictrain.errors import ConfigError
 
 
@@ -70,9 +71,7 @@ def read_env(environ: Mapping[str, str] | None = None) -> DistEnv:
         launched_by_torchrun=launched,
         under_agent="TORCHELASTIC_RUN_ID" in environ,
         # Under --replace-in-place the parent is the rank's supervisor, which names the agent.
-        agent_pid=int(environ.get("ELASTICTRAIN_AGENT_PID", os.getppid()))
-        if "TORCHELASTIC_RUN_ID" in environ
-        else None,
+        agent_pid=knobs.agent_pid(environ) if "TORCHELASTIC_RUN_ID" in environ else None,
     )
 
 

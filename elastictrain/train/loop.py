@@ -10,13 +10,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from elastictrain import parallel
-from elastictrain.data import Share, seed_all, step_seed
-from elastictrain.loader import StepLoader
 from elastictrain.observe.metrics import RunningMeans, split_loss
 from elastictrain.observe.stragglers import StepTimer
-from elastictrain.precision import Precision
 from elastictrain.task import Task
+from elastictrain.train import parallel
+from elastictrain.train.data import Share, seed_all, step_seed
+from elastictrain.train.loader import StepLoader
+from elastictrain.train.precision import Precision
 
 
 def to_device(batch: Any, device: torch.device) -> Any:

@@ -10,22 +10,22 @@ from typing import Any
 
 import torch
 
-from elastictrain import dist as edist
-from elastictrain import parallel, streams
 from elastictrain.checkpoint.session import CheckpointSession
 from elastictrain.checkpoint.state import DataFingerprint, TrainState, check_plain, unwrap
+from elastictrain.cluster.env import DistEnv
+from elastictrain.cluster.groups import ProcessGroups
 from elastictrain.config import RunConfig
-from elastictrain.data import GlobalBatchSampler
-from elastictrain.env import DistEnv
 from elastictrain.errors import named_timeout
-from elastictrain.loader import StepLoader, worker_init
 from elastictrain.mesh import MeshShape, data_ranks
 from elastictrain.observe.events import Event
 from elastictrain.observe.metrics import evaluate
 from elastictrain.observe.tensorboard import Scalars
-from elastictrain.precision import Precision
+from elastictrain.runtime.watchdog import HangWatchdog
 from elastictrain.task import Task
-from elastictrain.watchdog import HangWatchdog
+from elastictrain.train import parallel, streams
+from elastictrain.train.data import GlobalBatchSampler
+from elastictrain.train.loader import StepLoader, worker_init
+from elastictrain.train.precision import Precision
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ class Attempt:
         task: Task,
         sampler: GlobalBatchSampler | None,
         device: torch.device,
-        groups: edist.ProcessGroups,
+        groups: ProcessGroups,
         session: CheckpointSession,
         watchdog: HangWatchdog,
         shape: MeshShape | None = None,

@@ -33,7 +33,7 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 
-from elastictrain.env import DistEnv, StoreAddress, rendezvous_store
+from elastictrain.cluster.env import DistEnv, StoreAddress, rendezvous_store
 from elastictrain.errors import InitTimeoutError, StoreSilentError
 
 logger = logging.getLogger(__name__)

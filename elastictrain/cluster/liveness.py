@@ -41,8 +41,8 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
+from elastictrain.cluster.job_store import BoundedCalls, JobStore
 from elastictrain.errors import EXIT_PEER_SILENT
-from elastictrain.job_store import BoundedCalls, JobStore
 from elastictrain.observe.events import Cause
 
 if TYPE_CHECKING:  # the store's type only: this module runs before torch is needed
@@ -171,8 +171,12 @@ class Liveness:
                 )
 
     def _beat_value(self, verdict: list[dict[str, Any]] | None = None, done: bool = False) -> str:
-        doc: dict[str, Any] = {"seq": self._seq, "step": self._step(), "host": self._host,
-                               "phase": self._phase()}  # fmt: skip
+        doc: dict[str, Any] = {
+            "seq": self._seq,
+            "step": self._step(),
+            "host": self._host,
+            "phase": self._phase(),
+        }
         if self.rank == 0 and self._gated:  # for the ranks that only watch rank 0
             doc["gated"] = self._gated
         verdict = verdict or (self.verdict if self.rank == 0 else None)
@@ -239,10 +243,13 @@ class Liveness:
         if not silent:
             return None
         verdict = [
-            {"rank": r, "host": json.loads(self._seen[r])["host"],
-             "silent_s": round(now - self._changed[r], 1)}
+            {
+                "rank": r,
+                "host": json.loads(self._seen[r])["host"],
+                "silent_s": round(now - self._changed[r], 1),
+            }
             for r in silent
-        ]  # fmt: skip
+        ]
         self.verdict = verdict
         if self.rank == 0:  # tell everyone at their next beat
             with contextlib.suppress(Exception):  # this rank exits either way

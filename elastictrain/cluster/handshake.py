@@ -31,7 +31,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from elastictrain.env import DistEnv
+from elastictrain.cluster.env import DistEnv
 from elastictrain.errors import InitTimeoutError
 
 ATTEMPT_KEY = "elastictrain/attempt"
