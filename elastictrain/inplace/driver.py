@@ -24,7 +24,7 @@ from elastictrain.cluster.env import DistEnv
 from elastictrain.cluster.groups import ProcessGroups, init_process_groups, shutdown
 from elastictrain.cluster.liveness import Liveness
 from elastictrain.inplace import agreement, members
-from elastictrain.inplace.epoch_end import EpochEnd
+from elastictrain.inplace.epoch_end import EpochEnd, prepare_nccl
 from elastictrain.inplace.members import LiveState
 from elastictrain.inplace.states import EpochState, EpochStates, Transition
 from elastictrain.observe.events import Event
@@ -218,6 +218,8 @@ class EpochDriver:
             if s.replace_in_place
             else None,
         )
+        if s.replace_in_place and self.device.type == "cuda":
+            prepare_nccl()
         groups = self.steps.build_groups(
             here,
             self.device,

@@ -151,21 +151,22 @@ def abort_collectives(keep_port: int, connections: EpochConnections | None = Non
 
 def refuse_unverified_nccl(device: torch.device, what: str) -> None:
     """In place on CUDA: refused (``ConfigError``) unless ``ELASTICTRAIN_NCCL_IN_PLACE=1`` asks
-    for the path that has not yet run on more than one GPU; then :func:`prepare_nccl`."""
+    for the path that has not yet run on more than one GPU. A check only: the driver prepares
+    NCCL (:func:`prepare_nccl`) as it builds a CUDA epoch's groups."""
     if not knobs.nccl_in_place():
         raise ConfigError(
             f"{what} on {device} (NCCL) is built but not yet verified on multi-GPU jobs "
             '(docs/faults.md, "NCCL"): set ELASTICTRAIN_NCCL_IN_PLACE=1 to use it, or drop '
             f"{what}: a death then restarts the group."
         )
-    prepare_nccl()
 
 
 def prepare_nccl() -> None:
-    """Before the first NCCL group of an in-place job: NCCL's watchdog must not end the process
-    when the watch aborts a communicator (its default, 3, tears down the process on a failed
-    collective: the survivor's state would go with it). torch's own note on
-    ``_abort_process_group`` asks for 0. A value the user set is kept, with a warning."""
+    """Before an in-place epoch's NCCL groups: NCCL's watchdog must not end the process when the
+    watch aborts a communicator (its default, 3, tears down the process on a failed collective:
+    the survivor's state would go with it). torch's own note on ``_abort_process_group`` asks
+    for 0. Every NCCL group reads it as it is built (the mesh's too), so it stays set for the
+    process. A value the user set is kept, with a warning."""
     value = os.environ.setdefault(_ASYNC_ERRORS, "0")
     if value != "0":
         logger.warning(

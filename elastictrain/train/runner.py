@@ -20,11 +20,12 @@ import torch.distributed as dist
 from elastictrain import mesh
 from elastictrain.checkpoint.session import CheckpointSession, install_stop_signals
 from elastictrain.cluster.env import DistEnv, read_env
-from elastictrain.cluster.groups import pick_device
+from elastictrain.cluster.groups import ProcessGroups, pick_device
 from elastictrain.config import RunConfig
 from elastictrain.errors import EXIT_INIT_TIMEOUT, EXIT_PREEMPTED, Preempted
 from elastictrain.inplace import epoch_end, supervisor
-from elastictrain.inplace.driver import EpochDriver, EpochSettings
+from elastictrain.inplace.agreement import EpochStart
+from elastictrain.inplace.driver import Epoch, EpochDriver, EpochSettings
 from elastictrain.inplace.members import LiveState, PeerLost
 from elastictrain.observe.events import LastWords
 from elastictrain.observe.logs import setup_logging
@@ -185,37 +186,11 @@ def _epoch(b: _Built, driver: EpochDriver, carry: LiveState | None, died_at: flo
         if b.sampler is not None:
             b.sampler.share(0, data.rank, data.size)  # the global batch over the new world size
         check_micro_steps(task.batch_size, data.size, cfg.grad_accum_steps)
-        attached = (
-            (lambda: os.getppid() == b.agent_pid) if env.launched_by_torchrun else (lambda: True)
-        )
-        session = CheckpointSession(
-            cfg.checkpoint,
-            env=env,
-            generation=groups.attempt.generation,
-            gate=groups.control,
-            # The default group (nccl on GPUs), on the training device: the per-step agreement
-            # must be as cheap as the step's own collectives, and time out like them.
-            agree_group=dist.group.WORLD,
-            agree_device=b.device,
-            watchdog=watchdog,
-            attached=attached,
-            signals=b.signals,
-            last_words=b.last_words,
-        )
+        session = _session(b, env, groups)
         driver.attach(session.events, b.last_words)
         start = driver.agree(groups.control)
     init_s = time.monotonic() - t_init
-    logger.info(
-        "started: world size %d%s, restart %d, generation %d, device %s, init %.2fs%s%s",
-        env.world_size,
-        f" (mesh {shape.describe()})" if shape else "",
-        env.restart_count,
-        groups.attempt.generation,
-        b.device,
-        init_s,
-        f", replacing rank(s) {start.replaced} in place" if start.replaced else "",
-        f", without the lost rank(s) {epoch.dropped}" if epoch.dropped else "",
-    )
+    _say_started(b, epoch, start, shape, init_s)
     session.emit_start(
         max_steps=cfg.max_steps,
         init_s=round(init_s, 4),
@@ -241,6 +216,40 @@ def _epoch(b: _Built, driver: EpochDriver, carry: LiveState | None, died_at: flo
     if code != 0:
         driver.fail(f"exit {code}")
     return code
+
+
+def _session(b: _Built, env: DistEnv, groups: ProcessGroups) -> CheckpointSession:
+    """The epoch's checkpoint session (``env``: the epoch's identity of the rank)."""
+    attached = (lambda: os.getppid() == b.agent_pid) if env.launched_by_torchrun else (lambda: True)
+    return CheckpointSession(
+        b.cfg.checkpoint,
+        env=env,
+        generation=groups.attempt.generation,
+        gate=groups.control,
+        # The default group (nccl on GPUs), on the training device: the per-step agreement must
+        # be as cheap as the step's own collectives, and time out like them.
+        agree_group=dist.group.WORLD,
+        agree_device=b.device,
+        watchdog=b.watchdog,
+        attached=attached,
+        signals=b.signals,
+        last_words=b.last_words,
+    )
+
+
+def _say_started(b: _Built, epoch: Epoch, start: EpochStart, shape, init_s: float) -> None:
+    env = epoch.env
+    logger.info(
+        "started: world size %d%s, restart %d, generation %d, device %s, init %.2fs%s%s",
+        env.world_size,
+        f" (mesh {shape.describe()})" if shape else "",
+        env.restart_count,
+        epoch.groups.attempt.generation,
+        b.device,
+        init_s,
+        f", replacing rank(s) {start.replaced} in place" if start.replaced else "",
+        f", without the lost rank(s) {epoch.dropped}" if epoch.dropped else "",
+    )
 
 
 def _fresh_model(b: _Built) -> Task:

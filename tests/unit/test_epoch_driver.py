@@ -369,3 +369,25 @@ def test_the_epochs_end_decides_peer_loss_whichever_thread_failed_it_first():
     members.drop_silent(liveness, "no heartbeat from rank 1", drivers[0].epoch.end)
     assert drivers[0].is_peer_loss(no_group)
     assert not drivers[1].is_peer_loss(no_group)  # its own epoch's end was not failed
+
+
+def test_nccl_is_prepared_as_the_driver_builds_an_epochs_groups_not_by_a_check(monkeypatch):
+    """``refuse_unverified_nccl`` set TORCH_NCCL_ASYNC_ERROR_HANDLING as a side effect of a
+    check. The check now changes nothing; the driver prepares NCCL (its watchdog must not end
+    the process on an aborted communicator) right before it builds a CUDA epoch's groups."""
+    import os
+
+    from elastictrain.inplace import epoch_end
+
+    monkeypatch.delenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", raising=False)
+    monkeypatch.setenv("ELASTICTRAIN_NCCL_IN_PLACE", "1")
+    epoch_end.refuse_unverified_nccl(torch.device("cuda", 0), "--replace-in-place")
+    assert "TORCH_NCCL_ASYNC_ERROR_HANDLING" not in os.environ
+    job = Job(1)
+    cpu = job.driver(0)
+    cpu.form(None, None)
+    assert "TORCH_NCCL_ASYNC_ERROR_HANDLING" not in os.environ  # gloo: nothing to prepare
+    cuda = job.driver(0)
+    cuda.device = torch.device("cuda", 0)
+    cuda.form(None, None)
+    assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "0"

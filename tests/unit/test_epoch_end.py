@@ -110,6 +110,7 @@ def test_nccl_in_place_is_refused_unless_asked_for_and_then_keeps_nccls_watchdog
     assert "TORCH_NCCL_ASYNC_ERROR_HANDLING" not in os.environ
     monkeypatch.setenv("ELASTICTRAIN_NCCL_IN_PLACE", "1")
     epoch_end.refuse_unverified_nccl(cuda, "--replace-in-place")
+    epoch_end.prepare_nccl()  # the driver's, as it builds a CUDA epoch's groups
     assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "0"
     # The gate: on CUDA always (the device waited for); on the CPU a barrier with replicas only.
     assert callable(epoch_end.update_gate(cuda, twins=False, end=None))
