@@ -36,6 +36,9 @@ class EpochStart:
     """From that death to the last survivor seeing it."""
     previous_world_size: int | None = None
     """The failed epoch's world size (None after a fresh start or torchrun's restart)."""
+    receivers: tuple[int, ...] = ()
+    """The ranks that do not hold ``newest_step`` (replacements, a survivor one step behind):
+    only they receive it."""
 
     @property
     def in_place(self) -> bool:
@@ -53,6 +56,7 @@ class EpochStart:
             self.source_rank,
             self.last_committed,
             self.previous_world_size,
+            self.receivers,
         )
 
     def start_fields(self) -> dict:
@@ -119,6 +123,7 @@ def agree(
         died_at=died,
         detected_s=max(seen) - died if seen and died is not None else None,
         previous_world_size=max(w for _, _, _, _, w, _ in everyone) or None,
+        receivers=tuple(r for r, s in enumerate(steps) if s != newest),
     )
     members = members if members is not None else list(range(len(everyone)))
     lost = sorted({members[r] for r in replaced} | set(dropped)) if newest >= 0 else []
