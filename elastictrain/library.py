@@ -37,7 +37,7 @@ from elastictrain.cluster.groups import pick_device
 from elastictrain.config import check_silent_timeout
 from elastictrain.errors import EXIT_INIT_TIMEOUT, ConfigError
 from elastictrain.inplace import epoch_end, recovering, supervisor
-from elastictrain.inplace.driver import EpochDriver, EpochSettings
+from elastictrain.inplace.driver import EpochDriver, EpochSettings, warm_spare
 from elastictrain.inplace.members import LiveState
 from elastictrain.inplace.states import EpochState
 
@@ -110,12 +110,13 @@ def init_distributed(
         init_flag="init_timeout",
         replace_flag="replace_timeout",
     )
+    role = _supervise_unless_a_child(env, device, settings, max_replacements)
+    _driver = EpochDriver(env, device, settings, spare=role == "spare")
     died_at = None
-    if replace_in_place:
-        died_at = _supervise_or_wait(env, device, settings, max_replacements)
-    _driver = EpochDriver(env, device, settings, spare=died_at is not None)
-    if died_at is not None and not _driver.go(died_at):
-        sys.exit(0)  # the supervisor is gone or ended the spare's wait
+    if role == "spare":
+        died_at = _driver.wait_as_spare(warm_spare, logging.WARNING)
+        if died_at is None:
+            sys.exit(0)  # the supervisor is gone or ended the spare's wait
     if _driver.form(None, died_at) is None:
         logger.error(
             "rank %d: the other ranks went on without this one (back after replace_wait); "
@@ -132,11 +133,13 @@ def driver() -> EpochDriver | None:
     return _driver
 
 
-def _supervise_or_wait(
+def _supervise_unless_a_child(
     env: DistEnv, device: torch.device, settings: EpochSettings, max_replacements: int
-) -> float | None:
-    """``replace_in_place`` under torchrun: supervise (never returns), or wait as a spare (when
-    the death it stands in for was seen), or train from the start (None)."""
+) -> str | None:
+    """``replace_in_place`` under torchrun: the process torchrun started supervises (never
+    returns); its children return their role (``worker``, ``spare``). None: not in place."""
+    if not settings.replace_in_place:
+        return None
     if device.type != "cpu":
         epoch_end.refuse_unverified_nccl(device, "init_distributed(replace_in_place=True)")
     role = supervisor.role()
@@ -151,22 +154,7 @@ def _supervise_or_wait(
                 stopped_s=settings.silent_timeout or None,
             )
         )
-    if role != "spare":
-        return None
-    _warm()
-    logger.warning("spare for rank %d ready: waiting to stand in", env.rank)
-    died_at = supervisor.wait_for_go()
-    if died_at is None:
-        sys.exit(0)  # the supervisor is gone or ended the spare's wait
-    return died_at
-
-
-def _warm() -> None:
-    """A spare, before it waits: pay now what the replacement's first step would (the first
-    optimizer imports torch._dynamo: most of a start's build time; DDP)."""
-    from torch.nn.parallel import DistributedDataParallel  # noqa: F401
-
-    torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    return role
 
 
 class CheckpointManager(checkpoint_manager.CheckpointManager):

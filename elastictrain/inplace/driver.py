@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -23,7 +24,7 @@ import torch
 from elastictrain.cluster.env import DistEnv
 from elastictrain.cluster.groups import ProcessGroups, init_process_groups, shutdown
 from elastictrain.cluster.liveness import Liveness
-from elastictrain.inplace import agreement, members
+from elastictrain.inplace import agreement, members, supervisor
 from elastictrain.inplace.epoch_end import EpochEnd, prepare_nccl
 from elastictrain.inplace.members import LiveState
 from elastictrain.inplace.states import EpochState, EpochStates, Transition
@@ -151,6 +152,22 @@ class EpochDriver:
             self._last_words(cause, detail)
 
     # -- the states ------------------------------------------------------------------------------
+
+    def wait_as_spare(
+        self, warm: Callable[[], None], log_level: int = logging.INFO
+    ) -> float | None:
+        """spare -> gathering: ``warm`` (what a replacement's first epoch would pay), then wait
+        to be told to go; when the death it stands in for was seen, or None (done: the
+        supervisor is gone or ended the wait)."""
+        warm()
+        logger.log(
+            log_level,
+            "spare for rank %d ready (pid %d): waiting to stand in",
+            self.env.rank,
+            os.getpid(),
+        )
+        died_at = supervisor.wait_for_go()
+        return died_at if self.go(died_at) else None
 
     def go(self, died_at: float | None) -> bool:
         """A spare, its wait over: True to stand in for a death seen at ``died_at``."""
@@ -318,3 +335,15 @@ class EpochDriver:
                 epoch.end.close()
             epoch.liveness.stop(wait=wait)
         self.steps.shutdown()  # also what a failed forming left behind
+
+
+def warm_spare(make_optimizer: Callable[[], Any] | None = None) -> None:
+    """A spare, before it waits: pay now what a replacement's first epoch would: DDP's import,
+    and the first optimizer's construction (it imports torch._dynamo: most of a start's build
+    time). ``make_optimizer``: the task's first optimizer (the runner); else a throwaway one."""
+    from torch.nn.parallel import DistributedDataParallel  # noqa: F401
+
+    if make_optimizer is not None:
+        make_optimizer()
+    else:
+        torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)

@@ -25,7 +25,7 @@ from elastictrain.config import RunConfig
 from elastictrain.errors import EXIT_INIT_TIMEOUT, EXIT_PREEMPTED, Preempted
 from elastictrain.inplace import epoch_end, supervisor
 from elastictrain.inplace.agreement import EpochStart
-from elastictrain.inplace.driver import Epoch, EpochDriver, EpochSettings
+from elastictrain.inplace.driver import Epoch, EpochDriver, EpochSettings, warm_spare
 from elastictrain.inplace.members import LiveState, PeerLost
 from elastictrain.observe.events import LastWords
 from elastictrain.observe.logs import setup_logging
@@ -97,10 +97,10 @@ def run(cfg: RunConfig, early_signals: StopSignals | None = None) -> int:
     driver.attach(None, last_words)
     died_at = None
     if spare:
-        _warm(task)
-        logger.info("spare for rank %d ready (pid %d): waiting to stand in", env.rank, os.getpid())
-        died_at = supervisor.wait_for_go()
-        if not driver.go(died_at):  # the supervisor is gone or ended the spare's wait
+        died_at = driver.wait_as_spare(
+            lambda: warm_spare(lambda: task.make_optimizer(task.model.parameters()))
+        )
+        if died_at is None:  # the supervisor is gone or ended the spare's wait
             return 0
     watchdog.start()
     built = _Built(cfg, env, task, sampler, device, watchdog, signals, last_words, agent_pid)
@@ -261,10 +261,3 @@ def _fresh_model(b: _Built) -> Task:
         return b.task
     torch.manual_seed(b.cfg.seed)
     return build_task(b.cfg.task, b.cfg.task_options)
-
-
-def _warm(task: Task) -> None:
-    """A spare, before it waits: pay now what a replacement's first epoch would (the first
-    optimizer's construction imports torch._dynamo: most of a start's build time)."""
-    task.make_optimizer(task.model.parameters())
-    import torch.nn.parallel  # noqa: F401  (DDP, the wrap)
