@@ -182,9 +182,9 @@ class CheckpointManager(checkpoint_manager.CheckpointManager):
             # Every group of the epoch is built now (this session's): its end may shut each.
             connections.learn(self._group)
 
-    def _ending(self) -> None:
+    def _ending(self, step: int) -> None:
         if _driver is not None and _driver.state == EpochState.TRAINING:
-            _driver.finish()
+            _driver.finish(step)
 
     def emit(self, event: str, **fields: Any) -> None:
         """An event in the run's log (rank 0 writes it)."""
@@ -256,9 +256,9 @@ class _Epochs:
     def step(self, *args: Any) -> bool:
         return self._m.step(*args)
 
-    def _ending(self) -> None:
+    def _ending(self, step: int) -> None:
         if _driver is not None and _driver.state == EpochState.TRAINING:
-            _driver.finish()
+            _driver.finish(step)
 
     def emit(self, event: str, **fields: Any) -> None:
         self._m.emit(event, **fields)

@@ -204,7 +204,7 @@ class CheckpointManager:
     def _resumed_epoch(self, resumed: Resumed) -> None:
         """After the resume of each epoch (library mode's in-place epochs learn their groups)."""
 
-    def _ending(self) -> None:
+    def _ending(self, step: int) -> None:
         """The final checkpoint is committed, before the end event (library mode's epoch ends)."""
 
     def step(
@@ -254,7 +254,7 @@ class CheckpointManager:
         reason = Reason.FINAL if final else Reason.STEPS
         saved = self._session.save(step, TrainState(model, optimizer, scheduler, extra), reason)
         if final:
-            self._ending()
+            self._ending(step)
             self._session.emit_end(step)
         return saved
 

@@ -312,8 +312,9 @@ class EpochDriver:
         self.close(wait=False)
         self.states.to(S.GATHERING, "counted back for the next epoch")
 
-    def finish(self, reason: str = "finished") -> None:
-        """training -> done (once)."""
+    def finish(self, step: int | None = None, reason: str = "finished") -> None:
+        """training -> done (once), at ``step`` (completed steps)."""
+        self.last_step = step if step is not None else self.last_step
         if self.state != S.DONE:
             self.states.to(S.DONE, reason, step=self.last_step)
 

@@ -235,7 +235,8 @@ class _Run:
         logger.info(
             "FINISHED %d steps (%d this attempt in %.1fs); exit 0", cfg.max_steps, trained, elapsed
         )
-        self.driver.finish()  # before the end event: the run's last line is its end
+        # Before the end event: the run's last line is its end.
+        self.driver.finish(max(cfg.max_steps, resumed.step))
         session.emit_end(
             max(cfg.max_steps, resumed.step),
             steps_this_attempt=trained,
