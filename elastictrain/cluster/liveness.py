@@ -95,6 +95,7 @@ class Liveness:
         self._changed: dict[int, float] = {}
         self._last_round: float | None = None
         self._last_ok = clock()
+        self._unanswered = False  # a failed store request said (once a streak)
         # A frozen store ignores its client's timeout: each request waits one beat at most.
         self._ask = BoundedCalls(interval_s, name="elastictrain-liveness-store")
         self._store_name = "the job's store"
@@ -214,6 +215,16 @@ class Liveness:
             values = self._ask(self._probe if probing else self._exchange)
         except Exception as e:
             quiet = self._clock() - self._last_ok
+            if not self._unanswered:  # once a streak: a store may be slow for a beat or two
+                logger.warning(
+                    "%s did not answer a heartbeat (%s: %s); this rank exits if it stays silent "
+                    "for --silent-timeout (%gs)",
+                    self._store_name,
+                    type(e).__name__,
+                    str(e).splitlines()[0][:120] if str(e) else "",
+                    self.silent_s,
+                )
+            self._unanswered = True
             if quiet >= self.silent_s:
                 self.store_lost = True
                 return (
@@ -222,6 +233,7 @@ class Liveness:
                 )
             return None
         self._last_ok = now = self._clock()
+        self._unanswered = False
         if probing:
             return None
         for rank, value in zip(self._watched, values, strict=True):
