@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from elastictrain.observe.events import Event
 from elastictrain.tools.chaos import descendants
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -147,3 +148,13 @@ def events_in(path: str) -> list[dict[str, Any]]:
     from elastictrain.observe.events import read_events
 
     return read_events(path) if os.path.exists(path) else []
+
+
+def first_step_after(ev: str, t: float, timeout: float, what: str, job: Torchrun) -> dict[str, Any]:
+    """The first ``first_step`` event in ``ev`` after time ``t`` (a kill, a launch)."""
+    return wait_for(
+        lambda: [e for e in events_in(ev) if e["event"] == Event.FIRST_STEP and e["time"] > t],
+        timeout,
+        what,
+        job,
+    )[0]

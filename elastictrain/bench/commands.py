@@ -58,6 +58,15 @@ def build_parser() -> argparse.ArgumentParser:
             metavar="URL",
             help="where to measure (a scratch folder is made under it and removed)",
         )
+    _storage_options(benches)
+    _tiers_options(benches["tiers"])
+    _work_options(benches)
+    _scale_options(benches["scale"])
+    return p
+
+
+def _storage_options(benches: dict[str, argparse.ArgumentParser]) -> None:
+    """persist, sharded and recovery: where and what they measure."""
     benches["persist"].add_argument(
         "--storage-option", action="append", default=[], metavar="KEY=VALUE"
     )
@@ -86,40 +95,49 @@ def build_parser() -> argparse.ArgumentParser:
         help="also save the state as HSDP over R replicas of the 2 shards (2R ranks), against "
         "FSDP at 2 and dcp.save (1: off)",
     )
-    benches["tiers"].add_argument(
+
+
+def _tiers_options(tiers: argparse.ArgumentParser) -> None:
+    tiers.add_argument(
         "--remote-mbps",
         type=float,
         default=50.0,
         metavar="MB/S",
         help="the durable tier's link speed (50)",
     )
-    benches["tiers"].add_argument(
+    tiers.add_argument(
         "--parallel",
         choices=("ddp", "fsdp"),
         default="ddp",
         help="ddp: a replica per node; fsdp: each rank's shards and its buddy's (ddp)",
     )
-    benches["tiers"].add_argument(
+    tiers.add_argument(
         "--every",
         type=int,
         default=100,
         metavar="N",
         help="durable checkpoint interval in steps; the kill comes at 1.5 N (100)",
     )
-    benches["tiers"].add_argument(
+    tiers.add_argument(
         "--local-every",
         default="auto",
         metavar="N|auto",
         help="the two-tier job's --local-every-steps (auto): a fixed N takes auto's "
         "load-dependent interval out of a comparison on a busy host",
     )
+
+
+def _work_options(benches: dict[str, argparse.ArgumentParser]) -> None:
+    """overhead and loader: the step's work."""
     benches["overhead"].add_argument("--steps", type=int, default=2000, help="steps per run")
     loader = benches["loader"]
     loader.add_argument("--workers", type=int, default=2, help="loader workers (2)")
     loader.add_argument("--load-ms", type=float, default=50.0, help="load time per batch (50)")
     loader.add_argument("--compute-ms", type=float, default=50.0, help="compute per step (50)")
     loader.add_argument("--steps", type=int, default=60, help="steps per run (60)")
-    scale = benches["scale"]
+
+
+def _scale_options(scale: argparse.ArgumentParser) -> None:
     scale.add_argument(
         "--worlds",
         default="8,64,512,4096,8192",
@@ -154,7 +172,6 @@ def build_parser() -> argparse.ArgumentParser:
         default=300.0,
         help="skip a phase at a W where its growth says it would take longer (300): the default runs every W to 8,192 in under 10 minutes on 2 cores",
     )
-    return p
 
 
 def _upgrade(argv: list[str]) -> list[str]:

@@ -26,7 +26,14 @@ import sys
 import time
 from typing import Any
 
-from elastictrain.bench.child import Torchrun, child_env, events_in, toy_job_args, wait_for
+from elastictrain.bench.child import (
+    Torchrun,
+    child_env,
+    events_in,
+    first_step_after,
+    toy_job_args,
+    wait_for,
+)
 from elastictrain.observe.events import Event
 from elastictrain.tools.chaos import descendants
 
@@ -115,12 +122,7 @@ def _checkpoint_at_full_size(ev: str) -> bool:
 
 def _first_step_after(ev: str, t: float, job: Torchrun) -> tuple[dict, dict, dict]:
     """The first step after wall-clock time ``t``, and the ``start`` and ``resume`` of its epoch."""
-    first = wait_for(
-        lambda: [e for e in events_in(ev) if e["event"] == Event.FIRST_STEP and e["time"] > t],
-        180,
-        "the next step",
-        job,
-    )[0]
+    first = first_step_after(ev, t, 180, "the next step", job)
     events = events_in(ev)
     start = [e for e in events if e["event"] == Event.START and e["time"] > t][-1]
     resume = [e for e in events if e["event"] == Event.RESUME and e["time"] >= start["time"]][0]

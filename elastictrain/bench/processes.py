@@ -16,7 +16,7 @@ import tempfile
 import time
 from typing import Any
 
-from elastictrain.bench.child import Torchrun, child_env, events_in, wait_for
+from elastictrain.bench.child import Torchrun, child_env, events_in, first_step_after, wait_for
 from elastictrain.observe.events import Event
 
 
@@ -60,14 +60,7 @@ def measure(world: int, parallel: str, workdir: str) -> dict[str, Any]:
         saves = wait_for(three_saves, 600, "three checkpoints", job)
         t_kill = time.time()
         os.kill(job.workers()[world - 1], signal.SIGKILL)
-        again = wait_for(
-            lambda: [
-                e for e in events_in(ev) if e["event"] == Event.FIRST_STEP and e["time"] > t_kill
-            ],
-            600,
-            "the first step after the kill",
-            job,
-        )[0]
+        again = first_step_after(ev, t_kill, 600, "the first step after the kill", job)
         resumed = [e for e in events_in(ev) if e["event"] == Event.RESUME and e["time"] > t_kill]
     finally:
         job.stop()
@@ -92,14 +85,7 @@ def _resume_smaller(args: list[str], ev: str, world: int, workdir: str) -> dict[
         args, os.path.join(workdir, f"job-{world}-to-{new_world}.log"), child_env(), nproc=new_world
     )
     try:
-        first = wait_for(
-            lambda: [
-                e for e in events_in(ev) if e["event"] == Event.FIRST_STEP and e["time"] > t_launch
-            ],
-            600,
-            f"the first step at {new_world} workers",
-            job,
-        )[0]
+        first = first_step_after(ev, t_launch, 600, f"the first step at {new_world} workers", job)
         resume = [e for e in events_in(ev) if e["event"] == Event.RESUME and e["time"] > t_launch]
     finally:
         job.stop()

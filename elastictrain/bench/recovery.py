@@ -34,6 +34,7 @@ from elastictrain.bench.child import (
     child_env,
     drop_cache,
     events_in,
+    first_step_after,
     toy_job_args,
     wait_for,
 )
@@ -81,14 +82,7 @@ def measure_elastictrain(workdir: str, size: int) -> dict[str, Any]:
         os.kill(job.workers()[1], signal.SIGKILL)
         wait_for(lambda: _new_worker(job, old), 120, "a new worker", job)
         spawned = time.time()  # /proc's start time is only as exact as the boot time (1 s)
-        first = wait_for(
-            lambda: [
-                e for e in events_in(ev) if e["event"] == Event.FIRST_STEP and e["time"] > t_kill
-            ],
-            180,
-            "the first step after resume",
-            job,
-        )[0]
+        first = first_step_after(ev, t_kill, 180, "the first step after resume", job)
         after = [e for e in events_in(ev) if e["time"] > t_kill]
         start = next(e for e in after if e["event"] == Event.START)
         resume = next(e for e in after if e["event"] == Event.RESUME)

@@ -27,7 +27,7 @@ import tempfile
 import time
 from typing import Any
 
-from elastictrain.bench.child import Torchrun, child_env, events_in, wait_for
+from elastictrain.bench.child import Torchrun, child_env, events_in, first_step_after, wait_for
 from elastictrain.bench.throttled_fs import bytes_read
 from elastictrain.observe.events import Event, read_sample_log
 
@@ -113,14 +113,7 @@ def measure(
         reads_before = bytes_read(log, STATE_FILES[parallel])
         t_kill = time.time()
         os.kill(job.workers()[1], signal.SIGKILL)
-        first = wait_for(
-            lambda: [
-                e for e in events_in(ev) if e["event"] == Event.FIRST_STEP and e["time"] > t_kill
-            ],
-            600,
-            "the first step after the kill",
-            job,
-        )[0]
+        first = first_step_after(ev, t_kill, 600, "the first step after the kill", job)
         resume = next(e for e in events_in(ev) if e["event"] == Event.RESUME and e["time"] > t_kill)
         killed_at = _trained_by_the_killed_attempt(samples)
     finally:
