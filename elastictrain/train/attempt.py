@@ -44,12 +44,15 @@ class Attempt:
         session: CheckpointSession,
         watchdog: HangWatchdog,
         shape: MeshShape | None = None,
+        replica: parallel.KeptReplica | None = None,
     ) -> None:
-        """``shape``: the resolved ``--mesh`` (None for DDP); it decides the data-parallel ranks."""
+        """``shape``: the resolved ``--mesh`` (None for DDP); it decides the data-parallel ranks.
+        ``replica``: DDP in place, the process's wrapper kept across its epochs."""
         self.cfg, self.env, self.task, self.sampler, self.device = cfg, env, task, sampler, device
         self.groups, self.session, self.events = groups, session, session.events
         self.watchdog = watchdog
         self.parallelism = parallel.for_setting(cfg.parallel, shape)
+        self.replica = replica
         self.data = data_ranks(shape, env.rank, env.world_size)
         self.stream = (
             streams.StreamLoader(

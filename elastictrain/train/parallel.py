@@ -15,7 +15,7 @@ global-batch mean at any world size) is the same for all.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -235,7 +235,11 @@ def check_ties_grouped(model: nn.Module, tied: dict[int, list[str]]) -> None:
 
 
 def wrap_ddp(
-    model: nn.Module, device: torch.device, model_devices: Any, synced: bool = False
+    model: nn.Module,
+    device: torch.device,
+    model_devices: Any,
+    synced: bool = False,
+    group: dist.ProcessGroup | None = None,
 ) -> nn.Module:
     """``synced``: every rank holds the same parameters and buffers already (an in-place epoch:
     each loaded the same verified bytes from a survivor), so DDP's broadcast of them from rank 0
@@ -244,7 +248,67 @@ def wrap_ddp(
 
     # device_ids=None for a CPU model and for a module that spans devices (the tutorial's MP-DDP).
     single_gpu = device.type == "cuda" and not model_devices
-    return DDP(model, device_ids=[device.index] if single_gpu else None, init_sync=not synced)
+    return DDP(
+        model,
+        device_ids=[device.index] if single_gpu else None,
+        init_sync=not synced,
+        process_group=group,
+    )
+
+
+class KeptReplica:
+    """``--parallel ddp`` in place: the process's DDP wrapper, kept across its membership epochs.
+
+    Each in-place epoch moves the wrapper to its new group (DDP's own ``_update_process_group``,
+    made for a world that changes) instead of wrapping anew. Its gradient buckets keep the order
+    DDP gave them after the process's first backward, and that order is gloo's summation order
+    past two ranks: an uninterrupted run's. So the epoch needs no priming backward, which cost
+    every rank a forward, a backward and an all-reduce of the whole gradient, and no new
+    wrapper's collectives, in the survivors' stall. A process that holds no primed wrapper (the
+    replacement) primes a new one alone, on a group of itself with no peer to wait for, then
+    moves it to the epoch's group: the same model and backward give it the survivors' buckets.
+    """
+
+    def __init__(self) -> None:
+        self.net: nn.Module | None = None
+        self.primed = False
+        """Its buckets are in their rebuilt order: its first backward ran, and the rebuild."""
+        self._alone: dist.ProcessGroup | None = None
+
+    def wrap(self, model: nn.Module, device: torch.device, model_devices: Any) -> nn.Module:
+        """An in-place epoch's wrapper: the kept one, on the epoch's group; else a new one on a
+        group of this process alone, which :meth:`prime_alone` primes and moves (``alone``)."""
+        if self.primed and self.net is not None and self.net.module is model:
+            self.net._update_process_group(dist.group.WORLD)
+            return self.net
+        rank = dist.get_rank()
+        # Hashed, local: only this process builds it, and no other group's name moves.
+        self._alone = dist.new_group([rank], use_local_synchronization=True)
+        self.net = wrap_ddp(model, device, model_devices, synced=True, group=self._alone)
+        self.primed = False
+        return self.net
+
+    @property
+    def alone(self) -> bool:
+        return self._alone is not None
+
+    def prime_alone(self, backward: Callable[[nn.Module], None] | None) -> None:
+        """Run ``backward`` (one discarded step's forward and backward) on the new wrapper alone,
+        order its buckets as DDP would at its next forward, then move it to the epoch's group.
+        None: no step is left to train; the wrapper only moves."""
+        net, alone = self.net, self._alone
+        assert net is not None and alone is not None, "prime_alone after a new wrapper only"
+        if backward is not None:
+            backward(net)
+            # What DDP's next forward does first (torch's Join hook calls it the same way).
+            self.primed = net.reducer._rebuild_buckets()
+        net._update_process_group(dist.group.WORLD)
+        dist.destroy_process_group(alone)
+        self._alone = None
+
+    def kept(self, net: nn.Module) -> None:
+        """``net``, wrapped and primed with every rank (a first epoch), is the one to keep."""
+        self.net, self.primed = net, True
 
 
 @contextlib.contextmanager

@@ -33,7 +33,7 @@ from elastictrain.observe.terminal import STATUS
 from elastictrain.runtime.signals import StopSignals
 from elastictrain.runtime.watchdog import HangWatchdog
 from elastictrain.task import Task, build_task
-from elastictrain.train import streams, training
+from elastictrain.train import parallel, streams, training
 from elastictrain.train.attempt import Attempt
 from elastictrain.train.data import GlobalBatchSampler
 from elastictrain.train.loader import check_micro_steps
@@ -103,7 +103,11 @@ def run(cfg: RunConfig, early_signals: StopSignals | None = None) -> int:
         if died_at is None:  # the supervisor is gone or ended the spare's wait
             return 0
     watchdog.start()
-    built = _Built(cfg, env, task, sampler, device, watchdog, signals, last_words, agent_pid)
+    # DDP in place: the wrapper survives the epochs with the process (parallel.KeptReplica).
+    replica = parallel.KeptReplica() if cfg.replace_in_place and cfg.parallel == "ddp" else None
+    built = _Built(
+        cfg, env, task, sampler, device, watchdog, signals, last_words, agent_pid, replica
+    )
     carry = None
     try:
         while True:
@@ -151,6 +155,7 @@ class _Built:
     signals: StopSignals
     last_words: LastWords
     agent_pid: int
+    replica: parallel.KeptReplica | None
 
 
 def _epoch(b: _Built, driver: EpochDriver, carry: LiveState | None, died_at: float | None) -> int:
@@ -197,7 +202,9 @@ def _epoch(b: _Built, driver: EpochDriver, carry: LiveState | None, died_at: flo
         **start.start_fields(),
         **({"dropped_ranks": epoch.dropped} if epoch.dropped else {}),
     )
-    attempt = Attempt(cfg, env, task, b.sampler, b.device, groups, session, watchdog, shape)
+    attempt = Attempt(
+        cfg, env, task, b.sampler, b.device, groups, session, watchdog, shape, b.replica
+    )
     live = start.live(carry)
     try:
         code = training.train(attempt, live, driver)

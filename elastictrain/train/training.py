@@ -59,13 +59,13 @@ def train(attempt: Attempt, live: Live | None, driver: EpochDriver) -> int:
     # Where a (re)start's time goes, for the first_step event. ddp_s (DDP wrap, loader,
     # bucket priming) runs from here to the loop's start, which adds its own clock to it.
     startup = {"build_s": t1 - t0, "probe_s": t2 - t1, "resume_s": t3 - t2, "ddp_s": -t3}
-    model = attempt.parallelism.wrap(
-        state.model, attempt.device, attempt.task.model_devices, synced=live is not None
-    )
-    connections = attempt.groups.connections
-    if cfg.replace_in_place and connections is not None:
-        # Every group of the epoch is built now (mesh, tiers): its end may shut each of them.
-        connections.learn(attempt.groups.control)
+    replica = attempt.replica if live is not None else None  # in place, DDP: kept or primed alone
+    if replica is not None:
+        model = replica.wrap(state.model, attempt.device, attempt.task.model_devices)
+    else:
+        model = attempt.parallelism.wrap(
+            state.model, attempt.device, attempt.task.model_devices, synced=live is not None
+        )
     data = attempt.data
     sample_log = SampleLog(
         # One ledger per data-parallel rank: a tensor-parallel group trains on one share.
@@ -90,7 +90,16 @@ def train(attempt: Attempt, live: Live | None, driver: EpochDriver) -> int:
         on_share=sample_log.record,
         before_update=_update_gate(attempt, state, driver),
     )
-    run = _Run(attempt, state, trainer, resumed, scalars, driver)
+    if replica is not None and replica.alone:
+        left = resumed.step < cfg.max_steps
+        replica.prime_alone((lambda _: trainer.prime_buckets(resumed.step)) if left else None)
+    connections = attempt.groups.connections
+    if cfg.replace_in_place and connections is not None:
+        # Every group of the epoch is built now (mesh, tiers): its end may shut each of them.
+        connections.learn(attempt.groups.control)
+    # DDP's buckets primed with every rank, unless the epoch's wrapper came primed (in place).
+    primes = attempt.parallelism.primes_buckets and replica is None
+    run = _Run(attempt, state, trainer, resumed, scalars, driver, primes)
     try:
         return run.loop(startup)
     except Exception as e:
@@ -126,6 +135,7 @@ class _Run:
     resumed: Resumed
     scalars: Scalars
     driver: EpochDriver
+    collective_prime: bool
 
     def __post_init__(self) -> None:
         cfg, env = self.attempt.cfg, self.attempt.env
@@ -169,11 +179,13 @@ class _Run:
     def loop(self, startup: dict[str, float]) -> int:
         attempt, trainer, resumed = self.attempt, self.trainer, self.resumed
         cfg, env, session = attempt.cfg, attempt.env, attempt.session
-        if resumed.step < cfg.max_steps and attempt.parallelism.primes_buckets:
+        if resumed.step < cfg.max_steps and self.collective_prime:
             with named_timeout(
                 "--collective-timeout", cfg.collective_timeout, "the first step's all-reduce"
             ):
                 trainer.prime_buckets(resumed.step)
+            if attempt.replica is not None:  # in place: later epochs keep it (KeptReplica)
+                attempt.replica.kept(trainer.model)
         t_loop = time.monotonic()
         startup["ddp_s"] += t_loop
         t_first = t_done = t_loop

@@ -36,14 +36,15 @@ def _wait_epoch_began(events: str, n: int, job) -> None:
 
 @pytest.mark.slow
 def test_killed_training_processes_are_replaced_in_place_bitwise(launch, tmp_path):
-    """Rank 1's training process SIGKILLed mid-step, then rank 0's while its background persist
-    is half-written, then rank 0's while it writes its node's local copy: the survivors keep
-    their pids, torchrun restarts nothing, and no torn copy is ever committed. Then both, the
-    second during the first's recovery: the epoch falls back to the checkpoints. The final state
-    equals an uninterrupted run's."""
+    """At 3 ranks (past two, DDP's bucket order is gloo's summation order), rank 1's training
+    process SIGKILLed mid-step, then rank 0's while its background persist is half-written, then
+    rank 0's while it writes its node's local copy: the survivors keep their pids, torchrun
+    restarts nothing, and no torn copy is ever committed. Then all three, the others during the
+    first's recovery: the epoch falls back to the checkpoints. The final state equals an
+    uninterrupted run's."""
     ref_dir = str(tmp_path / "ref")
     ref_args = toy_args(ref_dir, str(tmp_path / "ref.jsonl"), max_steps=STEPS, every=1000)
-    ref = launch([*ref_args, "--task-option", "step_time=0", *TOY_ARGS], name="ref")
+    ref = launch([*ref_args, "--task-option", "step_time=0", *TOY_ARGS], nproc=3, name="ref")
     run_dir, ev, shm = str(tmp_path / "run"), str(tmp_path / "run.jsonl"), str(tmp_path / "shm")
     # A replacement whose spare is still importing (this machine is loaded) is waited for: the
     # default --replace-wait (0.5 s) would drop its rank and restart (the lost-node test below).
@@ -53,7 +54,8 @@ def test_killed_training_processes_are_replaced_in_place_bitwise(launch, tmp_pat
     with CommittedFiles(run_dir, shm) as committed:
         job = launch(
             toy_args(run_dir, ev, max_steps=STEPS, every=20, step_time=0.05, extra=tuple(extra)),
-            max_restarts=1,  # the fallback, if the double kill lands inside the handshake
+            max_restarts=1,  # the fallback, if the triple kill lands inside the handshake
+            nproc=3,
             name="in-place",
             env=job_env(ELASTICTRAIN_LOG_LEVEL="INFO"),  # every rank's spare says when it is ready
         )
@@ -72,7 +74,7 @@ def test_killed_training_processes_are_replaced_in_place_bitwise(launch, tmp_pat
         copies = storage.open_store(shm)
         assert all(c.ok for c in copies.list()), copies.list()  # every committed copy verifies
         print(f"\nkilled writing local copy {torn_copy}: committed {copies.committed_steps()}")
-        # Both processes, 50 ms apart: the second dies while the first's recovery runs, so no
+        # Every process, 50 ms apart: the later ones die while the first's recovery runs, so no
         # survivor holds the state and the epoch resumes from the checkpoints.
         t3 = read_events(ev)[-1]["time"]
         newest = wait_for_event(
@@ -80,9 +82,10 @@ def test_killed_training_processes_are_replaced_in_place_bitwise(launch, tmp_pat
         )
         wait_for_spares(job, rank=0, n=3)
         wait_for_spares(job, rank=1, n=2)
-        job.kill_training_process(ev, rank=1, epoch=3)
-        time.sleep(0.05)
-        job.kill_training_process(ev, rank=0, epoch=3)
+        wait_for_spares(job, rank=2, n=1)
+        for rank in (1, 0, 2):
+            job.kill_training_process(ev, rank=rank, epoch=3)
+            time.sleep(0.05)
         assert job.wait(180) == 0, job.log()[-3000:]
     committed.check()
     assert ref.wait(120) == 0, ref.log()[-3000:]
@@ -99,7 +102,7 @@ def test_killed_training_processes_are_replaced_in_place_bitwise(launch, tmp_pat
     resumes = [e for e in events if e["event"] == Event.RESUME]
     assert [e.get("tier") for e in resumes[1:4]] == ["live", "live", "live"]
     assert all(e["remote_bytes"] == 0 for e in resumes[1:4])
-    # The double kill: both replaced in place, or (a death inside the new epoch's handshake)
+    # The triple kill: all replaced in place, or (a death inside the new epoch's handshake)
     # torchrun's restart; either way no survivor holds the state, which comes from the checkpoints.
     last = starts[-1]
     assert last.get("began") == "replaced, from the checkpoints" or last["restart_count"] == 1
