@@ -65,7 +65,7 @@ def fetch(
     )
     saved_world_size = live.saved_world_size or world_size
     if rank == source:
-        _send(tstate.to_bytes(live.captured), receivers, group)
+        _send(tstate.to_buffer(live.captured), receivers, group)
     if rank not in receivers:
         # It holds the newest step: its own carried tensors, restored into this epoch's objects
         # (the runner builds its optimizer anew each epoch) without a copy through bytes.
@@ -78,7 +78,7 @@ def fetch(
     return Restored(loaded, saved_world_size, len(data), origin)
 
 
-def _send(payload: bytes, receivers: tuple[int, ...], group: dist.ProcessGroup) -> None:
+def _send(payload: memoryview, receivers: tuple[int, ...], group: dist.ProcessGroup) -> None:
     """The flat file, its size first and its XXH3-128 digest last, to every receiver at once."""
     size = torch.tensor([len(payload)], dtype=torch.int64)
     digest = torch.frombuffer(bytearray(xxhash.xxh3_128_digest(payload)), dtype=torch.uint8)
@@ -97,7 +97,7 @@ def _receive(source: int, group: dist.ProcessGroup, rank: int) -> bytearray:
     dist.recv(as_bytes_tensor(data), group=group, group_src=source)
     digest = torch.zeros(16, dtype=torch.uint8)
     dist.recv(digest, group=group, group_src=source)
-    if xxhash.xxh3_128_digest(bytes(data)) != bytes(digest.tolist()):
+    if xxhash.xxh3_128_digest(data) != bytes(digest.tolist()):
         raise LiveStateCorruptError(
             f"rank {rank}: the state rank {source} sent does not match its checksum"
         )

@@ -164,7 +164,13 @@ def rank_states(encoded: list[torch.Tensor]) -> list[Any]:
 
 def to_bytes(state: dict[str, Any]) -> bytes:
     """``state`` as one flat file (a throwaway staging buffer; the runner reuses its own)."""
-    return bytes(staging.Staging().snapshot(state).data)
+    return bytes(to_buffer(state))
+
+
+def to_buffer(state: dict[str, Any]) -> memoryview:
+    """:func:`to_bytes` without its copy into ``bytes``: a view of a throwaway staging buffer
+    (57 MB copied again cost 30 ms here, in the middle of an in-place recovery)."""
+    return staging.Staging().snapshot(state).data
 
 
 def from_bytes(data: bytes | bytearray, map_location: Any = "cpu") -> dict[str, Any]:
