@@ -29,6 +29,23 @@ def to_device(batch: Any, device: torch.device) -> Any:
     return batch
 
 
+def discarded_backward(
+    net: nn.Module, batch: Any, task: Task, precision: Precision, device: torch.device
+) -> None:
+    """One forward and backward of ``batch`` through ``net``, in eval mode (dropout off, BatchNorm's
+    statistics untouched), its gradients then dropped: DDP's bucket priming."""
+    was_training = net.training
+    net.eval()
+    try:
+        with precision.autocast():
+            loss, _ = split_loss(task.loss_fn(net, to_device(batch, device)))
+        loss.backward()
+    finally:
+        for p in net.parameters():
+            p.grad = None
+        net.train(was_training)
+
+
 class Trainer:
     """Trains one optimizer step at a time: its micro-batches (DDP syncs only on the last), the
     run's precision, optional clipping, then the optimizer and scheduler steps."""
@@ -82,16 +99,8 @@ class Trainer:
         Eval mode keeps BatchNorm statistics untouched; the gradients are thrown away (a GradScaler
         is not touched: its state changes only in ``update``).
         """
-        was_training = self.model.training
-        self.model.eval()
-        try:
-            batch = to_device(self.loader.load_one(step), self.device)
-            with self.precision.autocast():
-                loss, _ = split_loss(self.task.loss_fn(self.model, batch))
-            loss.backward()
-        finally:
-            self.optimizer.zero_grad(set_to_none=True)
-            self.model.train(was_training)
+        batch = self.loader.load_one(step)
+        discarded_backward(self.model, batch, self.task, self.precision, self.device)
 
     def step(self, step: int) -> torch.Tensor:
         """Train global step ``step`` (0-based); returns this rank's mean loss (not synced)."""

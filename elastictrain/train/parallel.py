@@ -306,6 +306,25 @@ class KeptReplica:
         dist.destroy_process_group(alone)
         self._alone = None
 
+    def prime_as_spare(
+        self,
+        model: nn.Module,
+        device: torch.device,
+        backward: Callable[[nn.Module], None],
+    ) -> None:
+        """A spare (CPU), before it is called: a wrapper primed now, on a default group of this
+        process alone (an in-memory store), destroyed before the spare joins an epoch. Its first
+        epoch then only moves it (:meth:`wrap`): the replacement's priming backward leaves the
+        survivors' stall as well. (Not on CUDA: a group of one per spare is NCCL's to set up.)"""
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        try:
+            net = wrap_ddp(model, device, None, synced=True)
+            backward(net)
+            self.primed = net.reducer._rebuild_buckets()
+            self.net = net
+        finally:
+            dist.destroy_process_group()
+
     def kept(self, net: nn.Module) -> None:
         """``net``, wrapped and primed with every rank (a first epoch), is the one to keep."""
         self.net, self.primed = net, True

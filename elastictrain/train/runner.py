@@ -36,7 +36,9 @@ from elastictrain.task import Task, build_task
 from elastictrain.train import parallel, streams, training
 from elastictrain.train.attempt import Attempt
 from elastictrain.train.data import GlobalBatchSampler
-from elastictrain.train.loader import check_micro_steps
+from elastictrain.train.loader import StepLoader, check_micro_steps
+from elastictrain.train.loop import discarded_backward
+from elastictrain.train.precision import Precision
 
 logger = logging.getLogger(__name__)
 
@@ -96,15 +98,13 @@ def run(cfg: RunConfig, early_signals: StopSignals | None = None) -> int:
     )
     driver.attach(None, last_words)
     died_at = None
+    # DDP in place: the wrapper survives the epochs with the process (parallel.KeptReplica).
+    replica = parallel.KeptReplica() if cfg.replace_in_place and cfg.parallel == "ddp" else None
     if spare:
-        died_at = driver.wait_as_spare(
-            lambda: warm_spare(lambda: task.make_optimizer(task.model.parameters()))
-        )
+        died_at = driver.wait_as_spare(lambda: _warm(cfg, task, sampler, device, data, replica))
         if died_at is None:  # the supervisor is gone or ended the spare's wait
             return 0
     watchdog.start()
-    # DDP in place: the wrapper survives the epochs with the process (parallel.KeptReplica).
-    replica = parallel.KeptReplica() if cfg.replace_in_place and cfg.parallel == "ddp" else None
     built = _Built(
         cfg, env, task, sampler, device, watchdog, signals, last_words, agent_pid, replica
     )
@@ -126,6 +126,38 @@ def run(cfg: RunConfig, early_signals: StopSignals | None = None) -> int:
         STATUS.close()  # never leave a terminal on a half-drawn line
         watchdog.stop()
         driver.close()
+
+
+def _warm(
+    cfg: RunConfig,
+    task: Task,
+    sampler: GlobalBatchSampler | None,
+    device: torch.device,
+    data: mesh.DataRanks,
+    replica: parallel.KeptReplica | None,
+) -> None:
+    """A spare, before it waits: what a replacement's first epoch would pay (``warm_spare``), and
+    with DDP on the CPU its wrapper primed on a batch of step 0 (any step's batch gives the same
+    backward order; a stream's position is not touched: it primes once called instead)."""
+    warm_spare(lambda: task.make_optimizer(task.model.parameters()))
+    if replica is None or sampler is None or device.type != "cpu" or task.model_devices:
+        return
+    loader = StepLoader(
+        task=task,
+        sampler=sampler,
+        rank=data.rank,
+        world_size=data.size,
+        micro_steps=cfg.grad_accum_steps,
+        seed=cfg.seed,
+        start=0,
+        stop=cfg.max_steps,
+    )
+    precision, batch = Precision(cfg.precision, device), loader.load_one(0)
+    replica.prime_as_spare(
+        task.model.to(device),
+        device,
+        lambda net: discarded_backward(net, batch, task, precision, device),
+    )
 
 
 def epoch_settings(cfg: RunConfig) -> EpochSettings:
