@@ -89,3 +89,70 @@ def test_fsdp_by_default_by_the_task_and_hsdp_over_a_2d_mesh_are_accepted(one_ra
         fully_shard(model, mesh=mesh2d)
 
     parallel.shard(_model(), hsdp, torch.device("cpu"), 1)
+
+
+def _bucket_order(net) -> list[int]:
+    """The parameters' positions (in ``net.module.parameters()``), bucket by bucket, in the order
+    DDP reduces them: past two ranks, gloo's summation order."""
+    position = {id(p): i for i, p in enumerate(net.module.parameters())}
+    grad_buckets = net.reducer._get_zeros_like_grad_buckets()
+    return [position[id(p)] for bucket in grad_buckets for p in bucket.parameters()]
+
+
+def _backward(net) -> None:
+    torch.manual_seed(1)
+    net(torch.randn(5, 4)).sum().backward()
+    for p in net.parameters():
+        p.grad = None
+
+
+def test_a_spares_primed_wrapper_moves_to_the_epochs_group_with_a_primed_runs_bucket_order():
+    """In place (DDP): a spare primes its wrapper on a group of itself before any epoch exists;
+    its first epoch only moves it (``_update_process_group``). Its buckets must be in the order a
+    wrapper primed with every rank has, not a new wrapper's: with more than two ranks that order
+    is the order gloo sums in, and the redone step would not be bitwise otherwise. A kept wrapper
+    is moved, not rebuilt, at the next epoch, and trains there."""
+    torch.manual_seed(0)
+    reference, spares = _model(), _model()
+    spares.load_state_dict(reference.state_dict())
+
+    replica = parallel.KeptReplica()
+    replica.prime_as_spare(spares, torch.device("cpu"), _backward)  # its own group, destroyed
+    assert replica.primed and not dist.is_initialized()
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # an epoch
+    try:
+        primed = parallel.wrap_ddp(reference, torch.device("cpu"), None)
+        new_order = _bucket_order(primed)
+        _backward(primed)
+        primed(torch.zeros(1, 4))  # DDP rebuilds its buckets as the next forward starts
+        assert _bucket_order(primed) != new_order  # else this test could not tell them apart
+
+        net = replica.wrap(spares, torch.device("cpu"), None)
+        assert net is replica.net and net.process_group is dist.group.WORLD
+        assert _bucket_order(net) == _bucket_order(primed)
+        for moved in (net, replica.wrap(spares, torch.device("cpu"), None)):  # the next epoch
+            assert moved is net and not replica.alone
+            torch.manual_seed(2)
+            x = torch.randn(3, 4)
+            moved(x).sum().backward()
+            primed(x).sum().backward()
+            for a, b in zip(spares.parameters(), reference.parameters(), strict=True):
+                assert torch.equal(a.grad, b.grad)
+                a.grad, b.grad = None, None
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_replacement_without_a_primed_wrapper_primes_one_alone_then_joins_the_epoch(one_rank):
+    """Once called (on CUDA, a stream, a model-parallel task): a new wrapper on a group of this
+    process alone, primed there, then moved to the epoch's group, the lone group destroyed."""
+    torch.manual_seed(0)
+    model = _model()
+    replica = parallel.KeptReplica()
+    net = replica.wrap(model, torch.device("cpu"), None)
+    assert replica.alone and net.process_group is not dist.group.WORLD
+    new_order = _bucket_order(net)
+    replica.prime_alone(_backward)
+    assert replica.primed and not replica.alone and net.process_group is dist.group.WORLD
+    assert _bucket_order(net) != new_order  # rebuilt: a primed wrapper's order
