@@ -25,8 +25,8 @@ if os.environ["ELASTICTRAIN_ROLE"] == "spare":
     if not line.startswith("go"):
         sys.exit(0)
     open(os.path.join(d, "went"), "a").write(line)
+signal.signal(signal.SIGTERM, lambda *a: sys.exit(75))  # before the pid is seen: no race
 open(os.path.join(d, f"pid-{os.getpid()}"), "w").close()
-signal.signal(signal.SIGTERM, lambda *a: sys.exit(75))
 action = open(os.path.join(d, "do")).read().strip() if os.path.exists(os.path.join(d, "do")) else "sleep"
 if action.startswith("exit"):
     sys.exit(int(action.split()[1]))
