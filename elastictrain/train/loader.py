@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import gc
 import os
 import signal
 import sys
@@ -92,6 +93,21 @@ class _MicroBatches(Dataset):
 def worker_init() -> Callable[[int], None]:
     """Every loader worker's start, for this process's DataLoaders (map-style or stream)."""
     return functools.partial(_worker_init, os.getpid())
+
+
+def start_workers(loader: Any) -> Iterator[Any]:
+    """``iter(loader)``, which forks its workers, with the garbage collector's objects frozen for
+    the forks. Garbage this process has not collected yet (an ended membership epoch's process
+    groups, in reference cycles) would otherwise be collected in a worker, whose copy of it has
+    none of the threads its destructors join: the worker segfaults and fails the rank (seen in
+    3-rank in-place jobs with 2 loader workers, killed three times: 4 runs of 4 before, 0 of 4
+    after). Frozen objects are never collected in the worker; here they are unfrozen at once.
+    (Python's documented pattern for fork without exec: ``gc.freeze`` right before it.)"""
+    gc.freeze()
+    try:
+        return iter(loader)
+    finally:
+        gc.unfreeze()
 
 
 def _worker_init(parent_pid: int, worker_id: int) -> None:
@@ -204,7 +220,7 @@ class StepLoader:
     def next_step(self, step: int) -> list[tuple[Share, Any]]:
         """Every micro-batch of ``step`` (the next step of the stream), with its share."""
         if self._it is None:
-            self._it = iter(self._loader)  # workers start here: after resume, not at build
+            self._it = start_workers(self._loader)  # the workers start here, after resume
         out = []
         for micro, piece in enumerate(self.plan(step)):
             try:

@@ -34,7 +34,7 @@ from torch.utils.data import IterableDataset
 
 from elastictrain.errors import CheckpointMismatchError, ConfigError, DataLoadError
 from elastictrain.train.data import Share
-from elastictrain.train.loader import load_failed
+from elastictrain.train.loader import load_failed, start_workers
 
 UNKNOWN = -1
 """A sample's global position where the runner cannot know it (loader workers interleave)."""
@@ -201,7 +201,7 @@ class StreamLoader:
             pieces, self._primed = self._primed[1], None
             return pieces
         if self._it is None:
-            self._it = iter(self._loader)  # workers start here: after resume, not at build
+            self._it = start_workers(self._loader)  # the workers start here, after resume
         out = []
         for micro in range(self.micro_steps):
             try:
