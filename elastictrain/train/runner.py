@@ -152,12 +152,22 @@ def _warm(
         start=0,
         stop=cfg.max_steps,
     )
-    precision, batch = Precision(cfg.precision, device), loader.load_one(0)
-    replica.prime_as_spare(
-        task.model.to(device),
-        device,
-        lambda net: discarded_backward(net, batch, task, precision, device),
-    )
+    precision = Precision(cfg.precision, device)
+    try:
+        batch = loader.load_one(0)
+        replica.prime_as_spare(
+            task.model.to(device),
+            device,
+            lambda net: discarded_backward(net, batch, task, precision, device),
+        )
+    except Exception as e:  # an optimization only: the replacement then primes once called
+        logger.warning(
+            "spare for rank %d: priming DDP's buckets ahead failed (%s: %s); the replacement "
+            "will prime them once called",
+            data.rank,
+            type(e).__name__,
+            str(e).splitlines()[0][:200] if str(e) else "",
+        )
 
 
 def epoch_settings(cfg: RunConfig) -> EpochSettings:

@@ -156,3 +156,32 @@ def test_a_replacement_without_a_primed_wrapper_primes_one_alone_then_joins_the_
     replica.prime_alone(_backward)
     assert replica.primed and not replica.alone and net.process_group is dist.group.WORLD
     assert _bucket_order(net) != new_order  # rebuilt: a primed wrapper's order
+
+
+def test_a_spare_whose_priming_fails_still_stands_in_and_says_why(caplog):
+    """Priming ahead is an optimization: a task whose loss cannot run in a spare's world of one
+    (here it raises) leaves the spare unprimed, with no group left behind, and a WARNING; the
+    replacement then primes once called."""
+    from torch.utils.data import TensorDataset
+
+    from elastictrain.config import RunConfig
+    from elastictrain.mesh import data_ranks
+    from elastictrain.task import Task
+    from elastictrain.train import runner
+    from elastictrain.train.data import GlobalBatchSampler
+
+    def loss_fn(model, batch):
+        raise RuntimeError("needs the whole world")
+
+    task = Task(
+        model=_model(),
+        dataset=TensorDataset(torch.randn(8, 4)),
+        batch_size=4,
+        make_optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+        loss_fn=loss_fn,
+    )
+    cfg, replica = RunConfig(replace_in_place=True), parallel.KeptReplica()
+    sampler = GlobalBatchSampler(8, 4, cfg.seed)
+    runner._warm(cfg, task, sampler, torch.device("cpu"), data_ranks(None, 0, 1), replica)
+    assert not replica.primed and replica.net is None and not dist.is_initialized()
+    assert "priming DDP's buckets ahead failed (RuntimeError: needs the whole world)" in caplog.text
