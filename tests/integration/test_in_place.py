@@ -35,6 +35,10 @@ def _wait_epoch_began(events: str, n: int, job) -> None:
 
 
 @pytest.mark.slow
+# Six kills, each waiting for its rank's spare to be ready (torch imported, DDP primed): 120 s
+# alone, 149 and 252 s in two full runs with the heaviest tests beside it. The suite's 300 s
+# would end it while it still makes progress; a hang still ends it.
+@pytest.mark.timeout(420)
 def test_killed_training_processes_are_replaced_in_place_bitwise(launch, tmp_path):
     """At 3 ranks (past two, DDP's bucket order is gloo's summation order), rank 1's training
     process SIGKILLed mid-step, then rank 0's while its background persist is half-written, then
