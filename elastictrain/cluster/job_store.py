@@ -127,13 +127,17 @@ def connect(env: DistEnv, *, timeout_s: float, silent_s: float, store_up: bool =
     name = f"rank 0's store at {address}"
     if env.rank != 0:
         return JobStore(_client(address, name, timeout_s, silent_s, store_up), name)
-    # Not under a sharing agent: rank 0 hosts the store, like init_method="env://".
+    # Not under a sharing agent: rank 0 hosts the store, like init_method="env://". It does not
+    # wait for the others here: they connect as clients of no stated world size, which never
+    # count themselves in, so a server told to wait for them waited for --init-timeout (every
+    # launch of 2 or more ranks without torchrun hung). The handshake gathers the ranks.
     hosted = dist.TCPStore(
         address.host,
         address.port,
         env.world_size,
         True,
         timedelta(seconds=timeout_s),
+        wait_for_workers=False,
         multi_tenant=True,
     )
     return JobStore(hosted, name)

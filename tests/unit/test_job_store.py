@@ -62,7 +62,7 @@ def test_the_endpoint_may_come_from_torchrun_environment(monkeypatch):
     assert rendezvous_in_command(["torchrun", *RDZV, *APP], "job7") == StoreAddress("head", 29600)
 
 
-def _env(*, rank=1, world=2, agent_pid=None, port=0, run_id="job7") -> DistEnv:
+def _env(*, rank=1, world=2, agent_pid=None, port=0, run_id="job7", agent_store=True) -> DistEnv:
     return DistEnv(
         rank=rank,
         world_size=world,
@@ -73,7 +73,7 @@ def _env(*, rank=1, world=2, agent_pid=None, port=0, run_id="job7") -> DistEnv:
         restart_count=0,
         max_restarts=3,
         run_id=run_id,
-        use_agent_store=True,
+        use_agent_store=agent_store,
         launched_by_torchrun=True,
         under_agent=agent_pid is not None,
         agent_pid=agent_pid,
@@ -130,6 +130,26 @@ def test_a_store_whose_host_starts_late_is_waited_for(store_server):
     job = connect(_env(port=port), timeout_s=60, silent_s=15.0)
     job.store.set("k", "v")
     assert job.store.get("k") == b"v"
+
+
+def test_without_an_agent_rank_0_hosts_the_store_and_returns_before_the_others_connect():
+    """RANK, WORLD_SIZE and MASTER_ADDR/PORT with no torchrun (srun, mpirun, a test's plain
+    ranks): rank 0 hosts the store. Its clients never count themselves in (no world size of
+    their own), so a host that waited for them hung every such launch for --init-timeout."""
+    port = free_port()
+    hosted = {}
+    host = threading.Thread(
+        target=lambda: hosted.setdefault(
+            "job", connect(_env(rank=0, port=port, agent_store=False), timeout_s=20, silent_s=5)
+        ),
+        daemon=True,
+    )
+    host.start()
+    host.join(10)
+    assert "job" in hosted, "rank 0 is still waiting inside its own store's constructor"
+    client = connect(_env(rank=1, port=port, agent_store=False), timeout_s=20, silent_s=15.0)
+    client.store.set("k", "v")
+    assert hosted["job"].store.get("k") == b"v"
 
 
 def test_nothing_listening_within_the_init_timeout_is_an_init_timeout():
