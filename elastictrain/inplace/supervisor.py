@@ -10,7 +10,8 @@ not exit: it is this one, which imports no torch and does nothing but wait.
   (role ``spare``), which imports torch and builds the task, then waits on its stdin.
 - When the training process dies by a signal (SIGKILL, the OOM killer, a segfault), the spare is
   told to go (one line on its stdin: when the death was seen), becomes the rank's training
-  process and joins the survivors' next membership epoch (``membership``), and a new spare starts.
+  process and joins the survivors' next membership epoch (``membership``), and a new spare starts
+  while ``--max-replacements`` leaves one to use.
 - Any exit the training process chose (0, a bad flag, a hang it detected, a preemption) is this
   process's exit: today's restart-all path, with all its guarantees. So is a death once
   ``--max-replacements`` are used up.
@@ -77,7 +78,7 @@ class Supervisor:
         self.agent_pid = os.getppid()
         self.stopping: signal.Signals | None = None
         self.worker = self._start("worker")
-        self.spare: subprocess.Popen | None = self._start("spare")
+        self.spare: subprocess.Popen | None = self._start("spare") if self._spare_useful() else None
         self._spare_started = time.monotonic()
         self._spare_deaths = 0
         self._next_spare_at = 0.0
@@ -160,8 +161,14 @@ class Supervisor:
                 self.spare.stdin.flush()
             except (BrokenPipeError, OSError):  # the spare died too: nothing left to do here
                 return self._die_like(died)
-            self.worker, self.spare = self.spare, self._start("spare")
+            self.worker = self.spare
+            self.spare = self._start("spare") if self._spare_useful() else None
             self._spare_started = time.monotonic()
+
+    def _spare_useful(self) -> bool:
+        """Once --max-replacements are used up the next death is torchrun's: a spare then would
+        import torch and build the task (seconds of CPU, a device context on a GPU) for nothing."""
+        return self.replaced < self.max_replacements
 
     def _keep_a_spare(self) -> None:
         """A spare that exited (the OOM killer, a broken import) is started again, backing off
@@ -179,7 +186,7 @@ class Supervisor:
                 delay,
             )
             self.spare, self._next_spare_at = None, now + delay
-        if self.spare is None and now >= self._next_spare_at:
+        if self.spare is None and now >= self._next_spare_at and self._spare_useful():
             self.spare, self._spare_started = self._start("spare"), now
 
     def _end_if_stopped_too_long(self) -> None:

@@ -82,10 +82,29 @@ def test_a_child_killed_by_a_signal_is_replaced_by_the_spare_until_the_budget_is
     _wait(lambda: (d / "went").exists() and len(_training_pids(d)) == 2)
     assert sup.poll() is None  # torchrun sees nothing
     (second,) = set(_training_pids(d)) - {first}
+    # The budget is used up: no spare is started for a death that will be torchrun's (each one
+    # imports torch and builds the task for nothing). Before, one started with every replacement.
+    assert _children(sup.pid) == {second}
+    assert (d / "spares").read_text().count("started") == 1
     os.kill(second, signal.SIGKILL)
     # The budget is used up: it ends as its training process did, for torchrun's record.
     assert sup.wait(20) == -signal.SIGKILL
     assert (d / "went").read_text().count("go") == 1
+
+
+def test_no_replacements_allowed_means_no_spare(standin):
+    d, script = standin
+    sup = _supervise(d, script, max_replacements=0)
+    try:
+        _wait(lambda: len(_training_pids(d)) == 1)
+        (pid,) = _training_pids(d)
+        time.sleep(0.3)  # several polls: a spare would be started again at once
+        assert _children(sup.pid) == {pid} and not (d / "spares").exists()
+        os.kill(pid, signal.SIGKILL)
+        assert sup.wait(20) == -signal.SIGKILL
+    finally:
+        if sup.poll() is None:
+            sup.kill()
 
 
 def test_an_exit_the_training_process_chose_is_passed_on(standin):
