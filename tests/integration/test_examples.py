@@ -53,7 +53,7 @@ def test_digits_full_job_trains_to_95_percent_through_a_kill_and_report_draws_it
     """bf16, accumulation, clipping, dropout, an EMA, augmentation in loader workers and eval:
     rank 0 SIGKILLed mid-run, and the final model, EMA and eval are those of a clean run."""
     clean_ev = str(tmp_path / "clean.jsonl")
-    clean = launch(digits_args(str(tmp_path / "clean"), clean_ev), name="clean")
+    clean = launch(digits_args(str(tmp_path / "clean"), clean_ev), name="clean", plain=True)
     ckpt, ev = str(tmp_path / "killed"), str(tmp_path / "killed.jsonl")
     job = launch(digits_args(ckpt, ev), max_restarts=3, name="killed")
     wait_for_event(ev, lambda e: e["event"] == Event.CHECKPOINT and e["step"] >= 100, 90, job)
@@ -177,7 +177,9 @@ def test_library_mode_custom_loop_killed_preempted_or_replaced_in_place_ends_exa
     assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in env
     ref_dir = str(tmp_path / "ref")
     # The reference runs beside the killed job (same seed and world size), not before it.
-    ref = launch(custom_loop_args(ref_dir, str(tmp_path / "ref.jsonl")), entry=script, env=env)
+    ref = launch(
+        custom_loop_args(ref_dir, str(tmp_path / "ref.jsonl")), entry=script, env=env, plain=True
+    )
 
     ckpt, ev = str(tmp_path / "run"), str(tmp_path / "run.jsonl")
     # Kills, a preemption, both tiers: library mode keeps write-once too.
@@ -257,7 +259,7 @@ def test_library_mode_in_place_at_four_ranks_ends_bitwise_equal(launch, tmp_path
     job = launch(args("run", *in_place), entry=script, nproc=4, max_restarts=0, name="in-place")
     wait_for_count(ev, Event.RESUME, 1, 150, job)  # 8 processes starting: the ref after them
     # The same loop (CheckpointManager.run, primed) without spares: nothing of it is in place.
-    ref = launch(args("ref", "--run-loop"), entry=script, nproc=4, name="ref")
+    ref = launch(args("ref", "--run-loop"), entry=script, nproc=4, name="ref", plain=True)
     _kill_twice(job, ev)
     assert ref.wait(180) == 0, ref.log()[-3000:]
     _assert_replaced_in_place(job, ev, run_dir, final_state(str(tmp_path / "ref")))
@@ -300,6 +302,6 @@ def test_a_final_save_at_a_step_committed_in_the_background_returns_on_every_ran
     step, rank 0 decides for every rank: it used to return at once while rank 1 waited for an
     outcome never broadcast, until rank 0's exit broke the group (an extra restart in CI)."""
     job = launch([str(tmp_path / "ckpt")], nproc=2, max_restarts=0,
-                 entry=("-m", "tests.helpers.final_after_background"), name="final")  # fmt: skip
+                 entry=("-m", "tests.helpers.final_after_background"), name="final", plain=True)  # fmt: skip
     assert job.wait(120) == 0, job.log()[-3000:]
     assert job.log().count('"final": true') == 2, job.log()[-3000:]

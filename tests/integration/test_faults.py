@@ -26,7 +26,7 @@ def test_sigterm_preemption_loses_zero_steps(launch, tmp_path):
             ref_dir, str(tmp_path / "ref.jsonl"), max_steps=400, every=100, step_time=0,
             extra=workers,
         ),
-        name="ref",
+        name="ref", plain=True,
     )  # fmt: skip
     assert ref.wait(120) == 0
 

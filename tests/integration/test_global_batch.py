@@ -29,7 +29,7 @@ def single_process_step(seed: int) -> dict[str, torch.Tensor]:
 def test_uneven_shares_match_single_process_global_batch(launch, tmp_path, nproc, accum):
     opts = [a for k, v in OPTIONS.items() for a in ("--task-option", f"{k}={v}")]
     args = ["--checkpoint-dir", str(tmp_path / "c"), "--max-steps", "1", "--seed", "3", *opts]
-    job = launch([*args, "--grad-accum-steps", str(accum)], nproc=nproc)
+    job = launch([*args, "--grad-accum-steps", str(accum)], nproc=nproc, plain=True)
     assert job.wait(120) == 0, job.log()[-3000:]
     got = final_state(str(tmp_path / "c"))["model"]
     want = single_process_step(seed=3)

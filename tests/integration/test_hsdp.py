@@ -34,7 +34,9 @@ def test_hsdp_writes_each_shard_once_spread_over_replicas_and_moves_to_fsdp_and_
     launch, tmp_path
 ):
     hsdp, ref = str(tmp_path / "hsdp"), str(tmp_path / "saved.pt")
-    job = launch(["save", hsdp, ref, "6", "replicas=2", WIDTH], nproc=4, entry=PROBE, name="hsdp")
+    job = launch(
+        ["save", hsdp, ref, "6", "replicas=2", WIDTH], nproc=4, entry=PROBE, name="hsdp", plain=True
+    )
     assert job.wait(180) == 0, job.log()[-3000:]
     h = _sizes(_newest(hsdp))
     shards = {n: b for n, b in h.items() if n.startswith("shard-")}
@@ -54,12 +56,15 @@ def test_hsdp_writes_each_shard_once_spread_over_replicas_and_moves_to_fsdp_and_
     whole, after_ddp = str(tmp_path / "hsdp-whole"), str(tmp_path / "after-ddp.pt")
     shutil.copytree(hsdp, whole)  # each resume saves again: one copy each
     resumed = {
-        "fsdp": launch(["resume", hsdp, ref, "2", WIDTH], nproc=2, entry=PROBE, name="as-fsdp"),
+        "fsdp": launch(
+            ["resume", hsdp, ref, "2", WIDTH], nproc=2, entry=PROBE, name="as-fsdp", plain=True
+        ),
         "ddp": launch(
             ["resume", whole, ref, "2", "replicas=0", WIDTH, f"out={after_ddp}"],
             nproc=1,
             entry=PROBE,
             name="as-ddp",
+            plain=True,
         ),
     }
     for name, job in resumed.items():
@@ -67,7 +72,13 @@ def test_hsdp_writes_each_shard_once_spread_over_replicas_and_moves_to_fsdp_and_
         assert '"differs": []' in job.log(), f"{name}: {job.log()[-3000:]}"
     # And back: the DDP run's checkpoint (the whole model on the rank, one flat file) read by an
     # FSDP run at 2 ranks, each keeping its shards; the optimizer's numbered parameters named.
-    job = launch(["resume", whole, after_ddp, "2", WIDTH], nproc=2, entry=PROBE, name="ddp-as-fsdp")
+    job = launch(
+        ["resume", whole, after_ddp, "2", WIDTH],
+        nproc=2,
+        entry=PROBE,
+        name="ddp-as-fsdp",
+        plain=True,
+    )
     assert job.wait(180) == 0, job.log()[-3000:]
     assert '"resumed": 8, "differs": []' in job.log(), job.log()[-3000:]
     # The FSDP run saved the same model at 2 ranks (step 8) beside the HSDP checkpoint (step 6).

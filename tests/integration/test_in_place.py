@@ -48,7 +48,9 @@ def test_killed_training_processes_are_replaced_in_place_bitwise(launch, tmp_pat
     uninterrupted run's."""
     ref_dir = str(tmp_path / "ref")
     ref_args = toy_args(ref_dir, str(tmp_path / "ref.jsonl"), max_steps=STEPS, every=1000)
-    ref = launch([*ref_args, "--task-option", "step_time=0", *TOY_ARGS], nproc=3, name="ref")
+    ref = launch(
+        [*ref_args, "--task-option", "step_time=0", *TOY_ARGS], nproc=3, name="ref", plain=True
+    )
     run_dir, ev, shm = str(tmp_path / "run"), str(tmp_path / "run.jsonl"), str(tmp_path / "shm")
     # A replacement whose spare is still importing (this machine is loaded) is waited for: the
     # default --replace-wait (0.5 s) would drop its rank and restart (the lost-node test below).

@@ -59,13 +59,17 @@ def test_hsdp_heals_replaced_ranks_from_their_twins_bitwise_then_drops_and_regro
     steps, every = 480, 40
     run = toy_args(ckpt, ev, max_steps=steps, every=every, step_time=0.04)[2:]  # ckpt: the recipe
     run += ["--parallel", "hsdp", "--sample-log", str(samples), "--keep-last", "20", *DATA]
+    # One replacement a rank: its spare is then the last one started (the budget spent, none more).
     run += ["--replace-in-place", "--replace-wait", "3", "--no-local-checkpoint"]
+    run += ["--max-replacements", "1"]
     run += ["--silent-timeout", "4", "--heartbeat-seconds", "1"]
     # The uninterrupted twin runs to the step compared, a checkpoint of both after the heals.
     ref_dir, compared = str(tmp_path / "ref"), 120
     ref_args = toy_args(ref_dir, str(tmp_path / "ref.jsonl"), max_steps=compared, every=every)
     ref_args += ["--parallel", "hsdp", "--mesh", "dp_replicate=2,dp_shard=2"]
-    ref = launch([*ref_args, "--task-option", "step_time=0", *DATA], nproc=4, name="ref")
+    ref = launch(
+        [*ref_args, "--task-option", "step_time=0", *DATA], nproc=4, name="ref", plain=True
+    )
 
     def start_node(node: int, name: str):
         home = tmp_path / f"host{node}"
@@ -197,6 +201,7 @@ def test_fsdp_rolls_back_in_memory_to_the_newest_whole_copy_skipping_a_corrupt_o
     steps = 260
     run_dir, ev, shm = str(tmp_path / "run"), str(tmp_path / "ev.jsonl"), str(tmp_path / "shm")
     extra = ["--parallel", "fsdp", "--replace-in-place", "--replace-wait", "10"]
+    extra += ["--max-replacements", "2"]  # rank 2's two deaths: no third spare for it
     extra += ["--local-checkpoint-dir", shm, "--local-every-steps", "10"]
     committed = committed_files(run_dir, shm)  # rollbacks in memory, buddies: write-once holds
     job = launch(
@@ -207,7 +212,7 @@ def test_fsdp_rolls_back_in_memory_to_the_newest_whole_copy_skipping_a_corrupt_o
     )
     ref_dir = str(tmp_path / "ref")
     ref_args = toy_args(ref_dir, str(tmp_path / "ref.jsonl"), max_steps=steps, every=1000)
-    ref = launch([*ref_args, "--parallel", "fsdp"], nproc=4, name="ref")
+    ref = launch([*ref_args, "--parallel", "fsdp"], nproc=4, name="ref", plain=True)
     # Twelve processes start at once (the job's, its spares, the reference's): on a loaded 2-core
     # host that alone can take past 90 s, and nothing here times the start.
     _wait_whole_copy(shm, 30, job, timeout=180)

@@ -25,7 +25,7 @@ from tests.helpers.launcher import (
 @pytest.mark.parametrize("nproc", [3])
 def test_sigkill_workers_resume_bitwise(launch, tmp_path, nproc):
     ref_dir, ref_ev = str(tmp_path / "ref"), str(tmp_path / "ref.jsonl")
-    ref = launch(toy_args(ref_dir, ref_ev), nproc=nproc, name="ref")
+    ref = launch(toy_args(ref_dir, ref_ev), nproc=nproc, name="ref", plain=True)
     assert ref.wait(180) == 0, ref.log()[-3000:]
 
     run_dir, ev = str(tmp_path / "run"), str(tmp_path / "run.jsonl")
@@ -71,7 +71,7 @@ def test_time_based_checkpoints_follow_rank0s_clock_alone(launch, tmp_path):
     args = toy_args(str(tmp_path / "c"), ev, max_steps=400, every=0, step_time=0.01)
     args += ["--checkpoint-every-seconds", "1", "--no-async-checkpoint"]
     args += ["--task", "tests.helpers.skewed_clock:make_task"]
-    job = launch(args, max_restarts=0)
+    job = launch(args, max_restarts=0, plain=True)
     assert job.wait(120) == 0, job.log()[-3000:]
     events = read_events(ev)
     reasons = [e["reason"] for e in events if e["event"] == Event.CHECKPOINT]
@@ -124,6 +124,7 @@ def test_worker_sigkill_resumes_from_the_local_tier_reading_no_state_from_s3(
     ref = launch(
         toy_args(str(tmp_path / "ref"), str(tmp_path / "ref.jsonl"), max_steps=200, step_time=0),
         name="ref",
+        plain=True,
     )
     assert ref.wait(120) == 0
     url, ev, samples = f"{bucket_url}/run", str(tmp_path / "run.jsonl"), str(tmp_path / "samples")

@@ -87,7 +87,9 @@ def test_two_node_recipe_loses_a_node_and_rejoins_and_the_report_from_storage_sh
 
     ref_dir = str(tmp_path / "ref")
     ref = launch(
-        args(ref_dir, str(tmp_path / "ref.jsonl"), tmp_path / "ref-samples", 0), name="ref"
+        args(ref_dir, str(tmp_path / "ref.jsonl"), tmp_path / "ref-samples", 0),
+        name="ref",
+        plain=True,
     )
     run = args(ckpt, ev, samples, 0.02)
     # Each node's local tier in its own folder, as on real hosts (here both are this machine),

@@ -47,6 +47,7 @@ def test_sigkill_resume_is_bitwise_equal(launch, tmp_path, name):
     ref = launch(
         toy_args(str(tmp_path / "ref"), str(tmp_path / "ref.jsonl"), max_steps=160, extra=extra),
         name="ref",
+        plain=True,
     )
     ev = str(tmp_path / "run.jsonl")
     job = launch(

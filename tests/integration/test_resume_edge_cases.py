@@ -48,7 +48,7 @@ def test_gpu_saved_checkpoints_resume_on_this_ranks_device(launch, tmp_path):
     cpu_only = job_env(CUDA_VISIBLE_DEVICES="")
     ref_dir, gpu_dir = str(tmp_path / "ref"), str(tmp_path / "gpu")
     ref_args = toy_args(ref_dir, str(tmp_path / "ref.jsonl"), max_steps=120, every=60, step_time=0)
-    ref = launch(ref_args, env=cpu_only, name="ref")
+    ref = launch(ref_args, env=cpu_only, name="ref", plain=True)
     assert ref.wait(120) == 0
 
     # The runner's own file: flat, and nothing in it names a device.
@@ -73,7 +73,9 @@ def test_gpu_saved_checkpoints_resume_on_this_ranks_device(launch, tmp_path):
 
     # The flat file's own resume is every other resume test; this one resumes the tagged file.
     ev = str(tmp_path / "gpu.jsonl")
-    job = launch(toy_args(gpu_dir, ev, max_steps=120, every=60, step_time=0), env=cpu_only)
+    job = launch(
+        toy_args(gpu_dir, ev, max_steps=120, every=60, step_time=0), env=cpu_only, plain=True
+    )
     assert job.wait(120) == 0, job.log()[-3000:]
     assert [e["step"] for e in read_events(ev) if e["event"] == Event.RESUME] == [60]
     assert_bitwise_equal(final_state(gpu_dir), final_state(ref_dir))
@@ -93,10 +95,13 @@ def test_corrupted_latest_falls_back_to_previous(launch, tmp_path):
     ref = launch(
         toy_args(ref_dir, str(tmp_path / "ref.jsonl"), max_steps=150, every=50, step_time=0),
         name="ref",
+        plain=True,
     )
     assert ref.wait(120) == 0
     first = launch(
-        toy_args(run_dir, str(tmp_path / "a.jsonl"), max_steps=100, every=50, step_time=0), name="a"
+        toy_args(run_dir, str(tmp_path / "a.jsonl"), max_steps=100, every=50, step_time=0),
+        name="a",
+        plain=True,
     )
     assert first.wait(120) == 0
     (path,) = glob.glob(os.path.join(run_dir, "step-000000000100", "state-g*"))
@@ -107,7 +112,7 @@ def test_corrupted_latest_falls_back_to_previous(launch, tmp_path):
         f.write(bytes([byte[0] ^ 0x01]))  # one flipped bit
 
     ev = str(tmp_path / "b.jsonl")
-    job = launch(toy_args(run_dir, ev, max_steps=150, every=50, step_time=0), name="b")
+    job = launch(toy_args(run_dir, ev, max_steps=150, every=50, step_time=0), name="b", plain=True)
     assert job.wait(120) == 0, job.log()[-3000:]
     assert "CORRUPT CHECKPOINT" in job.log() and "checkpoint step 100" in job.log()
     assert [e["step"] for e in read_events(ev) if e["event"] == Event.RESUME] == [50]
@@ -297,7 +302,9 @@ def test_a_newer_format_stops_every_rank_with_exit_2_and_touches_nothing(launch,
     doc["format_version"] = FORMAT_VERSION + 1
     manifest.write_text(json.dumps(doc))
     before = checkpoint_files(str(ckpt))
-    job = launch(["--checkpoint-dir", str(ckpt), "--max-steps", "10"], nproc=2, max_restarts=0)
+    job = launch(
+        ["--checkpoint-dir", str(ckpt), "--max-steps", "10"], nproc=2, max_restarts=0, plain=True
+    )
     assert job.wait(120) != 0
     log = job.log()
     for rank in (0, 1):

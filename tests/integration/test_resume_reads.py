@@ -38,6 +38,7 @@ def test_bytes_read_per_resume_at_world_size_3(launch, tmp_path):
                 nproc=3,
                 env=job_env(COUNTING_FS_LOG=log),
                 name=f"second-{mode}",
+                plain=True,
             ),
             ev,
             log,

@@ -17,7 +17,7 @@ PROBE = ("-m", "tests.helpers.shard_tier_probe")
 def test_a_lost_node_resumes_from_its_buddy_skips_a_bad_copy_and_falls_back_when_both_are_gone_and_hsdp_replicas_stand_in(
     launch, tmp_path
 ):
-    job = launch([str(tmp_path)], nproc=4, max_restarts=0, entry=PROBE, name="probe")
+    job = launch([str(tmp_path)], nproc=4, max_restarts=0, entry=PROBE, name="probe", plain=True)
     assert job.wait(240) == 0, job.log()[-4000:]
     seen = json.loads(job.log().split("PROBE ", 1)[1].splitlines()[0])
     assert seen["differs"] == [], seen  # every resume equal, tensor by tensor, to what was saved

@@ -46,7 +46,7 @@ def _index_format(step_dir: str) -> str:
 @pytest.mark.slow
 def test_fsdp_checkpoint_saved_at_2_resumes_at_1_and_3_with_exact_state(launch, tmp_path):
     ckpt, ref = str(tmp_path / "ckpt"), str(tmp_path / "saved.pt")
-    saver = launch(["save", ckpt, ref, "12"], nproc=2, entry=PROBE, name="save")
+    saver = launch(["save", ckpt, ref, "12"], nproc=2, entry=PROBE, name="save", plain=True)
     assert saver.wait(120) == 0, saver.log()[-3000:]
     assert len(_shards(os.path.join(ckpt, step_dir_name(12)))) == 2
     # Real FSDP2 shards follow the row rule, so the index lists tensors, not chunks (format 2).
@@ -56,7 +56,7 @@ def test_fsdp_checkpoint_saved_at_2_resumes_at_1_and_3_with_exact_state(launch, 
         copy = str(tmp_path / f"at-{world}")
         shutil.copytree(ckpt, copy)
         jobs[world] = launch(
-            ["resume", copy, ref, "3"], nproc=world, entry=PROBE, name=f"at-{world}"
+            ["resume", copy, ref, "3"], nproc=world, entry=PROBE, name=f"at-{world}", plain=True
         )
     for world, job in jobs.items():
         assert job.wait(120) == 0, job.log()[-3000:]
@@ -97,8 +97,9 @@ def test_fsdp_sigkilled_twice_once_mid_shard_write_then_preempted_ends_bitwise_e
 ):
     # ~10 MB of sharded state (weights + momentum), so a shard write takes a moment; fast
     # copies at the durable tier's steps, so a kill between checkpoints resumes from node memory.
-    extra = (*FSDP, "--task-option", "hidden=512", "--task-option", "layers=3")
-    extra += ("--local-every-steps", "20", "--local-checkpoint-dir", str(tmp_path / "shm"))
+    model = (*FSDP, "--task-option", "hidden=512", "--task-option", "layers=3")
+    extra = (*model, "--local-every-steps", "20", "--local-checkpoint-dir", str(tmp_path / "shm"))
+    # The reference keeps no copies in node memory: it would write the job's own copy folders.
     ref = launch(
         toy_args(
             str(tmp_path / "ref"),
@@ -106,9 +107,10 @@ def test_fsdp_sigkilled_twice_once_mid_shard_write_then_preempted_ends_bitwise_e
             max_steps=160,
             every=20,
             step_time=0,
-            extra=extra,
+            extra=(*model, "--no-local-checkpoint"),
         ),
         name="ref",
+        plain=True,
     )
     ev, ckpt = str(tmp_path / "run.jsonl"), str(tmp_path / "run")
     args = toy_args(ckpt, ev, max_steps=160, every=20, step_time=0.015, extra=extra)

@@ -31,7 +31,7 @@ def test_stream_killed_resumes_bitwise_equal(launch, tmp_path, workers, rank):
         )
 
     ref_dir, run_dir = str(tmp_path / "ref"), str(tmp_path / "run")
-    ref = launch(args(ref_dir, 0), name="ref")
+    ref = launch(args(ref_dir, 0), name="ref", plain=True)
     job = launch(args(run_dir, 0.03), name="run")
     ev = run_dir + ".jsonl"
     wait_for_event(ev, lambda e: e["event"] == Event.CHECKPOINT, 120, job)
@@ -60,6 +60,7 @@ def test_stream_ledger_is_exactly_once_across_a_world_size_change_or_the_resume_
         job = launch(
             toy_args(ckpt, ckpt + ".jsonl", max_steps=30, every=10, step_time=0, extra=extra),
             name=kind,
+            plain=True,
         )
         assert job.wait(120) == 0, job.log()[-3000:]
     ckpt, extra = runs["stateful"]
@@ -69,6 +70,7 @@ def test_stream_ledger_is_exactly_once_across_a_world_size_change_or_the_resume_
         nproc=3,
         max_restarts=0,
         name="refused",
+        plain=True,
     )
     assert refused.wait(120) != 0
     log = refused.log()
@@ -81,6 +83,7 @@ def test_stream_ledger_is_exactly_once_across_a_world_size_change_or_the_resume_
         toy_args(ckpt, ckpt + ".jsonl", max_steps=50, every=10, step_time=0, extra=extra),
         nproc=3,
         name="wider",
+        plain=True,
     )
     assert wider.wait(120) == 0, wider.log()[-3000:]
     ledger = assert_exactly_once(
@@ -92,7 +95,9 @@ def test_stream_ledger_is_exactly_once_across_a_world_size_change_or_the_resume_
 def test_a_plain_iterable_dataset_stops_at_start_with_exit_2_writing_nothing(launch, tmp_path):
     ckpt = str(tmp_path / "never")
     job = launch(
-        [*STREAM, "--task-option", "stream=plain", "--checkpoint-dir", ckpt], max_restarts=0
+        [*STREAM, "--task-option", "stream=plain", "--checkpoint-dir", ckpt],
+        max_restarts=0,
+        plain=True,
     )
     assert job.wait(120) != 0
     errors = [line for line in job.log().splitlines() if "FAILED (exit 2)" in line]

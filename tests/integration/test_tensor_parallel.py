@@ -59,7 +59,7 @@ def test_tensor_parallel_at_2_ranks_trains_on_the_batches_and_losses_of_the_unsh
             "--sample-log",
             str(folder / "samples"),
         ]
-        runs[name] = (folder, launch(args, nproc=nproc, max_restarts=0, name=name))
+        runs[name] = (folder, launch(args, nproc=nproc, max_restarts=0, name=name, plain=True))
     for name, (_, job) in runs.items():
         assert job.wait(180) == 0, f"{name}: {job.log()[-3000:]}"
     one, tp = runs["one"][0], runs["tp"][0]
@@ -102,7 +102,7 @@ def test_a_2d_mesh_resumes_bitwise_after_a_kill_and_exactly_once_at_a_smaller_dp
 
     def reference(steps: int):
         args = toy_args(ref_dir, ref_ev, max_steps=steps, every=20, extra=(*TASK, *layout))
-        return launch(args, nproc=4, max_restarts=0, name=f"ref-{steps}")
+        return launch(args, nproc=4, max_restarts=0, name=f"ref-{steps}", plain=True)
 
     ref = reference(120)
     # (dp 2, tp 2) resumes from the fast tier, which serves the 2-D layouts too; HSDP from the
@@ -137,7 +137,9 @@ def test_a_2d_mesh_resumes_bitwise_after_a_kill_and_exactly_once_at_a_smaller_dp
     more = toy_args(
         run_dir, ev, max_steps=160, every=20, extra=(*TASK, "--parallel", "fsdp", "--mesh", shrunk)
     )
-    job = launch([*more, "--sample-log", samples], nproc=2, max_restarts=0, name="smaller")
+    job = launch(
+        [*more, "--sample-log", samples], nproc=2, max_restarts=0, name="smaller", plain=True
+    )
     assert job.wait(180) == 0, job.log()[-3000:]
     events = read_events(ev)
     assert [e["step"] for e in events if e["event"] == Event.CORRUPT] == [120]
@@ -151,7 +153,9 @@ def test_a_2d_mesh_resumes_bitwise_after_a_kill_and_exactly_once_at_a_smaller_dp
             every=20,
             extra=(*TASK, "--parallel", "fsdp", "--mesh", then),
         )
-        job = launch([*last, "--sample-log", samples], nproc=4, max_restarts=0, name="then")
+        job = launch(
+            [*last, "--sample-log", samples], nproc=4, max_restarts=0, name="then", plain=True
+        )
         assert job.wait(180) == 0, job.log()[-3000:]
         steps, sizes = 200, [1, 2, 4]
     ledger = assert_exactly_once(

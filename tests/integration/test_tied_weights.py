@@ -77,7 +77,7 @@ def test_tied_gpt2_under_fsdp_resumes_bitwise_after_a_kill_then_at_one_rank_and_
         )
 
     ref_dir, run_dir = str(tmp_path / "ref"), str(tmp_path / "run")
-    ref = launch(args(ref_dir, 40, 0), name="ref")
+    ref = launch(args(ref_dir, 40, 0), name="ref", plain=True)
     job = launch(args(run_dir, 40, 0.05), name="run")
     wait_for_event(run_dir + ".jsonl", lambda e: e["event"] == Event.CHECKPOINT, 120, job)
     job.kill_worker(1)
