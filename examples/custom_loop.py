@@ -48,12 +48,17 @@ def main() -> None:
         help="train with CheckpointManager.run (what --replace-in-place uses), not the for loop",
     )
     p.add_argument("--replace-wait", type=float, default=0.5, help="seconds for a replacement")
+    p.add_argument(
+        "--max-replacements", type=int, default=3, help="deaths a rank's spares take, then torchrun"
+    )
     args = p.parse_args()
 
     # Restart-safe init_process_group; a no-op without torchrun. In place, the process torchrun
     # started supervises this script's training process and a spare from here on.
     elastictrain.init_distributed(
-        replace_in_place=args.replace_in_place, replace_wait=args.replace_wait
+        replace_in_place=args.replace_in_place,
+        replace_wait=args.replace_wait,
+        max_replacements=args.max_replacements,
     )
     distributed = dist.is_initialized()
     code = 0

@@ -183,7 +183,7 @@ def launch(tmp_path):
         """``script``: a launch script run (with ``app_args`` after it) instead of torchrun.
         ``cwd``: where it starts (default the test's tmp_path): one folder per simulated node.
         ``plain``: ``nproc`` ranks without torchrun's agent (tests/helpers/plain_ranks.py), for
-        a run that is compared against and never killed: 2.4 s less CPU a launch."""
+        a run that is compared against and never killed: about 2 s less CPU a launch."""
         log = str(tmp_path / f"{name}-{len(jobs)}.log")
         cwd = cwd or str(tmp_path)
         if plain:

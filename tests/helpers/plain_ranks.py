@@ -3,7 +3,7 @@ each given what torchrun gives a worker (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WOR
 MASTER_ADDR, MASTER_PORT), with no agent in between.
 
 For the runs a test compares against (an uninterrupted reference, a run that is never killed):
-torchrun's agent imports torch and tears it down, about 2.4 s of CPU a launch on this 2-core
+torchrun's agent imports torch and tears it down, about 2 s of CPU a launch on this 2-core
 machine, and the suite is CPU-bound (CONTRIBUTING.md). Anything about torchrun itself (restarts,
 rendezvous, the agent's death, in-place recovery) keeps a real torchrun launch.
 

@@ -256,6 +256,7 @@ def test_library_mode_in_place_at_four_ranks_ends_bitwise_equal(launch, tmp_path
     # Time to kill twice; a replacement is waited for as long as this loaded machine needs (the
     # default --replace-wait would drop a late one).
     in_place = ("--replace-in-place", "--replace-wait", "10")
+    in_place += ("--max-replacements", "1")  # each rank dies once: no spare after its replacement
     job = launch(args("run", *in_place), entry=script, nproc=4, max_restarts=0, name="in-place")
     wait_for_count(ev, Event.RESUME, 1, 150, job)  # 8 processes starting: the ref after them
     # The same loop (CheckpointManager.run, primed) without spares: nothing of it is in place.

@@ -1,4 +1,5 @@
-"""Real torchrun jobs checkpointing to S3 through a proxy that injects faults (fault_proxy.py)."""
+"""Real 2-rank jobs checkpointing to S3 through a proxy that injects faults (fault_proxy.py); the
+faults are the storage's, so the ranks start without torchrun's agent (plain ranks)."""
 
 from __future__ import annotations
 
@@ -58,11 +59,13 @@ def test_ten_percent_faults_every_checkpoint_committed_or_reported(launch, tmp_p
             every=20,
             step_time=0.01,
         )
-        job = launch(args, nproc=2, max_restarts=0)
+        job = launch(args, nproc=2, max_restarts=0, plain=True)
         assert job.wait(300) == 0, job.log()[-4000:]
         first = proxy.stats()
         # Resume through the same faults, and go on.
-        again = launch([*args[:5], "300", *args[6:]], nproc=2, max_restarts=0, name="again")
+        again = launch(
+            [*args[:5], "300", *args[6:]], nproc=2, max_restarts=0, name="again", plain=True
+        )
         assert again.wait(300) == 0, again.log()[-4000:]
         stats = proxy.stats()
     log = job.log() + again.log()
@@ -116,7 +119,7 @@ def test_storage_down_warn_skips_keeps_training_and_recovers(launch, tmp_path, s
             every=20,
             step_time=0.02,
         )
-        job = launch(args, nproc=2, max_restarts=0)
+        job = launch(args, nproc=2, max_restarts=0, plain=True)
         wait_for_event(ev, lambda e: e["event"] == Event.CHECKPOINT and e["step"] >= 40, 120, job)
         proxy.down = True
         wait_for_event(ev, lambda e: e["event"] == Event.CHECKPOINT_SKIPPED, 120, job)
@@ -155,7 +158,7 @@ def test_storage_down_stops_the_job_when_it_must(launch, tmp_path, s3_bucket, po
             every=20,
             step_time=0.02,
         )
-        job = launch(args, nproc=2, max_restarts=0)
+        job = launch(args, nproc=2, max_restarts=0, plain=True)
         wait_for_event(ev, lambda e: e["event"] == Event.CHECKPOINT and e["step"] == 20, 120, job)
         proxy.down = True
         assert job.wait(180) != 0
@@ -186,7 +189,7 @@ def test_async_persist_on_slow_storage_waits_and_the_final_checkpoint_lands(
         for mode in ("--async-checkpoint", "--no-async-checkpoint"):
             url, ev = f"{bucket_url}/{mode.strip('-')}", str(tmp_path / f"{mode}.jsonl")
             args = s3_args(url, ev, proxy.url, mode, max_steps=20, every=5, step_time=0.01)
-            job = launch(args, nproc=2, max_restarts=0, name=mode.strip("-"))
+            job = launch(args, nproc=2, max_restarts=0, name=mode.strip("-"), plain=True)
             assert job.wait(240) == 0, job.log()[-4000:]
             runs[mode] = (url, ev, job.log())
     url, ev, log = runs["--async-checkpoint"]
