@@ -220,7 +220,8 @@ class RunConfig:
     """Seconds an in-place recovery may take once its members are known (the new process groups,
     the state from a survivor); past it, torchrun restarts the group."""
     max_replacements: int = setting(3, metavar="N")
-    """Replacements each rank's supervisor makes; past them a death restarts the group."""
+    """Replacements each rank's supervisor makes; past them a death restarts the group (and no
+    spare is kept once they are spent)."""
     sample_log: str | None = setting(None, metavar="DIR")
     """Directory where every rank appends the dataset indices it trains on (the exactly-once ledger)."""
     log_every_seconds: float = setting(10.0, metavar="SECONDS")
