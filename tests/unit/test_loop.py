@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import torch
 from torch import nn
 from torch.utils.data import TensorDataset
@@ -61,5 +63,9 @@ def test_accumulation_all_reduces_once_per_step_and_matches_the_whole_batch_grad
             assert len(calls) == 3, f"accum {accum}: {len(calls)} all-reduces in 3 steps"
             grads[accum] = model.weight.grad.clone()
         torch.testing.assert_close(grads[4], grads[1])
+        # DDP's reducer holds the group: it goes while the group lives (see test_manager's
+        # prime test: a reducer holding a gloo group's last reference can hang its release).
+        del model, ddp, opt, trainer, task, loader
+        gc.collect()
     finally:
         dist.destroy_process_group()
