@@ -63,8 +63,11 @@ def test_accumulation_all_reduces_once_per_step_and_matches_the_whole_batch_grad
             assert len(calls) == 3, f"accum {accum}: {len(calls)} all-reduces in 3 steps"
             grads[accum] = model.weight.grad.clone()
         torch.testing.assert_close(grads[4], grads[1])
-        # DDP's reducer holds the group: it goes while the group lives (see test_manager's
-        # prime test: a reducer holding a gloo group's last reference can hang its release).
+        # DDP's reducer holds the group. Left as a local, it died at the test's return, after
+        # destroy_process_group: holding the group's last reference, ~ProcessGroupGloo joined
+        # gloo's threads with the GIL held while one needed it to free its last work (a suite
+        # run hung so for good, py-spy: Reducer dealloc -> ~ProcessGroupGloo -> thread join;
+        # pytorch#56297). So it goes first, while the group lives.
         del model, ddp, opt, trainer, task, loader
         gc.collect()
     finally:

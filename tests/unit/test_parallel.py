@@ -142,8 +142,8 @@ def test_a_spares_primed_wrapper_moves_to_the_epochs_group_with_a_primed_runs_bu
             for a, b in zip(spares.parameters(), reference.parameters(), strict=True):
                 assert torch.equal(a.grad, b.grad)
                 a.grad, b.grad = None, None
-        # The wrappers' reducers hold the group: they go while it lives (test_manager's prime
-        # test says why: a reducer holding a gloo group's last reference can hang its release).
+        # The wrappers' reducers hold the group: they go while it lives (test_loop's
+        # accumulation test says why: a reducer with a gloo group's last reference can hang).
         del replica, net, moved, primed, spares, reference
         gc.collect()
     finally:
