@@ -101,18 +101,19 @@ def off_node_agent(nnodes: str, port: int, run_id: str, nproc: int = 1) -> list[
     ]
 
 
+TORCHRUN_MODULE = "torch.distributed.run"
 TORCHRUN = (
-    "import gc; gc.disable(); from torch.distributed.run import main; gc.freeze(); gc.enable(); "
-    "main()"
+    f"import gc; gc.disable(); from {TORCHRUN_MODULE} import main; gc.freeze(); gc.enable(); main()"
 )
-"""torchrun's agent, the same ``main`` the ``torchrun`` command runs, with Python's cyclic garbage
-collector paused while torch imports and the imported objects frozen before it starts. The suite
-is CPU-bound on 2 cores and starts about 120 agents: while torch's import-time objects are created
-the collector scans them again and again, and once more at exit, 0.5 of an agent's 1.7 s of CPU
-here (``torchrun --help``, measured both ways). The agent's code, flags, process tree and signals
-are torchrun's; ``elastictrain.__main__`` does the same for the training processes. Given with
-``-c`` so that the agent's own traceback (a Ctrl-C) names no file of this repository, as tests
-check of the workers'. The recipes users run (``examples/*.sh``) call ``torchrun`` itself."""
+"""A ``--standalone`` torchrun agent: the same ``main`` the ``torchrun`` command runs, with Python's
+cyclic garbage collector paused while torch imports and the imported objects frozen before it
+starts. The suite is CPU-bound on 2 cores and starts about 100 such agents: while torch's
+import-time objects are created the collector scans them again and again, and once more at exit,
+0.5 of an agent's 1.7 s of CPU here (``torchrun --help``, measured both ways). The agent's code,
+flags, process tree and signals are torchrun's; ``elastictrain.__main__`` does the same for the
+training processes. Given with ``-c`` so that the agent's own traceback (a Ctrl-C) names no file
+of this repository, as tests check of the workers'. The recipes users run (``examples/*.sh``)
+call ``torchrun`` itself."""
 
 
 class Job:
@@ -128,7 +129,10 @@ class Job:
         entry: tuple[str, ...] = ("-m", "elastictrain"),
     ) -> None:
         """``entry``: what torchrun runs (default the runner; a script path for library mode)."""
-        cmd = [sys.executable, "-c", TORCHRUN, *torchrun_args, *entry, *app_args]
+        # A multi-node agent's workers read its command line for the rendezvous store
+        # (``cluster.env.rendezvous_store``): those agents keep torchrun's own module name.
+        agent = ["-c", TORCHRUN] if "--standalone" in torchrun_args else ["-m", TORCHRUN_MODULE]
+        cmd = [sys.executable, *agent, *torchrun_args, *entry, *app_args]
         self._start(cmd, log_path, cwd, env)
 
     @classmethod
