@@ -112,6 +112,8 @@ class CheckpointSession:
             lambda: self._ckpt.open_store(), rank=env.rank, generation=generation
         )
         self.events = EventLog(config.event_log, enabled=self.is_rank0, history=self.history)
+        self.hosts: list[str] | None = None
+        """Rank 0: each rank's host, by rank, from this attempt's ``start`` event."""
         self.last_words = last_words or LastWords(config.event_log, env.rank)
         self.last_words.keep_with(self.history)
         self._watchdog = watchdog
@@ -169,6 +171,8 @@ class CheckpointSession:
         else:
             processes = [None] * self.env.world_size if self.is_rank0 else None
             dist.gather_object(mine, processes, dst=0, group=self._gate)
+        if processes is not None:
+            self.hosts = [host for host, _ in processes]
         self.events.emit(
             Event.START,
             world_size=self.env.world_size,

@@ -31,7 +31,8 @@ class Event(Name):
     )
     PROGRESS = "progress"  # periodic: step, loss and task metrics (means since the last one), steps/s, world size, grad norm, fp16 overflow skips
     EVAL = "eval"  # Task.evaluate's metrics at a step, averaged over ranks
-    STRAGGLERS = "stragglers"  # periodic: per-rank step-time spread
+    STRAGGLERS = "stragglers"  # periodic: per-rank step-time spread, each rank's score
+    STRAGGLER = "straggler"  # a rank named persistently slow (slow) or recovered: host, ratio
     CHECKPOINT = (
         "checkpoint"  # a checkpoint committed: step, reason, bytes, blocked/persist seconds
     )

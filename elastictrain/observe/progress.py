@@ -17,6 +17,7 @@ from typing import IO, TYPE_CHECKING, Any
 import torch
 
 from elastictrain.observe.events import Event
+from elastictrain.observe.stragglers import StragglerWatch
 from elastictrain.observe.terminal import STATUS
 
 if TYPE_CHECKING:
@@ -40,6 +41,7 @@ class Progress:
         events: EventLog,
         enabled: bool,
         restarts: int = 0,
+        hosts: list[str] | None = None,
         live: bool = False,
         stream: IO[str] | None = None,
         clock=time.monotonic,
@@ -50,6 +52,7 @@ class Progress:
         self.events = events
         self.enabled = enabled
         self.restarts = restarts
+        self.stragglers = StragglerWatch(hosts)
         self._clock = clock
         self._last_t = clock()
         self._last_step = start_step
@@ -133,6 +136,9 @@ class Progress:
         if stragglers is not None and self.world_size > 1:
             logger.info("%s", stragglers.describe())
             self.events.emit(Event.STRAGGLERS, step=step, **stragglers.as_event())
+            for change in self.stragglers.update(stragglers):
+                logger.warning("%s", change.describe())
+                self.events.emit(Event.STRAGGLER, step=step, **change.as_event())
         self._last_t, self._last_step = now, step
 
     def _local_is_newer(self) -> bool:

@@ -147,6 +147,7 @@ class _Run:
             events=self.attempt.events,
             enabled=env.is_rank0,
             restarts=env.restart_count,
+            hosts=self.attempt.session.hosts,
             live=live_terminal(cfg.progress, sys.stderr),
         )
         self.progress.last_checkpoint = self.resumed.checkpoint_step

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import time
 
 import pytest
@@ -142,6 +143,11 @@ def test_slow_and_late_rank_within_budget_completes(launch, tmp_path):
     assert reports and reports[-1]["slowest_rank"] == 1
     medians = [r["median_s"] for r in reports[-1]["ranks"]]
     assert 2.0 < medians[1] / medians[0] < 4.0
+    # Persistently slower: named once, by host, with its ratio (issue 46), and logged.
+    (named,) = [e for e in events if e["event"] == Event.STRAGGLER]
+    assert (named["rank"], named["host"], named["slow"]) == (1, socket.gethostname(), True)
+    assert 2.0 < named["ratio"] < 4.0 and named["reports"] == 3, named
+    assert f"STRAGGLER: rank 1 on host {socket.gethostname()} takes" in job.log()
 
 
 @pytest.mark.slow
