@@ -12,6 +12,7 @@ import io
 
 from matplotlib.figure import Figure
 
+from elastictrain.observe.stragglers import SLOW_RATIO
 from elastictrain.observe.timeline import Outcome, Timeline
 
 _CAUSE_COLOURS = {
@@ -24,14 +25,19 @@ _CAUSE_COLOURS = {
 
 
 def draw(timeline: Timeline, title: str) -> Figure:
-    fig = Figure(figsize=(11, 10), layout="constrained")
-    grid = fig.add_gridspec(4, 2, height_ratios=[3, 2, 1, 2])
+    scored = any(a.scores for a in timeline.attempts)  # a run of one rank has no stragglers
+    rows = 5 if scored else 4
+    fig = Figure(figsize=(11, 12 if scored else 10), layout="constrained")
+    grid = fig.add_gridspec(rows, 2, height_ratios=[3, 2, 1, 2, 2][:rows])
     steps, ckpt, world = (fig.add_subplot(grid[row, :]) for row in range(3))
     evals = None
     if any(a.evals for a in timeline.attempts):  # the eval curve beside the loss, on the same steps
-        loss, evals = fig.add_subplot(grid[3, 0]), fig.add_subplot(grid[3, 1])
+        loss, evals = fig.add_subplot(grid[-1, 0]), fig.add_subplot(grid[-1, 1])
     else:
-        loss = fig.add_subplot(grid[3, :])
+        loss = fig.add_subplot(grid[-1, :])
+    if scored:
+        scores = fig.add_subplot(grid[3, :], sharex=steps)
+        _draw_scores(timeline, scores)
     colours = [f"C{i % 10}" for i in range(len(timeline.attempts))]
     for a, colour in zip(timeline.attempts, colours, strict=True):
         _draw_attempt(a, colour, timeline.t0, steps, world, loss, evals)
@@ -79,6 +85,32 @@ def _draw_attempt(a, colour: str, t0: float, steps, world, loss, evals) -> None:
             )
     end = a.end if a.end is not None else a.start
     world.hlines(a.world_size, a.start - t0, end - t0, color=colour, lw=4)
+
+
+def _draw_scores(timeline: Timeline, ax) -> None:
+    """Each rank's straggler score over time (its median work before the step's first
+    synchronisation over the others' median: 1 is as fast as they are); a named straggler is a
+    star. Ranks are numbered per attempt: after a resize, rank r may be another process."""
+    by_rank: dict[int, list[tuple[float, float]]] = {}
+    for a in timeline.attempts:
+        for t, ranks in a.scores:
+            for rank, score in enumerate(ranks):
+                by_rank.setdefault(rank, []).append((t - timeline.t0, score))
+    for rank, points in sorted(by_rank.items()):
+        ax.plot(*zip(*points, strict=True), marker=".", ms=3, lw=1, label=f"rank {rank}")
+    ax.axhline(SLOW_RATIO, color="black", lw=0.5, ls=":")
+    for a in timeline.attempts:
+        for e in a.stragglers:
+            if e.get("slow"):
+                t, ratio = e["time"] - timeline.t0, e.get("ratio", SLOW_RATIO)
+                ax.plot(t, ratio, "*", color="red", ms=12, mec="black", mew=0.5)
+                ax.annotate(f" rank {e.get('rank')} on {e.get('host')}", (t, ratio), fontsize=8)
+    ax.set(
+        ylabel="x the others' median",
+        title="straggler scores: each rank's work before the step's first synchronisation "
+        f"(dotted: {SLOW_RATIO}x; star: named a straggler)",
+    )
+    ax.legend(loc="upper left", fontsize=7, ncol=8)
 
 
 def _draw_restarts(timeline: Timeline, steps, ckpt, world, loss) -> None:

@@ -10,9 +10,10 @@ from __future__ import annotations
 import statistics
 from collections import deque
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
-import torch.distributed as dist
+if TYPE_CHECKING:
+    import torch.distributed as dist
 
 
 class StepTimer:
@@ -71,6 +72,9 @@ class StragglerReport:
 
 def gather(timer: StepTimer, group: dist.ProcessGroup) -> StragglerReport:
     """Collective over ``group``: every rank must call it at the same step."""
+    import torch  # here: the report draws this module's thresholds without importing torch
+    import torch.distributed as dist
+
     median, p95 = timer.stats()
     mine = torch.tensor([median, p95], dtype=torch.float64)
     world = dist.get_world_size(group)

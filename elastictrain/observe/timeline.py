@@ -60,6 +60,10 @@ class Attempt:
     skipped: list[dict[str, Any]] = field(default_factory=list)
     last_words: dict[int, dict[str, Any]] = field(default_factory=dict)
     """The ``exit`` event of each rank that left one, by rank."""
+    scores: list[tuple[float, list[float]]] = field(default_factory=list)
+    """(time, each rank's straggler score) from the periodic ``stragglers`` events."""
+    stragglers: list[dict[str, Any]] = field(default_factory=list)
+    """The ``straggler`` events: a rank named persistently slow, or no longer slow."""
     processes: list[list[Any]] | None = None
     """Each rank's training process, [host, pid], from the ``start`` event."""
     began: str = "fresh start"
@@ -154,6 +158,12 @@ def _add(a: Attempt, e: dict[str, Any]) -> None:
         a.points.append((t, step))
     if kind == Event.FIRST_STEP:
         a.trained_at = t
+    _add_record(a, kind, t, e)
+
+
+def _add_record(a: Attempt, kind: str | None, t: float, e: dict[str, Any]) -> None:
+    """What the event records for the report (a loss, a checkpoint, scores), or how it ended."""
+    step = e.get("step")
     if kind in (Event.PROGRESS, Event.FIRST_STEP) and e.get("loss") is not None:
         a.losses.append((step, float(e["loss"])))
         a.overflow_skips += int(e.get("overflow_skips", 0))
@@ -163,6 +173,12 @@ def _add(a: Attempt, e: dict[str, Any]) -> None:
         a.checkpoints.append(e)
     elif kind == Event.CHECKPOINT_SKIPPED:
         a.skipped.append(e)
+    elif kind == Event.STRAGGLERS:
+        ranks = e.get("ranks", [])
+        if ranks and all("score" in r for r in ranks):  # logs before issue 46 have none
+            a.scores.append((t, [float(r["score"]) for r in ranks]))
+    elif kind == Event.STRAGGLER:
+        a.stragglers.append(e)
     else:
         _add_ending(a, kind, e)
 
@@ -264,6 +280,13 @@ def summary(timeline: Timeline) -> str:
         if a.evals:
             step, metrics = a.evals[-1]
             extras += f", eval at {step}: " + " ".join(f"{k} {v:.4g}" for k, v in metrics.items())
+        named = [e for e in a.stragglers if e.get("slow")]
+        if named:
+            extras += ", stragglers " + ", ".join(
+                f"rank {e.get('rank')} on {e.get('host')} ({e.get('ratio')}x at step "
+                f"{e.get('step')})"
+                for e in named
+            )
         stall = f"; stall {a.stall_s:.2f}s" if a.stall_s is not None else ""
         lines.append(
             f"attempt {a.index} ({a.began}{stall}) at +{a.start - timeline.t0:.1f}s: "

@@ -225,3 +225,31 @@ def test_an_in_place_recovery_is_down_from_the_epochs_leaving_and_keeps_the_step
     assert first.last_step == 14 and first.end == 9.0 and first.down_from == 9.0
     assert first.outcome == Outcome.LOST
     assert round(second.stall_s, 3) == 0.6 and second.trained_at - first.down_from == 0.5
+
+
+def test_the_report_draws_each_ranks_straggler_score_and_names_the_straggler(tmp_path, capsys):
+    """Issue 46: the scores of the periodic ``stragglers`` events over time, a star where a
+    rank was named, and the name in the summary; a log without scores draws no such panel."""
+
+    def scores(t: float, step: int, *values: float) -> dict:
+        ranks = [{"rank": r, "median_s": v / 100, "score": v} for r, v in enumerate(values)]
+        return ev(Event.STRAGGLERS, t, step=step, ranks=ranks)
+
+    named = ev(Event.STRAGGLER, 4, step=30, rank=1, host="node7", slow=True, ratio=2.9, reports=3)
+    events = [
+        *attempt(0, 2, 0, 0),
+        *(scores(t, 10 * t, 0.34, 2.9) for t in (2, 3, 4)),
+        named,
+        ev(Event.END, 5, step=40),
+    ]
+    tl = timeline.build_timeline(events)
+    assert tl.attempts[0].scores == [(t, [0.34, 2.9]) for t in (2.0, 3.0, 4.0)]
+    assert "stragglers rank 1 on node7 (2.9x at step 30)" in timeline.summary(tl)
+    assert report.main([write_log(tmp_path, events), "-o", str(tmp_path / "r.svg")]) == 0
+    drawn = (tmp_path / "r.svg").read_text()
+    assert "straggler scores" in drawn and "rank 1 on node7" in drawn
+    without = [e for e in events if e["event"] not in (Event.STRAGGLERS, Event.STRAGGLER)]
+    assert (
+        report.main([write_log(tmp_path, without, "b.jsonl"), "-o", str(tmp_path / "b.svg")]) == 0
+    )
+    assert "straggler scores" not in (tmp_path / "b.svg").read_text()
