@@ -101,6 +101,12 @@ def test_hsdp_heals_replaced_ranks_from_their_twins_bitwise_then_drops_and_regro
     wait_for_event(
         ev, lambda e: e["event"] == Event.CHECKPOINT and e["step"] == compared, 90, nodes[0]
     )
+    # Past that checkpoint's background write, as for the kill above: a freeze the moment it
+    # committed found rank 0 a step behind its shard twin (steps held [120, 121]), and the job
+    # rightly fell back to the durable copy instead of its memory (a CI run, 2026-12-06).
+    wait_for_event(
+        ev, lambda e: e["event"] == Event.PROGRESS and e["step"] > compared, 90, nodes[0]
+    )
     # Node 1 is never the store's host (node 0's agent is): it is the one frozen and lost. The
     # rendezvous deals it ranks 0 and 1 or 2 and 3, anew at each round.
     frozen_ranks = _ranks_on(ev, nodes[1])
