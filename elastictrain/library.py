@@ -18,6 +18,7 @@ The process's driver is held here (:func:`driver`): ``init_distributed`` returns
 
 from __future__ import annotations
 
+import atexit
 import logging
 import sys
 from collections.abc import Callable
@@ -112,6 +113,7 @@ def init_distributed(
     )
     role = _supervise_unless_a_child(env, device, settings, max_replacements)
     _driver = EpochDriver(env, device, settings, spare=role == "spare")
+    atexit.register(_close_at_exit)
     died_at = None
     if role == "spare":
         died_at = _driver.wait_as_spare(warm_spare, logging.WARNING)
@@ -126,6 +128,17 @@ def init_distributed(
         )
         sys.exit(EXIT_INIT_TIMEOUT)
     return device
+
+
+def _close_at_exit() -> None:
+    """Before the interpreter finalizes (atexit runs first), end every thread the epochs started:
+    the beats (with a last one that says done, so a peer still closing up does not find this rank
+    silent) and the watch of the epoch's end (``EpochDriver.close``). A thread still inside a
+    store request when the interpreter finalizes aborts the process if the request returns then
+    (``inplace.epoch_end``'s docstring): a clean finish would exit -6, and torchrun restart it.
+    The runner closes its driver itself and skips finalization."""
+    if _driver is not None:
+        _driver.close()
 
 
 def driver() -> EpochDriver | None:

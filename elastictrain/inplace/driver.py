@@ -250,7 +250,10 @@ class EpochDriver:
         )
         if s.replace_in_place:
             end = EpochEnd(
-                groups.attempt.nonce, self.steps.store_port(self.env), groups.connections
+                groups.attempt.nonce,
+                self.steps.store_port(self.env),
+                groups.connections,
+                member=self.env.rank,
             )
             if groups.store is not None:
                 if here.rank == 0:
@@ -333,7 +336,7 @@ class EpochDriver:
         epoch, self.epoch = self.epoch, None
         if epoch is not None:
             if epoch.end is not None:
-                epoch.end.close()
+                epoch.end.close(wait=wait)
             epoch.liveness.stop(wait=wait)
         self.steps.shutdown()  # also what a failed forming left behind
 

@@ -6,11 +6,19 @@ NCCL's kernels instead wait for the dead peer until the collective timeout, and 
 tears the process down (state and all). So the first process back from an epoch (a survivor that
 saw the death, or the dead rank's replacement, which its supervisor starts within a tenth of a
 second) announces the end in the job's store (:func:`announce`). Every member's watch
-(:meth:`EpochEnd.watch`: a thread, one blocking store ``wait``, no polling) hears of it at once
-and fails the epoch's collectives from that thread (:func:`abort_collectives`): NCCL's
-communicators aborted, gloo's connections shut (only the epoch's own: ``connections``). The
-training thread's collective then raises, and the rank leaves the epoch as it does on gloo
-(``members.PeerLost``).
+(:meth:`EpochEnd.watch`: a thread, one blocking store ``wait`` on a key of its own, no polling)
+hears of it at once and fails the epoch's collectives from that thread
+(:func:`abort_collectives`): NCCL's communicators aborted, gloo's connections shut (only the
+epoch's own: ``connections``). The training thread's collective then raises, and the rank leaves
+the epoch as it does on gloo (``members.PeerLost``).
+
+Why a key per member: a process's last watch must end before the interpreter finalizes. A
+thread whose store ``wait`` returns during finalization (the key set, or the store's host exiting
+first) is ended by CPython inside torch's C++ frames, and the process aborts ("terminate called
+without an active exception", SIGABRT: torchrun counts a failure after a clean finish). A
+``wait`` ends only when its keys are set, and TCPStore has no "any of these keys", so each member
+waits on its own wake key: the announcer sets them all in one ``multi_set``, and a member closing
+its last epoch sets its own (:meth:`EpochEnd.close` with ``wait``).
 
 NCCL specifics (docs/faults.md, "NCCL"): the communicators are aborted together, inside one NCCL
 group (``_abort_process_group``: aborting one while another hangs can deadlock, NVIDIA/nccl#1013);
@@ -21,10 +29,13 @@ since an NCCL collective returns to Python before it has run.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import socket
 import threading
+from collections.abc import Sequence
 from datetime import timedelta
 
 import torch
@@ -32,6 +43,7 @@ import torch.distributed as dist
 
 from elastictrain import knobs
 from elastictrain.cluster.connections import EpochConnections, break_collectives
+from elastictrain.cluster.job_store import BoundedCalls
 from elastictrain.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -39,6 +51,7 @@ logger = logging.getLogger(__name__)
 # One store wait, long: c10d logs two warnings at each timeout. Every epoch but the process's last
 # ends by an announcement, which ends its watch's wait too.
 _WAIT = timedelta(hours=6)
+_WAKE_S = 5.0  # a closing member's own wake-up, and the wait for its watch to end
 _ASYNC_ERRORS = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
 
 
@@ -46,11 +59,22 @@ def ended_key(nonce: str) -> str:
     return f"{nonce}/ended"
 
 
-def announce(store: dist.Store, nonce: str, silent: list[int] = ()) -> None:
-    """The epoch ``nonce`` is over (this process is back from it). ``silent``: its members found
-    silent (a frozen host), by torchrun rank, for whoever hears of the end before rank 0's beat
-    says so. The first announcement stands."""
-    store.compare_set(ended_key(nonce), "", json.dumps(sorted(silent)))
+def wake_key(nonce: str, member: int) -> str:
+    """What ``member``'s watch of the epoch ``nonce`` waits on."""
+    return f"{nonce}/ended/{member}"
+
+
+def announce(
+    store: dist.Store, nonce: str, members: Sequence[int], silent: Sequence[int] = ()
+) -> None:
+    """The epoch ``nonce`` (of ``members``, torchrun ranks) is over: this process is back from
+    it. ``silent``: its members found silent (a frozen host), for whoever hears of the end before
+    rank 0's beat says so. The first announcement stands, and only its announcer wakes the
+    members (one request, whatever W; every survivor of a death announces)."""
+    verdict = json.dumps({"silent": sorted(silent), "by": f"{socket.gethostname()}:{os.getpid()}"})
+    if store.compare_set(ended_key(nonce), "", verdict).decode() != verdict:
+        return
+    store.multi_set([wake_key(nonce, m) for m in members], [b"1"] * len(members))
 
 
 class EpochEnd:
@@ -63,11 +87,19 @@ class EpochEnd:
     flag says it was the epoch's end, not a bug of this rank's own."""
 
     def __init__(
-        self, nonce: str, keep_port: int, connections: EpochConnections | None = None
+        self,
+        nonce: str,
+        keep_port: int,
+        connections: EpochConnections | None = None,
+        *,
+        member: int,
     ) -> None:
         """``keep_port``: the job store's port, whose connections are never shut;
-        ``connections``: the epoch's own (``dist.ProcessGroups.connections``), all it shuts."""
+        ``connections``: the epoch's own (``dist.ProcessGroups.connections``), all it shuts;
+        ``member``: this process's torchrun rank (its wake key)."""
         self.nonce, self.keep_port, self.connections = nonce, keep_port, connections
+        self.member = member
+        self._store: dist.Store | None = None  # the job's store, for close()'s own wake-up
         self.failed = False
         self.silent: list[int] = []
         """The members the announcer found silent (torchrun ranks)."""
@@ -96,6 +128,7 @@ class EpochEnd:
     def watch(self, store: dist.Store) -> EpochEnd:
         """Hear the announcement of this epoch's end in the job's ``store`` (cloned: the wait
         blocks its connection), from a thread: one blocking ``wait``, no polling."""
+        self._store = store
         self._thread = threading.Thread(
             target=self._watch, args=(store,), name="elastictrain-epoch-end", daemon=True
         )
@@ -107,13 +140,13 @@ class EpochEnd:
             store = job_store.clone()  # made here: connecting can block
             while not self._closed:
                 try:
-                    store.wait([ended_key(self.nonce)], _WAIT)
+                    store.wait([wake_key(self.nonce, self.member)], _WAIT)
                     break
                 except dist.DistStoreError:  # the wait's timeout: look at _closed again
                     continue
             if self._closed:
                 return
-            silent = json.loads(store.get(ended_key(self.nonce)))
+            silent = json.loads(store.get(ended_key(self.nonce)))["silent"]
         except Exception as e:  # the store is gone: liveness names it and ends the rank
             if not self._closed:  # after close() the store may go with the epoch: nothing to say
                 logger.warning(
@@ -128,10 +161,32 @@ class EpochEnd:
         # INFO: the rank's own leaving (the driver) is what warns.
         self.fail("its end was announced")
 
-    def close(self) -> None:
-        """The epoch's groups are being torn down: from now on, nothing fails them."""
+    def close(self, wait: bool = False) -> None:
+        """The epoch's groups are being torn down: from now on, nothing fails them.
+
+        ``wait``: the process is done with its epochs (it finishes or exits): its watch is woken
+        by its own key and joined, so that no thread of ours is inside a store ``wait`` when the
+        interpreter finalizes (the module's docstring). Without it the watch ends when the epoch's
+        end is announced, as it is whenever a peer was lost."""
         with self._lock:
             self._closed = True
+        thread = self._thread
+        if not wait or thread is None or thread is threading.current_thread():
+            return
+        if thread.is_alive():
+            wake = wake_key(self.nonce, self.member)
+            with contextlib.suppress(Exception):  # a store gone: nothing will wake the wait
+                BoundedCalls(_WAKE_S, "elastictrain-epoch-end-wake")(
+                    lambda: self._store.set(wake, b"closed")
+                )
+            thread.join(_WAKE_S)
+        if thread.is_alive():
+            logger.warning(
+                "the watch of membership epoch %s did not end (the job's store did not answer "
+                "its wake-up): if the store answers while this process exits, the process may "
+                "abort (SIGABRT)",
+                self.nonce,
+            )
 
 
 def abort_collectives(keep_port: int, connections: EpochConnections | None = None) -> int:

@@ -170,7 +170,7 @@ def regroup(
     """
     deadline = time.monotonic() + wait_s
     if not counted:
-        _count_in(store, nonce, me, silent)
+        _count_in(store, nonce, me, members, silent)
     expected = len([m for m in members if m not in silent])
     if store.add(f"{nonce}/back", 0) < expected:
         # One blocking wait, not a poll: at 8,192 ranks a 10 ms poll is 400,000 requests of one
@@ -198,11 +198,14 @@ def join_as_replacement(
     return members if me in members else None
 
 
-def _count_in(store: dist.Store, nonce: str, me: int, silent: list[int] = ()) -> None:
+def _count_in(
+    store: dist.Store, nonce: str, me: int, members: list[int], silent: list[int] = ()
+) -> None:
     store.set(f"{nonce}/back/{me}", b"1")
     back = store.add(f"{nonce}/back", 1)
     store.set(_back_count_key(nonce, back), b"1")  # what a wait for that many members ends on
-    epoch_end.announce(store, nonce, silent)  # every member's watch fails the epoch's collectives
+    # Every member's watch fails the epoch's collectives.
+    epoch_end.announce(store, nonce, members, silent)
 
 
 def _back_count_key(nonce: str, count: int) -> str:
@@ -270,7 +273,7 @@ def leave(
     if end is not None:
         end.fail("this rank left it (a peer's death)")
     if store is not None:
-        _count_in(store, carry.nonce, me, carry.silent)
+        _count_in(store, carry.nonce, me, carry.members, carry.silent)
         carry.counted_in = True
 
 

@@ -65,7 +65,9 @@ class RunHistory:
             self._asked = self._written + len(self._queue)
             if self._thread is None:
                 self._closing = False
-                self._thread = threading.Thread(target=self._run, name="history", daemon=True)
+                self._thread = threading.Thread(
+                    target=self._run, name="elastictrain-history", daemon=True
+                )
                 self._thread.start()
             self._cv.notify_all()
             if wait_s > 0:
@@ -126,7 +128,7 @@ class RunHistory:
             self._put(last_words_name(self.generation, self.rank), line.encode())
             done.set()
 
-        threading.Thread(target=write, name="last-words", daemon=True).start()
+        threading.Thread(target=write, name="elastictrain-last-words", daemon=True).start()
         t0 = time.monotonic()
         done.wait(LAST_WORDS_WAIT_S)
         if self._thread is not None:

@@ -1,12 +1,15 @@
 """Does a clean finish exit 0, every time? The tutorial's loop in library mode, and the runner.
 
-    python -m tests.helpers.clean_exit --runs 50 [--runner] [--workers 2]
+    python -m tests.helpers.clean_exit --runs 50 [--runner | --in-place] [--workers 2]
 
 Each run is a fresh ``torchrun --standalone --nproc_per_node=2 --max-restarts=0`` job in its own
 folder: library mode runs this file's ``loop`` (plain ``dist.init_process_group("gloo")``, DDP,
 ``CheckpointManager``, ``close()``, ``destroy_process_group()``, then a normal return: no
-``os._exit``); ``--runner`` runs ``-m elastictrain`` (the toy task). Prints one line per failed
-run (exit code and the first telling line of its log) and a JSON summary line.
+``os._exit``); ``--in-place`` runs ``examples/custom_loop.py --replace-in-place`` (library mode
+through ``init_distributed``: its heartbeat and its epoch's watch, a supervisor and a spare per
+rank); ``--runner`` runs ``-m elastictrain`` (the toy task). Prints one line per failed run (exit
+code and the first telling line of its log), and a JSON summary line that also counts the
+processes whose exit left a thread of elastictrain's running (``threads_at_exit``).
 """
 
 from __future__ import annotations
@@ -19,6 +22,9 @@ import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
+
+from tests.helpers import threads_at_exit
+from tests.helpers.paths import REPO_ROOT
 
 
 def loop(url: str) -> None:
@@ -59,10 +65,24 @@ def loop(url: str) -> None:
     dist.destroy_process_group()
 
 
-def _one(i: int, runner: bool, root: str) -> tuple[int, int, str]:
+def _entry(mode: str, here: str) -> list[str]:
+    ckpt = os.path.join(here, "ckpt")
+    if mode == "runner":
+        return ["-m", "elastictrain", "--max-steps", "30", "--checkpoint-dir", ckpt]
+    if mode == "in-place":
+        loop = ["--steps", "40", "--every-steps", "10", "--replace-in-place"]
+        return [
+            os.path.join(REPO_ROOT, "examples", "custom_loop.py"),
+            "--checkpoint-dir",
+            ckpt,
+            *loop,
+        ]
+    return [__file__, "loop", ckpt]
+
+
+def _one(i: int, mode: str, root: str) -> tuple[int, int, str, int]:
     here = os.path.join(root, f"run-{i}")
     os.makedirs(here)
-    entry = ["-m", "elastictrain", "--max-steps", "30"] if runner else [__file__, "loop"]
     cmd = [
         sys.executable,
         "-m",
@@ -70,12 +90,9 @@ def _one(i: int, runner: bool, root: str) -> tuple[int, int, str]:
         "--standalone",
         "--nproc_per_node=2",
         "--max-restarts=0",
-        *entry,
-        "--checkpoint-dir" if runner else os.path.join(here, "ckpt"),
-        *([os.path.join(here, "ckpt")] if runner else []),
+        *_entry(mode, here),
     ]
-    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = {**os.environ, "PYTHONPATH": repo, "OMP_NUM_THREADS": "1"}
+    env = threads_at_exit.env({**os.environ, "PYTHONPATH": REPO_ROOT, "OMP_NUM_THREADS": "1"})
     out = subprocess.run(cmd, cwd=here, env=env, capture_output=True, text=True, timeout=300)
     log = out.stdout + out.stderr
     telling = next(
@@ -90,7 +107,7 @@ def _one(i: int, runner: bool, root: str) -> tuple[int, int, str]:
         os.makedirs(os.environ["CLEAN_EXIT_KEEP"], exist_ok=True)
         with open(os.path.join(os.environ["CLEAN_EXIT_KEEP"], f"run-{i}.log"), "w") as f:
             f.write(log)
-    return i, out.returncode, telling[:300]
+    return i, out.returncode, telling[:300], len(threads_at_exit.ours_left(log)[1])
 
 
 def main() -> int:
@@ -99,19 +116,23 @@ def main() -> int:
         return 0
     p = argparse.ArgumentParser()
     p.add_argument("--runs", type=int, default=50)
-    p.add_argument("--runner", action="store_true")
+    modes = p.add_mutually_exclusive_group()
+    modes.add_argument("--runner", action="store_true")
+    modes.add_argument("--in-place", action="store_true", help="init_distributed, in place")
     p.add_argument("--workers", type=int, default=1, help="runs at once")
     args = p.parse_args()
+    mode = "runner" if args.runner else "in-place" if args.in_place else "library"
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory() as root, ThreadPoolExecutor(args.workers) as pool:
-        results = list(pool.map(lambda i: _one(i, args.runner, root), range(args.runs)))
-    failed = [(i, rc, why) for i, rc, why in results if rc != 0]
+        results = list(pool.map(lambda i: _one(i, mode, root), range(args.runs)))
+    failed = [(i, rc, why) for i, rc, why, _ in results if rc != 0]
     for i, rc, why in failed:
         print(f"run {i}: exit {rc}: {why}")
     summary = {
-        "mode": "runner" if args.runner else "library",
+        "mode": mode,
         "runs": args.runs,
         "nonzero": len(failed),
+        "exits_leaving_threads": sum(left for *_, left in results),
         "seconds": round(time.monotonic() - t0, 1),
     }
     print("CLEAN_EXIT " + json.dumps(summary))

@@ -62,7 +62,7 @@ def main() -> None:
         time.sleep(120)  # alive, connections open, never in the collective
         return
     during = _user_connection()
-    end = epoch_end.EpochEnd(nonce, keep_port=port, connections=connections).watch(store)
+    end = epoch_end.EpochEnd(nonce, port, connections, member=rank).watch(store)
     print("ready", flush=True)
     t0 = time.monotonic()
     try:

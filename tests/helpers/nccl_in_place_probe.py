@@ -48,7 +48,9 @@ def abort() -> dict:
     torch.cuda.set_device(device)
     epoch_end.prepare_nccl()
     groups = _groups(env, device, in_place=False)
-    end = epoch_end.EpochEnd(groups.attempt.nonce, members.store_port(env), groups.connections)
+    end = epoch_end.EpochEnd(
+        groups.attempt.nonce, members.store_port(env), groups.connections, member=env.rank
+    )
     end.watch(groups.store)
     t = torch.full((1024,), 3.0, device=device)
     dist.all_reduce(t)
@@ -56,7 +58,8 @@ def abort() -> dict:
     torch.cuda._sleep(int(5e9))  # seconds of GPU time ahead of the collective on the stream
     work = dist.all_reduce(t, async_op=True)
     t0 = time.monotonic()
-    epoch_end.announce(groups.store, groups.attempt.nonce)  # a member back from the epoch
+    # A member back from the epoch.
+    epoch_end.announce(groups.store, groups.attempt.nonce, range(env.world_size))
     while not end.failed and time.monotonic() - t0 < 30:
         time.sleep(0.001)
     abort_s = time.monotonic() - t0

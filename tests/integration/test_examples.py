@@ -15,6 +15,7 @@ import torch
 from elastictrain.observe import report, timeline
 from elastictrain.observe.events import Event, read_events
 from elastictrain.observe.timeline import Outcome
+from tests.helpers import threads_at_exit
 from tests.helpers.committed_files import tier_folder
 from tests.helpers.launcher import (
     REPO_ROOT,
@@ -173,7 +174,7 @@ def test_library_mode_custom_loop_killed_preempted_or_replaced_in_place_ends_exa
     init_process_group fails now and then), then preempted and relaunched, it ends bit for bit
     where an uninterrupted run ends. (The same loop in place: the 4-rank test below.)"""
     script = (os.path.join(REPO_ROOT, "examples", "custom_loop.py"),)
-    env = job_env()
+    env = threads_at_exit.env(job_env())  # each process says which threads outlive its exit
     assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in env
     ref_dir = str(tmp_path / "ref")
     # The reference runs beside the killed job (same seed and world size), not before it.
@@ -229,6 +230,7 @@ def test_library_mode_custom_loop_killed_preempted_or_replaced_in_place_ends_exa
     assert_bitwise_equal(ref_state, got)
     assert got["extra"] == ref_state["extra"]  # the user's own state round-trips too
     committed.check()
+    _assert_no_thread_of_ours_at_exit(again, 2)  # the relaunch finished: both ranks
 
 
 @pytest.mark.slow
@@ -257,7 +259,10 @@ def test_library_mode_in_place_at_four_ranks_ends_bitwise_equal(launch, tmp_path
     # default --replace-wait would drop a late one).
     in_place = ("--replace-in-place", "--replace-wait", "10")
     in_place += ("--max-replacements", "1")  # each rank dies once: no spare after its replacement
-    job = launch(args("run", *in_place), entry=script, nproc=4, max_restarts=0, name="in-place")
+    env = threads_at_exit.env(job_env())  # each process says which threads outlive its exit
+    job = launch(
+        args("run", *in_place), entry=script, nproc=4, max_restarts=0, name="in-place", env=env
+    )
     wait_for_count(ev, Event.RESUME, 1, 150, job)  # 8 processes starting: the ref after them
     # The same loop (CheckpointManager.run, primed) without spares: nothing of it is in place.
     ref = launch(args("ref", "--run-loop"), entry=script, nproc=4, name="ref", plain=True)
@@ -265,6 +270,19 @@ def test_library_mode_in_place_at_four_ranks_ends_bitwise_equal(launch, tmp_path
     assert ref.wait(180) == 0, ref.log()[-3000:]
     _assert_replaced_in_place(job, ev, run_dir, final_state(str(tmp_path / "ref")))
     committed.check()
+    # Four training processes finished, two of them replacements (and spares ended, supervisors).
+    _assert_no_thread_of_ours_at_exit(job, 4)
+
+
+def _assert_no_thread_of_ours_at_exit(job, at_least: int) -> None:
+    """Library mode ends every thread it started before the interpreter finalizes (its epoch's
+    beats and the watch of its end: ``library._close_at_exit``). One left inside a store request
+    aborts the process if the request returns then: "terminate called without an active
+    exception", SIGABRT, rank 0 of the test above in one CI run, after a clean finish. Seen
+    failing here without the close: every training process left elastictrain-liveness and
+    elastictrain-epoch-end running."""
+    reported, left = threads_at_exit.ours_left(job.log())
+    assert reported >= at_least and not left, (reported, left)
 
 
 def _kill_twice(job, ev: str) -> None:

@@ -44,7 +44,8 @@ def _blocked_all_reduce_after_the_end_is_announced(blocked: int, wait_s: float =
         for p in procs:
             assert p.stdout.readline().strip() == "ready"
         time.sleep(1.0)  # the blocked rank is inside its all-reduce, waiting on the other
-        epoch_end.announce(server, "n1", [1 - blocked])  # what a dead peer's replacement does first
+        # What a dead peer's replacement does first.
+        epoch_end.announce(server, "n1", [0, 1], [1 - blocked])
         deadline = time.monotonic() + wait_s
         while procs[blocked].poll() is None and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -79,12 +80,12 @@ def test_a_closed_watch_ignores_the_end_and_the_first_announcement_stands(monkey
         epoch_end, "abort_collectives", lambda port, connections: aborted.append(port) or 0
     )
     server = _store()
-    closed = epoch_end.EpochEnd("old", keep_port=server.port).watch(server)
+    closed = epoch_end.EpochEnd("old", server.port, member=0).watch(server)
     closed.close()  # the epoch's groups are gone; the next epoch's must not be touched
-    live = epoch_end.EpochEnd("new", keep_port=server.port).watch(server)
-    epoch_end.announce(server, "old")
-    epoch_end.announce(server, "new", [3])
-    epoch_end.announce(server, "new", [])  # a later member back: the first announcement stands
+    live = epoch_end.EpochEnd("new", server.port, member=0).watch(server)
+    epoch_end.announce(server, "old", [0, 3])
+    epoch_end.announce(server, "new", [0, 3], [3])
+    epoch_end.announce(server, "new", [0, 3], [])  # a later member back: the first one stands
     deadline = time.monotonic() + 10
     while not live.failed and time.monotonic() < deadline:
         time.sleep(0.02)
@@ -94,6 +95,32 @@ def test_a_closed_watch_ignores_the_end_and_the_first_announcement_stands(monkey
     assert live.silent == [3]
     live.close()  # once closed, nothing fails the epoch's collectives again
     assert live.fail("late") == 0 and aborted == [server.port]
+
+
+def test_closing_a_members_last_epoch_ends_its_watch_and_wakes_no_other_member(monkeypatch):
+    """A watch still blocked in its store wait when the interpreter finalizes aborts the process
+    if that wait returns then (its key set, or the store's host exiting first): CPython ends the
+    thread inside torch's C++ frames ("terminate called without an active exception", SIGABRT;
+    a CI run: library mode's rank 0 after a clean finish, and torchrun counted a failure). So a
+    member closing its last epoch wakes its own watch and joins it (seen failing: the thread
+    still alive after close). The other members' watches are not woken: they still hear a
+    real end."""
+    aborted = []
+    monkeypatch.setattr(
+        epoch_end, "abort_collectives", lambda port, connections: aborted.append(port) or 0
+    )
+    server = _store()
+    mine = epoch_end.EpochEnd("n5", server.port, member=0).watch(server)
+    theirs = epoch_end.EpochEnd("n5", server.port, member=1).watch(server)
+    time.sleep(0.3)  # both inside their waits
+    t0 = time.monotonic()
+    mine.close(wait=True)
+    assert not mine._thread.is_alive() and time.monotonic() - t0 < 2
+    time.sleep(0.3)  # another member's watch, had the close woken it, would have failed by now
+    assert theirs._thread.is_alive() and not theirs.failed and not mine.failed
+    epoch_end.announce(server, "n5", [0, 1], [0])
+    theirs._thread.join(5)
+    assert theirs.failed and theirs.silent == [0] and aborted == [server.port]
 
 
 def test_nccl_in_place_is_refused_unless_asked_for_and_then_keeps_nccls_watchdog_off(monkeypatch):
@@ -179,7 +206,7 @@ def test_a_watch_that_fails_says_so_at_warning(caplog):
             raise ConnectionRefusedError("the job's store is gone")
 
     with caplog.at_level("WARNING", logger="elastictrain.inplace.epoch_end"):
-        watch = epoch_end.EpochEnd("n9", keep_port=1).watch(Unreachable())
+        watch = epoch_end.EpochEnd("n9", 1, member=0).watch(Unreachable())
         watch._thread.join(5)
     said = [r for r in caplog.records if r.levelname == "WARNING"]
     assert said and "n9 stopped (ConnectionRefusedError" in said[0].getMessage()
@@ -207,6 +234,8 @@ def test_a_silence_heard_late_shuts_its_own_epochs_connections_never_the_next_on
     to_failed, to_following = tcp.connect(failed_listener), tcp.connect(following_listener)
     accepted = tcp.accept(following_listener)
     liveness = SimpleNamespace(store_lost=False, peer_silent=False, silent_s=4.0)
-    members.drop_silent(liveness, "no heartbeat from rank 2", epoch_end.EpochEnd("n8", -1, failed))
+    members.drop_silent(
+        liveness, "no heartbeat from rank 2", epoch_end.EpochEnd("n8", -1, failed, member=0)
+    )
     assert _shut(to_failed) and liveness.peer_silent
     assert _carries(to_following, accepted)

@@ -252,7 +252,9 @@ def test_close_ends_every_thread_the_manager_started(tmp_path):
             ckpt.step(step + 1, model, opt, sched)
         ckpt.save(4, model, opt, sched, final=True)
         started = {t.name for t in set(threading.enumerate()) - before}
-        assert {"history", "storage-hash_0", "elastictrain-watchdog"} <= started, started
+        assert {"elastictrain-history", "storage-hash_0", "elastictrain-watchdog"} <= started, (
+            started
+        )
     left = set(threading.enumerate()) - before
     assert not left, sorted(t.name for t in left)
     assert os.listdir(tmp_path / "c" / "events")  # the history reached storage before its end

@@ -164,7 +164,9 @@ class Persister:
                 self.record.gave_up(step)
 
         self._in_flight = step
-        self._thread = threading.Thread(target=run, name=f"persist-step-{step}", daemon=True)
+        self._thread = threading.Thread(
+            target=run, name=f"elastictrain-persist-step-{step}", daemon=True
+        )
         self._thread.start()
         return SaveOutcome.COMMITTED, None
 
