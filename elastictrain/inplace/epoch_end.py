@@ -29,7 +29,6 @@ since an NCCL collective returns to Python before it has run.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -173,18 +172,20 @@ class EpochEnd:
         thread = self._thread
         if not wait or thread is None or thread is threading.current_thread():
             return
-        if thread.is_alive():
-            wake = wake_key(self.nonce, self.member)
-            with contextlib.suppress(Exception):  # a store gone: nothing will wake the wait
-                BoundedCalls(_WAKE_S, "elastictrain-epoch-end-wake")(
-                    lambda: self._store.set(wake, b"closed")
-                )
+        if not thread.is_alive():
+            return
+        wake = wake_key(self.nonce, self.member)
+        try:
+            BoundedCalls(_WAKE_S, "elastictrain-epoch-end-wake")(
+                lambda: self._store.set(wake, b"closed")
+            )
             thread.join(_WAKE_S)
+        except Exception as e:  # the store is gone or frozen: nothing can wake the wait
+            logger.warning("the job's store did not take the wake-up (%s: %s)", type(e).__name__, e)
         if thread.is_alive():
             logger.warning(
-                "the watch of membership epoch %s did not end (the job's store did not answer "
-                "its wake-up): if the store answers while this process exits, the process may "
-                "abort (SIGABRT)",
+                "the watch of membership epoch %s did not end: if the job's store answers it "
+                "while this process exits, the process may abort (SIGABRT)",
                 self.nonce,
             )
 
