@@ -32,6 +32,7 @@ Checksum = Literal["xxh3", "sha256"]  # storage.hashing.ALGORITHMS, checked by a
 Precision = Literal["fp32", "bf16", "fp16"]
 Parallel = Literal["ddp", "fsdp", "hsdp"]
 ProgressMode = Literal["auto", "live", "plain"]
+StragglerAction = Literal["report", "evict"]
 
 
 def flag(name: str) -> str:
@@ -222,6 +223,17 @@ class RunConfig:
     max_replacements: int = setting(3, metavar="N")
     """Replacements each rank's supervisor makes; past them a death restarts the group (and no
     spare is kept once they are spent)."""
+    straggler_action: StragglerAction = "report"
+    """What a rank named a straggler (persistently slower than the others: docs/faults.md,
+    "Stragglers") costs it: report logs and records it; evict also drops its node in place, the
+    way a lost node is dropped (needs --replace-in-place), within --min-nodes and
+    --max-evictions-per-hour."""
+    min_nodes: int | None = setting(None, metavar="N")
+    """Nodes an eviction never goes below; default torchrun's --nnodes minimum (MIN of MIN:MAX),
+    read from the agent's command line, else 1."""
+    max_evictions_per_hour: int = setting(1, metavar="N")
+    """Evictions the job makes in any hour; past them a straggler is reported only. A bad node
+    is rare; a policy that evicts node after node is evicting for a cause no node has."""
     sample_log: str | None = setting(None, metavar="DIR")
     """Directory where every rank appends the dataset indices it trains on (the exactly-once ledger)."""
     log_every_seconds: float = setting(10.0, metavar="SECONDS")
@@ -266,6 +278,17 @@ class RunConfig:
         if self.max_replacements < 0:
             raise ConfigError(
                 f"--max-replacements must be 0 or more, got {self.max_replacements!r}."
+            )
+        if self.straggler_action == "evict" and not self.replace_in_place:
+            raise ConfigError(
+                "--straggler-action evict drops a node in place: add --replace-in-place, or use "
+                "--straggler-action report."
+            )
+        if self.min_nodes is not None and self.min_nodes < 1:
+            raise ConfigError(f"--min-nodes must be 1 or more, got {self.min_nodes!r}.")
+        if self.max_evictions_per_hour < 0:
+            raise ConfigError(
+                f"--max-evictions-per-hour must be 0 or more, got {self.max_evictions_per_hour!r}."
             )
 
     def _check_loop(self) -> None:

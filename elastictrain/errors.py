@@ -31,6 +31,7 @@ EXIT_TIMEOUT = 5
 EXIT_ORPHANED = 6  # the torchrun agent died; exiting so no zombie writer is left behind
 EXIT_STORAGE = 7  # storage stayed unusable past --storage-retry-deadline
 EXIT_PEER_SILENT = 8  # a peer (or the job's store) sent no heartbeat for --silent-timeout
+EXIT_EVICTED = 9  # this rank's node was evicted as a straggler (--straggler-action evict)
 EXIT_PREEMPTED = (
     75  # EX_TEMPFAIL: stopped on request with a checkpoint committed; relaunch to continue
 )
@@ -74,6 +75,13 @@ class StoreSilentError(ElasticTrainError, TimeoutError):
     """The job's c10d store accepted a connection and stopped answering: its host is frozen."""
 
     exit_code = EXIT_PEER_SILENT
+
+
+class NodeEvictedError(ElasticTrainError):
+    """This rank's node was evicted as a straggler: the others go on without it, in place."""
+
+    exit_code = EXIT_EVICTED
+    traceback_helps = False
 
 
 class CollectiveTimeoutError(ElasticTrainError, TimeoutError):
@@ -172,6 +180,11 @@ EXIT_CODES: dict[int, tuple[str, str]] = {
         "a frozen peer, or a frozen host serving the job's store, found by liveness in "
         "`--silent-timeout`; torchrun re-forms the group without it",
     ),
+    EXIT_EVICTED: (
+        "`FAILED (exit 9): NodeEvictedError: node N (ranks [...], host H) is a straggler ...`",
+        "`--straggler-action evict` dropped this rank's node; the others trained on in place. "
+        "Its supervisor stops the node's torchrun agent (SIGTERM), which exits 1",
+    ),
     EXIT_CRASH: ("a traceback", "a crash; torchrun restarts the group"),
 }
 """Every exit code the runner ends with: (its final log line, what it means). docs/troubleshooting.md
@@ -216,6 +229,7 @@ __all__ = [
     "ElasticTrainError",
     "FileConflictError",
     "InitTimeoutError",
+    "NodeEvictedError",
     "NewerFormatError",
     "OrphanedError",
     "Preempted",

@@ -114,6 +114,8 @@ class CheckpointSession:
         self.events = EventLog(config.event_log, enabled=self.is_rank0, history=self.history)
         self.hosts: list[str] | None = None
         """Rank 0: each rank's host, by rank, from this attempt's ``start`` event."""
+        self.nodes: list[int] | None = None
+        """Rank 0: each rank's node (torchrun's ``GROUP_RANK``), from the same event."""
         self.last_words = last_words or LastWords(config.event_log, env.rank)
         self.last_words.keep_with(self.history)
         self._watchdog = watchdog
@@ -165,14 +167,17 @@ class CheckpointSession:
     def emit_start(self, **fields: Any) -> None:
         """The ``start`` event that begins an attempt in the run report, every rank together: it
         names each rank's training process (host, pid), gathered on rank 0 alone."""
-        mine = [socket.gethostname(), os.getpid()]
+        mine = [socket.gethostname(), os.getpid(), self.env.node_rank]
         if self._gate is None:
-            processes = [mine]
+            gathered = [mine]
         else:
-            processes = [None] * self.env.world_size if self.is_rank0 else None
-            dist.gather_object(mine, processes, dst=0, group=self._gate)
-        if processes is not None:
-            self.hosts = [host for host, _ in processes]
+            gathered = [None] * self.env.world_size if self.is_rank0 else None
+            dist.gather_object(mine, gathered, dst=0, group=self._gate)
+        processes = None
+        if gathered is not None:
+            self.hosts = [host for host, _, _ in gathered]
+            self.nodes = [node for _, _, node in gathered]
+            processes = [[host, pid] for host, pid, _ in gathered]
         self.events.emit(
             Event.START,
             world_size=self.env.world_size,
@@ -181,6 +186,7 @@ class CheckpointSession:
             generation=self.generation,
             host=mine[0],
             processes=processes,
+            nodes=self.nodes,
             **fields,
         )
 

@@ -31,6 +31,8 @@ class DistEnv:
     """A torchrun agent is this process's parent (it set TORCHELASTIC_RUN_ID)."""
     agent_pid: int | None = None
     """That agent's pid, read at start, before anything could reparent this process."""
+    node_rank: int = 0
+    """This process's node: its torchrun agent's rank in the rendezvous (``GROUP_RANK``)."""
 
     @property
     def is_rank0(self) -> bool:
@@ -72,6 +74,7 @@ def read_env(environ: Mapping[str, str] | None = None) -> DistEnv:
         under_agent="TORCHELASTIC_RUN_ID" in environ,
         # Under --replace-in-place the parent is the rank's supervisor, which names the agent.
         agent_pid=knobs.agent_pid(environ) if "TORCHELASTIC_RUN_ID" in environ else None,
+        node_rank=_int(environ, "GROUP_RANK", 0),
     )
 
 
@@ -89,6 +92,34 @@ class StoreAddress:
         return f"{self.host}:{self.port}"
 
 
+def min_nodes(env: DistEnv) -> int | None:
+    """torchrun's least node count (MIN of ``--nnodes=MIN:MAX``, or N of ``--nnodes=N``) from
+    the agent's command line; None where it cannot be read (not under an agent, another
+    launcher)."""
+    argv = _agent_argv(env)
+    starts = [i + 1 for i, a in enumerate(argv or ()) if os.path.basename(a) in _LAUNCHERS]
+    if not starts:
+        return None
+    from torch.distributed.run import get_args_parser, parse_min_max_nnodes
+
+    try:
+        args, _ = get_args_parser().parse_known_args(argv[starts[0] :])
+        return int(parse_min_max_nnodes(str(args.nnodes))[0])
+    except (SystemExit, ValueError, RuntimeError):  # not a command line torchrun would accept
+        return None
+
+
+def _agent_argv(env: DistEnv) -> list[str] | None:
+    """The command line of the torchrun agent that started this worker (``/proc``)."""
+    if env.agent_pid is None:
+        return None
+    try:
+        with open(f"/proc/{env.agent_pid}/cmdline", "rb") as f:
+            return [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
+    except OSError:
+        return None
+
+
 def rendezvous_store(env: DistEnv) -> StoreAddress | None:
     """torchrun's c10d rendezvous store, as the agent that started this worker was told: its
     command line (``/proc/<agent>/cmdline``) and ``PET_*`` environment, read by torchrun's own
@@ -101,14 +132,8 @@ def rendezvous_store(env: DistEnv) -> StoreAddress | None:
     stale), another backend (static, etcd) or a file store, or an agent whose ``--rdzv-id`` is not
     this worker's ``TORCHELASTIC_RUN_ID`` (a wrapper process in between).
     """
-    if env.agent_pid is None:
-        return None
-    try:
-        with open(f"/proc/{env.agent_pid}/cmdline", "rb") as f:
-            argv = [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
-    except OSError:
-        return None
-    return rendezvous_in_command(argv, env.run_id)
+    argv = _agent_argv(env)
+    return None if argv is None else rendezvous_in_command(argv, env.run_id)
 
 
 def rendezvous_in_command(argv: list[str], run_id: str) -> StoreAddress | None:

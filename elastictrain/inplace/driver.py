@@ -307,7 +307,9 @@ class EpochDriver:
         the epoch down; ``carry`` (its state) goes into the next :meth:`form`."""
         epoch = self.epoch
         carry.nonce, carry.members = epoch.groups.attempt.nonce, epoch.members
-        carry.silent = members.silent_members(epoch.liveness, epoch.members, epoch.end)
+        # Found silent, or left out on purpose (a node evicted): either way not waited for.
+        found = members.silent_members(epoch.liveness, epoch.members, epoch.end)
+        carry.silent = sorted(set(carry.silent) | set(found))
         self.states.to(S.LEAVING, carry.error or "a peer was lost", step=carry.step)
         members.leave(carry, epoch.groups.store, self.env.rank, epoch.end)
         abandon()

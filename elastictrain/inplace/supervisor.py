@@ -18,6 +18,11 @@ not exit: it is this one, which imports no torch and does nothing but wait.
 - Stop signals are forwarded to the training process alone. Its children live in their own
   process group so that torchrun's ``killpg`` reaches them once, through here.
 - If the agent dies, this process kills both children and exits 6, as a training process would.
+- A training process whose node was evicted (exit 9, ``inplace.eviction``) is not replaced: this
+  process ends the spare and, on the node's first local rank, stops the node's torchrun agent
+  with SIGTERM, then exits 9 once the agent's own SIGTERM arrives. Only a signal takes a node out
+  of a torchrun job cleanly: an agent that exits by itself closes the job's rendezvous for good,
+  and one that sees its workers fail restarts them, which restarts every node's workers.
 """
 
 from __future__ import annotations
@@ -35,6 +40,8 @@ from elastictrain import knobs
 GO = "go"
 
 EXIT_ORPHANED = 6  # errors.EXIT_ORPHANED; not imported: errors is cheap but this module is leaner
+EXIT_EVICTED = 9  # errors.EXIT_EVICTED
+AGENT_STOP_S = 60.0  # how long an evicted rank waits for its agent's SIGTERM before exiting
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 POLL_S = 0.05  # how often the death of the training process is looked for: the detection floor
 # A spare that keeps dying (a broken import, the node out of memory) is started again after
@@ -125,6 +132,8 @@ class Supervisor:
                 self._end_if_stopped_too_long()
                 time.sleep(POLL_S)
                 continue
+            if code == EXIT_EVICTED and self.stopping is None:
+                return self._leave_the_job()
             if code >= 0 or self.stopping is not None:
                 return code if code >= 0 else 128 - code
             died = signal.Signals(-code)
@@ -164,6 +173,26 @@ class Supervisor:
             self.worker = self.spare
             self.spare = self._start("spare") if self._spare_useful() else None
             self._spare_started = time.monotonic()
+
+    def _leave_the_job(self) -> int:
+        """The node was evicted: no replacement; the node's agent is stopped by a signal (see
+        the module's doc), and this process exits when the agent stops it in turn."""
+        self._end(self.spare)
+        self.spare = None
+        if os.environ.get("LOCAL_RANK", "0") == "0":
+            logger.warning(
+                "rank %d: this node was evicted; stopping its torchrun agent (pid %d)",
+                self.rank,
+                self.agent_pid,
+            )
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.agent_pid, signal.SIGTERM)
+        deadline = time.monotonic() + AGENT_STOP_S
+        while self.stopping is None and os.getppid() == self.agent_pid:
+            if time.monotonic() > deadline:
+                break
+            time.sleep(POLL_S)
+        return EXIT_EVICTED
 
     def _spare_useful(self) -> bool:
         """Once --max-replacements are used up the next death is torchrun's: a spare then would

@@ -33,6 +33,7 @@ class Event(Name):
     EVAL = "eval"  # Task.evaluate's metrics at a step, averaged over ranks
     STRAGGLERS = "stragglers"  # periodic: per-rank step-time spread, each rank's score
     STRAGGLER = "straggler"  # a rank named persistently slow (slow) or recovered: host, ratio
+    EVICTION = "eviction"  # a straggler's node evicted (evicted) or refused by a budget: evidence
     CHECKPOINT = (
         "checkpoint"  # a checkpoint committed: step, reason, bytes, blocked/persist seconds
     )

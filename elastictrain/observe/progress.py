@@ -17,7 +17,7 @@ from typing import IO, TYPE_CHECKING, Any
 import torch
 
 from elastictrain.observe.events import Event
-from elastictrain.observe.stragglers import StragglerWatch
+from elastictrain.observe.stragglers import Straggler, StragglerWatch
 from elastictrain.observe.terminal import STATUS
 
 if TYPE_CHECKING:
@@ -100,12 +100,12 @@ class Progress:
         *,
         metrics: Mapping[str, float] | None = None,
         **fields: Any,
-    ) -> None:
+    ) -> list[Straggler]:
         """Log and record progress (rank 0 only); ``stragglers`` is a StragglerReport or None,
         ``metrics`` the task's own (means since the last report), ``fields`` more event fields
-        (grad norm, overflow skips)."""
+        (grad norm, overflow skips). Returns the ranks newly named stragglers or recovered."""
         if not self.enabled:
-            return
+            return []
         now = self._clock()
         rate = (step - self._last_step) / max(now - self._last_t, 1e-9)
         eta = (self.max_steps - step) / rate if rate > 0 else float("inf")
@@ -133,13 +133,16 @@ class Progress:
             **({"metrics": metrics} if metrics else {}),
             **fields,
         )
+        changes = []
         if stragglers is not None and self.world_size > 1:
             logger.info("%s", stragglers.describe())
             self.events.emit(Event.STRAGGLERS, step=step, **stragglers.as_event())
-            for change in self.stragglers.update(stragglers):
+            changes = self.stragglers.update(stragglers)
+            for change in changes:
                 logger.warning("%s", change.describe())
                 self.events.emit(Event.STRAGGLER, step=step, **change.as_event())
         self._last_t, self._last_step = now, step
+        return changes
 
     def _local_is_newer(self) -> bool:
         """A local copy is worth showing only while it is newer than the durable checkpoint."""

@@ -21,8 +21,9 @@ from elastictrain.checkpoint.resume.live import Live
 from elastictrain.checkpoint.sharded import format as sharded
 from elastictrain.checkpoint.state import TrainState
 from elastictrain.checkpoint.state import train_state as tstate
-from elastictrain.errors import named_timeout
-from elastictrain.inplace import epoch_end
+from elastictrain.cluster.env import min_nodes
+from elastictrain.errors import NodeEvictedError, named_timeout
+from elastictrain.inplace import epoch_end, eviction
 from elastictrain.inplace.driver import EpochDriver
 from elastictrain.inplace.members import LiveState, PeerLost
 from elastictrain.observe import stragglers
@@ -102,9 +103,13 @@ def train(attempt: Attempt, live: Live | None, driver: EpochDriver) -> int:
     run = _Run(attempt, state, trainer, resumed, scalars, driver, primes)
     try:
         return run.loop(startup)
+    except PeerLost:
+        raise  # this rank left the epoch itself (a node evicted): its state is carried
     except Exception as e:
-        if state.per_rank or not driver.is_peer_loss(e):
-            raise  # a stream's per-rank position is only gathered at checkpoints: restart
+        # Evicted: this process leaves, whatever ended the epoch meanwhile. A stream's per-rank
+        # position is only gathered at checkpoints: restart.
+        if isinstance(e, NodeEvictedError) or state.per_rank or not driver.is_peer_loss(e):
+            raise
         raise PeerLost(run.carry(), e) from e
     finally:
         loader.close()
@@ -165,12 +170,53 @@ class _Run:
         committed = self.attempt.session.last_committed
         return LiveState(step, captured, committed, failed_seen_at=seen, layout=layout)
 
-    def report(self, step: int, slow=None) -> None:
-        """Every rank (the means are one all-reduce); rank 0 logs and records."""
+    def report(self, step: int, slow=None) -> list[stragglers.Straggler]:
+        """Every rank (the means are one all-reduce); rank 0 logs and records, and returns the
+        stragglers newly named (or recovered)."""
         means, fields = self.trainer.summary(dist.group.WORLD)
         metrics = {k: v for k, v in means.items() if k != "loss"}
-        self.progress.report(step, means.get("loss", self.loss), slow, metrics=metrics, **fields)
+        loss = means.get("loss", self.loss)
+        named = self.progress.report(step, loss, slow, metrics=metrics, **fields)
         self.scalars.write(step, "train", {**means, **fields})
+        return named
+
+    def _evict_if_decided(self, step: int, named: list[stragglers.Straggler]) -> None:
+        """``--straggler-action evict``: rank 0's decision on what it just named, every rank's
+        (``inplace.eviction``). The evicted node's ranks raise ``NodeEvictedError`` (exit 9);
+        the others leave the epoch with their state at ``step``, the evicted ranks not waited
+        for, as after a lost node."""
+        attempt, driver = self.attempt, self.driver
+        if attempt.cfg.straggler_action != "evict" or attempt.env.world_size == 1:
+            return
+        session, members = attempt.session, driver.epoch.members
+        policy = None
+        if attempt.env.is_rank0:
+            policy = eviction.EvictionPolicy(
+                min_nodes=attempt.cfg.min_nodes or min_nodes(driver.env) or 1,
+                per_hour=attempt.cfg.max_evictions_per_hour,
+                store=driver.epoch.groups.store,
+                run_id=driver.env.run_id,
+            )
+        decided = eviction.agree(
+            policy,
+            lambda p: p.decide(
+                named,
+                step=step,
+                members=members,
+                nodes=session.nodes,
+                hosts=session.hosts,
+                events=attempt.events,
+                movable=not self.state.per_rank,
+            ),
+            attempt.groups.control,
+        )
+        if decided is None:
+            return
+        if driver.env.rank in decided.ranks:
+            raise NodeEvictedError(decided.describe())
+        carry = self.carry()
+        carry.silent = decided.ranks
+        raise PeerLost(carry, NodeEvictedError(decided.describe()))
 
     def _checkpoints_shown(self) -> None:
         session = self.attempt.session
@@ -220,7 +266,8 @@ class _Run:
                 # at the last step too would record the final step twice.
                 if outcome.report and done < cfg.max_steps:
                     self._checkpoints_shown()
-                    self.report(done, stragglers.gather(trainer.timer, attempt.groups.control))
+                    slow = stragglers.gather(trainer.timer, attempt.groups.control)
+                    self._evict_if_decided(done, self.report(done, slow))
         return self._finish(t_loop, t_first, t_done)
 
     def _finish(self, t_loop: float, t_first: float, t_done: float) -> int:

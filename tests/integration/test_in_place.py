@@ -4,21 +4,26 @@ other ranks keep their processes and their state; torchrun never sees a failure.
 from __future__ import annotations
 
 import time
+import uuid
 
 import pytest
 
 import storage
-from elastictrain.observe.events import Event, read_events
+from elastictrain.observe.events import Event, read_events, read_sample_log
 from tests.helpers.committed_files import CommittedFiles
+from tests.helpers.elastic import assert_exactly_once
 from tests.helpers.kill_during_persist import _wait_half_written
 from tests.helpers.launcher import (
+    TWO_NODES,
     assert_bitwise_equal,
     final_state,
     job_env,
+    node_env,
     toy_args,
     wait_for_event,
     wait_for_spares,
 )
+from tests.helpers.net import free_port
 from tests.helpers.restart_loop import wait_for_count
 
 STEPS = 220
@@ -142,3 +147,59 @@ def test_a_death_that_recurs_at_one_step_ends_the_job_with_a_clear_error(launch,
     # The first epoch and its one replacement; the second replacement stops before training.
     assert [e["restart_count"] for e in starts] == [0, 0], starts
     assert "RecurringFailureError" in log
+
+
+@pytest.mark.slow
+def test_a_persistent_straggler_node_is_evicted_in_place_and_every_sample_trains_once(
+    launch, tmp_path
+):
+    """--straggler-action evict, two simulated nodes of one rank (torchrun --nnodes=1:2), node 1's
+    rank doing 3x the others' work before each step's sync: named after 3 reports, then evicted.
+    Node 1's rank exits 9 and its supervisor stops its agent; node 0's rank keeps its process
+    and state and trains on alone from the step of the decision (nothing redone, nothing read
+    from storage), torchrun restarting nothing, and every sample trains exactly once. (Seen
+    failing with the survivors not told the evicted ranks are gone: they waited --replace-wait
+    for them as for a lost node; with the supervisor passing exit 9 on, torchrun restarted the
+    group.)"""
+    port, run_id = free_port(), f"evict-{uuid.uuid4().hex[:6]}"
+    ckpt, ev, samples = str(tmp_path / "shared"), str(tmp_path / "ev.jsonl"), tmp_path / "samples"
+    steps, data = 300, ("dataset_size=1024", "batch_size=32")
+    run = toy_args(ckpt, ev, max_steps=steps, every=50, step_time=0.03)[2:]  # ckpt: the recipe
+    run += [a for opt in ("slow_rank=1", "slow_factor=3", *data) for a in ("--task-option", opt)]
+    run += ["--log-every-seconds", "1", "--sample-log", str(samples)]
+    run += ["--replace-in-place", "--replace-wait", "30", "--straggler-action", "evict"]
+    nodes = []
+    for node in (0, 1):
+        home = tmp_path / f"host{node}"
+        home.mkdir()
+        env = node_env(node, port, run_id, ckpt)
+        nodes.append(launch(run, script=TWO_NODES, env=env, cwd=str(home), name=f"node{node}"))
+    assert nodes[1].wait(120) != 0, nodes[1].log()[-3000:]  # torchrun exits 1 on its SIGTERM
+    wait_for_event(ev, lambda e: e["event"] == Event.END, 120, nodes[0])
+    nodes[0].kill()  # training is over; torchrun's exit barrier waits 300 s for node 1's agent
+
+    events = read_events(ev)
+    (evicted,) = [e for e in events if e["event"] == Event.EVICTION]
+    assert (evicted["evicted"], evicted["node"], evicted["ranks"]) == (True, 1, [1]), evicted
+    assert evicted["evidence"]["rank"] == 1 and evicted["evidence"]["ratio"] > 2, evicted
+    named = [e for e in events if e["event"] == Event.STRAGGLER]
+    assert [(e["rank"], e["step"]) for e in named] == [(1, evicted["step"])], named
+    starts = [e for e in events if e["event"] == Event.START]
+    assert [(e["world_size"], e["nodes"], e["restart_count"]) for e in starts] == [
+        (2, [0, 1], 0),
+        (1, [0], 0),
+    ], starts
+    assert (starts[1]["began"], starts[1]["dropped_ranks"]) == ("shrunk in place", [1])
+    assert starts[1]["processes"][0] == starts[0]["processes"][0]  # the survivor's own process
+    # --replace-wait 30: had the survivor waited for the evicted rank as for a lost node, this
+    # epoch would have begun 30 s after the decision.
+    assert starts[1]["time"] - evicted["time"] < 10, (starts[1], evicted)
+    resume = next(e for e in events if e["event"] == Event.RESUME and e["time"] > evicted["time"])
+    assert (resume["tier"], resume["remote_bytes"], resume["step"]) == ("live", 0, evicted["step"])
+    log = nodes[1].log()
+    assert "FAILED (exit 9): NodeEvictedError: node 1 (ranks [1]" in log
+    assert "this node was evicted; stopping its torchrun agent" in log
+    ledger = assert_exactly_once(
+        read_sample_log(str(samples)), dataset_size=1024, batch_size=32, max_steps=steps
+    )
+    assert ledger["world_sizes"] == [1, 2], ledger

@@ -64,6 +64,12 @@ def test_flags_parse():
         (["--keep-last", "0"], "--keep-last must be > 0"),
         (["--init-timeout", "-1"], "--init-timeout"),
         (["--task", "nocolon"], "MODULE:CALLABLE"),
+        (
+            ["--straggler-action", "evict"],
+            "--straggler-action evict drops a node in place: add --replace-in-place",
+        ),
+        (["--min-nodes", "0"], "--min-nodes must be 1 or more, got 0"),
+        (["--max-evictions-per-hour", "-1"], "--max-evictions-per-hour must be 0 or more"),
     ],
 )
 def test_bad_values_name_the_flag(argv, match):

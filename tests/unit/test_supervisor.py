@@ -147,3 +147,52 @@ def test_a_spare_that_keeps_dying_is_started_again_backing_off_not_at_every_poll
         if sup.poll() is None:
             sup.kill()
     assert not (d / "went").exists()
+
+
+# A stand-in for torchrun's agent: it starts the supervisor, and on SIGTERM records it and stops
+# its worker with SIGTERM, as the agent's shutdown does.
+AGENT = r"""
+import os, signal, subprocess, sys
+d, local_rank, code = os.environ["STANDIN_DIR"], sys.argv[1], sys.argv[2]
+def stop(*_):
+    open(os.path.join(d, "agent-sigterm"), "a").write("1\n")
+    sup.send_signal(signal.SIGTERM)
+signal.signal(signal.SIGTERM, stop)
+sup = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, "LOCAL_RANK": local_rank})
+if local_rank != "0":  # the node's first local rank stops the agent: here, this stand-in
+    import time; time.sleep(1.0)
+    if sup.poll() is None:  # still waiting for its agent, as it must
+        open(os.path.join(d, "waited"), "w").close()
+    stop()
+sys.exit(sup.wait())
+"""
+
+
+@pytest.mark.parametrize("local_rank", ["0", "1"])
+def test_an_evicted_rank_is_not_replaced_and_its_node_leaves_by_its_agents_signal(
+    standin, local_rank
+):
+    """Exit 9 (its node evicted, ``inplace.eviction``): no replacement, the spare ended, and the
+    node's first local rank stops the torchrun agent with SIGTERM (an agent that sees a worker
+    fail restarts every node's workers; one that exits by itself closes the rendezvous). Each
+    supervisor exits 9 once the agent stops it. (Seen failing: exit 9 was passed on at once,
+    the agent never signalled.)"""
+    d, script = standin
+    (d / "do").write_text("exit 9")
+    code = (
+        "import sys; from elastictrain.inplace.supervisor import Supervisor; "
+        f"sys.exit(Supervisor([], max_replacements=3, rank=3, program=({script!r},)).run())"
+    )
+    agent = d / "agent.py"
+    agent.write_text(AGENT)
+    env = {**os.environ, "STANDIN_DIR": str(d)}
+    run = subprocess.run(
+        [sys.executable, str(agent), local_rank, code], env=env, timeout=60, capture_output=True
+    )
+    assert run.returncode == 9, run.stderr[-2000:]
+    assert (d / "agent-sigterm").read_text().count("1") == 1  # once: by it, or for local rank 1
+    assert not (d / "went").exists()  # nothing replaced it
+    if local_rank == "0":
+        assert b"this node was evicted; stopping its torchrun agent" in run.stderr
+    else:  # it waited for the agent's SIGTERM: exiting first would look like a failure
+        assert b"stopping its torchrun agent" not in run.stderr and (d / "waited").exists()

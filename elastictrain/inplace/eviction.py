@@ -1,0 +1,166 @@
+"""Health decides who is in the job: a straggler's node evicted in place (``--straggler-action
+evict``).
+
+Rank 0 names stragglers at its progress reports (``observe.stragglers.StragglerWatch``). Under
+``evict`` it then decides here whether the straggler's node leaves (:class:`EvictionPolicy`), and
+every rank learns the decision in one small broadcast at that report's step (:func:`agree`):
+
+- the node's ranks exit 9 (``NodeEvictedError``). Each one's supervisor ends its spare and stops
+  the node's torchrun agent with SIGTERM (``inplace.supervisor``): an agent that exits on its own
+  closes the job's rendezvous for good (no later restart could re-form the group), and one whose
+  workers fail restarts them, which re-forms every node's group;
+- the other ranks leave the epoch at the same step with their state, the evicted ranks counted
+  as silent (not waited for), and regroup without them: the path of a lost node
+  (``inplace.members``), in their own processes, torchrun restarting nothing.
+
+Budgets: never below ``--min-nodes`` nodes, at most ``--max-evictions-per-hour`` evictions,
+counted in the job's store (it outlives every process, so a new rank 0 reads the same count).
+Every decision is an ``eviction`` event with the evidence it was made on, a refused one too (once
+per named straggler: the watch names each once).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
+
+from elastictrain.observe.events import Event
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
+
+    from elastictrain.observe.events import EventLog
+    from elastictrain.observe.stragglers import Straggler
+
+logger = logging.getLogger(__name__)
+
+_HOUR_S = 3600.0
+
+
+def history_key(run_id: str) -> str:
+    """Where the job's store keeps the evictions' times (wall clock, comma-separated)."""
+    return f"elastictrain/{run_id}/evictions"
+
+
+@dataclass(frozen=True)
+class Eviction:
+    """A node leaving the job: its ranks, by torchrun rank, and why."""
+
+    node: int
+    ranks: list[int]
+    hosts: list[str]
+    step: int
+    evidence: dict[str, Any]
+    """The straggler it was judged on (``Straggler.as_event``: rank, ratio, medians, reports)."""
+
+    def describe(self) -> str:
+        s = self.evidence
+        return (
+            f"node {self.node} (ranks {self.ranks}, host {', '.join(sorted(set(self.hosts)))}) "
+            f"is a straggler: rank {s['rank']} took {s['ratio']:.2f}x the others' work before "
+            f"each step's first synchronisation for {s['reports']} reports in a row; evicted at "
+            f"step {self.step} (--straggler-action evict), the others go on without it"
+        )
+
+
+class EvictionPolicy:
+    """Rank 0's decision: whether a named straggler's node leaves, within the budgets."""
+
+    def __init__(
+        self,
+        *,
+        min_nodes: int,
+        per_hour: int,
+        store: dist.Store | None,
+        run_id: str,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        """``store``: the job's (the evictions' history); None keeps it in this process only."""
+        self.min_nodes, self.per_hour = min_nodes, per_hour
+        self._store, self._key, self._clock = store, history_key(run_id), clock
+        self._local: list[float] = []
+
+    def decide(
+        self,
+        named: list[Straggler],
+        *,
+        step: int,
+        members: list[int],
+        nodes: list[int],
+        hosts: list[str],
+        events: EventLog,
+        movable: bool = True,
+    ) -> Eviction | None:
+        """``named``: what the watch said at this report (newly slow, or recovered); ``members``,
+        ``nodes``, ``hosts``: the epoch's, by its rank (torchrun rank, node, host). ``movable``:
+        the state can move in place (a stream's per-rank position cannot). Each refusal and the
+        eviction are recorded in ``events``."""
+        for straggler in (s for s in named if s.slow):
+            node = nodes[straggler.rank]
+            on_node = [r for r, n in enumerate(nodes) if n == node]
+            eviction = Eviction(
+                node=node,
+                ranks=[members[r] for r in on_node],
+                hosts=[hosts[r] for r in on_node],
+                step=step,
+                evidence=straggler.as_event(),
+            )
+            refused = self._refusal(nodes, movable)
+            fields = {**asdict(eviction), "evicted": refused is None}
+            if refused is not None:
+                logger.warning("not evicting node %d (rank %d): %s", node, straggler.rank, refused)
+                events.emit(Event.EVICTION, **fields, refused=refused)
+                continue
+            self._record()
+            logger.error("EVICTED: %s", eviction.describe())
+            events.emit(Event.EVICTION, **fields)
+            return eviction
+        return None
+
+    def _refusal(self, nodes: list[int], movable: bool) -> str | None:
+        if not movable:
+            return "the data stream's per-rank positions cannot move in place"
+        left = len(set(nodes)) - 1
+        if left < self.min_nodes:
+            return f"it would leave {left} node(s), below --min-nodes {self.min_nodes}"
+        recent = self._recent()
+        if len(recent) >= self.per_hour:
+            return (
+                f"{len(recent)} eviction(s) in the last hour already "
+                f"(--max-evictions-per-hour {self.per_hour})"
+            )
+        return None
+
+    def _recent(self) -> list[float]:
+        now = self._clock()
+        if self._store is None:
+            times = self._local
+        elif self._store.check([self._key]):
+            raw = bytes(self._store.get(self._key)).decode()
+            times = [float(t) for t in raw.split(",") if t]
+        else:
+            times = []
+        return [t for t in times if now - t < _HOUR_S]
+
+    def _record(self) -> None:
+        now = self._clock()
+        if self._store is None:
+            self._local.append(now)
+        else:
+            self._store.append(self._key, f"{now:.3f},")
+
+
+def agree(
+    policy: EvictionPolicy | None, decide: Callable[[EvictionPolicy], Eviction | None], group: Any
+) -> Eviction | None:
+    """Every rank, at the same report: rank 0's decision (``decide(policy)``; ``policy`` is rank
+    0's, None elsewhere), broadcast over ``group``: one small object every --log-every-seconds,
+    and only under ``evict``."""
+    import torch.distributed as dist
+
+    box = [decide(policy) if policy is not None else None]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+    return box[0]

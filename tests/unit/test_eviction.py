@@ -1,0 +1,93 @@
+"""elastictrain.inplace.eviction: which node a named straggler takes out of the job, and the
+budgets that refuse it (never below --min-nodes, at most --max-evictions-per-hour, counted in
+the job's store so that a new rank 0 reads the same count); every decision recorded."""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from elastictrain.inplace.eviction import EvictionPolicy
+from elastictrain.observe.stragglers import Straggler
+
+
+class Events:
+    def __init__(self) -> None:
+        self.emitted: list[dict] = []
+
+    def emit(self, event: str, **fields) -> None:
+        self.emitted.append({"event": event, **fields})
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _slow(rank: int, slow: bool = True) -> Straggler:
+    return Straggler(rank, "h", slow, 2.5, 0.25, 0.1, 3 if slow else 0)
+
+
+# The epoch: 6 ranks on 3 nodes of 2; torchrun ranks 0-3 and 6-7 (node 2's first pair was lost).
+MEMBERS, NODES, HOSTS = [0, 1, 2, 3, 6, 7], [0, 0, 1, 1, 3, 3], ["a", "a", "b", "b", "d", "d"]
+
+
+def _decide(policy: EvictionPolicy, named, events: Events, **kw):
+    return policy.decide(
+        named, step=40, members=MEMBERS, nodes=NODES, hosts=HOSTS, events=events, **kw
+    )
+
+
+def test_a_named_straggler_takes_every_rank_of_its_node_out_and_the_decision_is_recorded():
+    """By torchrun rank (the epoch's ranks are renumbered after a lost node) and with the
+    evidence it was judged on; a rank that recovered is not acted on."""
+    events = Events()
+    policy = EvictionPolicy(min_nodes=1, per_hour=1, store=dist.HashStore(), run_id="r")
+    assert _decide(policy, [_slow(2, slow=False)], events) is None and not events.emitted
+    eviction = _decide(policy, [_slow(5)], events)
+    assert (eviction.node, eviction.ranks, eviction.hosts, eviction.step) == (
+        3,
+        [6, 7],
+        ["d"] * 2,
+        40,
+    )
+    assert eviction.evidence == _slow(5).as_event()
+    (said,) = events.emitted
+    assert said["event"] == "eviction" and said["evicted"] and said["ranks"] == [6, 7]
+    assert "node 3 (ranks [6, 7], host d) is a straggler: rank 5 took 2.50x" in eviction.describe()
+
+
+def test_the_budgets_refuse_an_eviction_and_say_why_a_new_rank_0_reads_the_same_count():
+    """Never below --min-nodes; at most --max-evictions-per-hour, counted in the job's store
+    (a new rank 0, after rank 0's own node left, is a new policy on the same store). Seen
+    failing with each check taken out."""
+    store, clock, events = dist.HashStore(), Clock(), Events()
+    floor = EvictionPolicy(min_nodes=3, per_hour=5, store=store, run_id="r", clock=clock)
+    assert _decide(floor, [_slow(0)], events) is None
+    assert events.emitted[-1]["refused"] == "it would leave 2 node(s), below --min-nodes 3"
+    assert not events.emitted[-1]["evicted"]
+
+    first = EvictionPolicy(min_nodes=1, per_hour=1, store=store, run_id="r", clock=clock)
+    assert _decide(first, [_slow(0)], events).node == 0
+    clock.now += 1800
+    again = EvictionPolicy(min_nodes=1, per_hour=1, store=store, run_id="r", clock=clock)
+    assert _decide(again, [_slow(2)], events) is None
+    assert (
+        "1 eviction(s) in the last hour already (--max-evictions-per-hour 1)"
+        in (events.emitted[-1]["refused"])
+    )
+    other_job = EvictionPolicy(min_nodes=1, per_hour=1, store=store, run_id="other", clock=clock)
+    assert _decide(other_job, [_slow(2)], events).node == 1  # its own history
+    clock.now += 1801  # an hour after the first: the budget is back
+    assert _decide(again, [_slow(2)], events).ranks == [2, 3]
+
+
+def test_state_that_cannot_move_in_place_is_never_evicted():
+    events = Events()
+    policy = EvictionPolicy(min_nodes=1, per_hour=9, store=None, run_id="r")
+    assert _decide(policy, [_slow(0)], events, movable=False) is None
+    assert (
+        events.emitted[-1]["refused"] == "the data stream's per-rank positions cannot move in place"
+    )
