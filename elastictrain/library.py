@@ -197,7 +197,7 @@ class CheckpointManager(checkpoint_manager.CheckpointManager):
 
     def _ending(self, step: int) -> None:
         if _driver is not None and _driver.state == EpochState.TRAINING:
-            _driver.finish(step)
+            _driver.finish(step, nodes=self._session.nodes)
 
     def emit(self, event: str, **fields: Any) -> None:
         """An event in the run's log (rank 0 writes it)."""
@@ -270,8 +270,7 @@ class _Epochs:
         return self._m.step(*args)
 
     def _ending(self, step: int) -> None:
-        if _driver is not None and _driver.state == EpochState.TRAINING:
-            _driver.finish(step)
+        self._m._ending(step)
 
     def emit(self, event: str, **fields: Any) -> None:
         self._m.emit(event, **fields)

@@ -33,6 +33,8 @@ class DistEnv:
     """That agent's pid, read at start, before anything could reparent this process."""
     node_rank: int = 0
     """This process's node: its torchrun agent's rank in the rendezvous (``GROUP_RANK``)."""
+    group_world_size: int = 1
+    """The agents (nodes) in torchrun's rendezvous round (``GROUP_WORLD_SIZE``)."""
 
     @property
     def is_rank0(self) -> bool:
@@ -75,6 +77,7 @@ def read_env(environ: Mapping[str, str] | None = None) -> DistEnv:
         # Under --replace-in-place the parent is the rank's supervisor, which names the agent.
         agent_pid=knobs.agent_pid(environ) if "TORCHELASTIC_RUN_ID" in environ else None,
         node_rank=_int(environ, "GROUP_RANK", 0),
+        group_world_size=_int(environ, "GROUP_WORLD_SIZE", 1),
     )
 
 

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from elastictrain.cluster.agents import arrive_for_gone_nodes
 from elastictrain.cluster.env import DistEnv
 from elastictrain.cluster.groups import ProcessGroups, init_process_groups, shutdown
 from elastictrain.cluster.liveness import Liveness
@@ -88,6 +89,7 @@ class Steps:
     store_port: Callable[[DistEnv], int] = members.store_port
     agree: Callable[..., agreement.EpochStart] = agreement.agree
     shutdown: Callable[[], None] = shutdown
+    arrive_for_gone_nodes: Callable[..., int] = arrive_for_gone_nodes
 
 
 class EpochDriver:
@@ -317,11 +319,27 @@ class EpochDriver:
         self.close(wait=False)
         self.states.to(S.GATHERING, "counted back for the next epoch")
 
-    def finish(self, step: int | None = None, reason: str = "finished") -> None:
-        """training -> done (once), at ``step`` (completed steps)."""
+    def finish(
+        self, step: int | None = None, reason: str = "finished", nodes: list[int] | None = None
+    ) -> None:
+        """training -> done (once), at ``step`` (completed steps). ``nodes``: rank 0's, each
+        rank's node in the last epoch: torchrun's agents of the nodes no longer in the job are
+        stood in for at their exit barrier (``cluster.agents``)."""
         self.last_step = step if step is not None else self.last_step
-        if self.state != S.DONE:
-            self.states.to(S.DONE, reason, step=self.last_step)
+        if self.state == S.DONE:
+            return
+        self.states.to(S.DONE, reason, step=self.last_step)
+        epoch = self.epoch
+        if nodes and epoch is not None and epoch.env.is_rank0 and epoch.groups.store is not None:
+            try:
+                self.steps.arrive_for_gone_nodes(self.env, epoch.groups.store, len(set(nodes)))
+            except Exception as e:  # the agents then wait their 300 s: slower, nothing lost
+                logger.warning(
+                    "could not arrive for the gone nodes' agents at torchrun's exit barrier "
+                    "(%s: %s); the other agents wait for them up to 300 s",
+                    type(e).__name__,
+                    e,
+                )
 
     def fail(self, error: BaseException | str) -> None:
         """-> exit: the process ends with ``error`` (once; a state already final stays)."""

@@ -296,7 +296,7 @@ class _Run:
             "FINISHED %d steps (%d this attempt in %.1fs); exit 0", cfg.max_steps, trained, elapsed
         )
         # Before the end event: the run's last line is its end.
-        self.driver.finish(max(cfg.max_steps, resumed.step))
+        self.driver.finish(max(cfg.max_steps, resumed.step), nodes=session.nodes)
         session.emit_end(
             max(cfg.max_steps, resumed.step),
             steps_this_attempt=trained,
