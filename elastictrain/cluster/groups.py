@@ -25,8 +25,9 @@ import torch
 import torch.distributed as dist
 
 from elastictrain import knobs
+from elastictrain.cluster.agents import StartWatch
 from elastictrain.cluster.connections import EpochConnections
-from elastictrain.cluster.env import DistEnv
+from elastictrain.cluster.env import DistEnv, rendezvous_store
 from elastictrain.cluster.handshake import Attempt, handshake
 from elastictrain.cluster.job_store import connect
 from elastictrain.cluster.liveness import Liveness
@@ -125,7 +126,10 @@ def init_process_groups(
         job_store = connect(env, timeout_s=init_timeout, silent_s=silent_s, store_up=store_up)
         # After the store (whose listener, on rank 0 without an agent, is not the epoch's).
         connections = EpochConnections()
-        liveness.watch_store(job_store)
+        # At a start, a node lost before its ranks join is seen in torchrun's round (in place,
+        # a node already dropped is not in it either: nothing to watch there).
+        watch = None if store_up or rendezvous_store(env) is None else StartWatch(env)
+        liveness.watch_store(job_store, watch.lost if watch is not None else None)
         base = job_store.store
         # 90% of the budget, so a missing rank is reported by name before the hard bound fires.
         attempt = handshake(

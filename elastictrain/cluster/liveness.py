@@ -99,6 +99,7 @@ class Liveness:
         # A frozen store ignores its client's timeout: each request waits one beat at most.
         self._ask = BoundedCalls(interval_s, name="elastictrain-liveness-store")
         self._store_name = "the job's store"
+        self._start_lost: Callable[[dist.Store], str | None] | None = None
         self._watched_store: dist.Store | None = None  # before start(): the store, and the
         self._probe_connection: dist.Store | None = None  # probe's own connection to it
         self._started = threading.Event()
@@ -112,21 +113,31 @@ class Liveness:
         self._thread = threading.Thread(target=self._run, name="elastictrain-liveness", daemon=True)
         self.last_words = last_words
 
-    def watch_store(self, job_store: JobStore) -> None:
+    def watch_store(
+        self, job_store: JobStore, start_lost: Callable[[dist.Store], str | None] | None = None
+    ) -> None:
         """From the attempt's first store request until :meth:`start`: the beat thread asks the
         store one ``check`` a beat, so a store that stops answering while the handshake or the
         process-group init waits on it (their requests ignore their timeouts then) ends the rank
-        in ``--silent-timeout``, naming the store, as a silent peer does later."""
+        in ``--silent-timeout``, naming the store, as a silent peer does later. ``start_lost``:
+        asked each beat too, on the probe's connection (``agents.StartWatch.lost``): why this
+        start cannot complete (a node
+        lost while the job starts), which ends the rank at once (exit 8) so torchrun re-forms
+        the group."""
         if not self.enabled:
             return
+        self._start_lost = start_lost
         self._store_name, self._watched_store = job_store.name, job_store.store
         self._last_ok = self._clock()
         self._thread.start()
 
-    def _probe(self) -> None:
+    def _probe(self) -> str | None:
         if self._probe_connection is None:  # made on the asking thread: connecting can block
             self._probe_connection = self._watched_store.clone()
         self._probe_connection.check([f"{_PREFIX}probe"])
+        if self._start_lost is None:
+            return None
+        return self._start_lost(self._probe_connection)
 
     def announce(self, store: dist.Store) -> None:
         """This rank's first beat (with its host) in the attempt's store (its keys die with the
@@ -235,6 +246,8 @@ class Liveness:
         self._last_ok = now = self._clock()
         self._unanswered = False
         if probing:
+            if values is not None and not self._started.is_set():
+                self.exit_silent(values)  # nothing to leave yet: torchrun re-forms the group
             return None
         for rank, value in zip(self._watched, values, strict=True):
             if away or self._seen.get(rank) != value:

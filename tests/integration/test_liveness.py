@@ -137,3 +137,44 @@ def test_frozen_nodes_are_dropped_while_two_or_more_survive_whichever_holds_rank
 
 def _between(path: str, kind: Event, after: float, before: float) -> list[dict]:
     return [e for e in read_events(path) if e["event"] == kind and after < e["time"] < before]
+
+
+@pytest.mark.slow
+def test_a_node_lost_while_the_job_starts_costs_torchruns_keep_alive_not_the_init_timeout(
+    launch, tmp_path
+):
+    """Issue 46: node 1's agent and workers SIGKILLed while its rank still builds its task,
+    before any step. Node 0's rank waited in the handshake for a rank that would never come until
+    --init-timeout (900 s; 70.5 s with --init-timeout 60): a rank that never started is absent,
+    not silent. Its liveness probe now reads torchrun's round each beat, and once the surviving
+    agent's keep-alive has removed the lost node (the recipe's 3 s) the rank exits 8 naming it,
+    and torchrun re-forms the group without node 1. (Seen failing without the start watch:
+    still waiting 90 s after the kill.)"""
+    port, run_id = free_port(), f"startlost-{uuid.uuid4().hex[:6]}"
+    ckpt, ev = str(tmp_path / "shared"), str(tmp_path / "ev.jsonl")
+    args = ["--max-steps", "60", "--checkpoint-every-steps", "20", "--event-log", ev]
+    nodes = []
+    for node in (0, 1):
+        home = tmp_path / f"host{node}"
+        home.mkdir()
+        env = node_env(node, port, run_id, ckpt)
+        slow = ["--task-option", "build_delay=60"] if node == 1 else []  # node 1: slow to start
+        nodes.append(launch(args + slow, script=SCRIPT, env=env, cwd=str(home), name=f"node{node}"))
+    deadline = time.monotonic() + 90
+    while not (nodes[0].workers() and nodes[1].workers()):  # both nodes' ranks started
+        assert time.monotonic() < deadline, nodes[0].log()[-2000:] + nodes[1].log()[-2000:]
+        time.sleep(0.2)
+    time.sleep(3.0)  # node 0's rank in the handshake; node 1's inside its 60 s task build
+    t_kill = time.time()
+    nodes[1].kill()  # the node lost: its agent and every process under it
+    alone = wait_for_event(
+        ev, lambda e: e["event"] == Event.FIRST_STEP and e["time"] > t_kill, 90, nodes[0]
+    )
+    assert nodes[0].wait(120) == 0, nodes[0].log()[-3000:]
+    took = alone["time"] - t_kill
+    assert took < 45, f"training again {took:.1f}s after the kill"
+    log = nodes[0].log()
+    assert "stopped keeping it alive while the job started" in log, log[-3000:]
+    starts = [e for e in read_events(ev) if e["event"] == Event.START]
+    assert [(e["world_size"], e["restart_count"]) for e in starts] == [(1, 1)], starts
+    print(f"\nnode lost while starting: training again {took:.1f}s after the kill")
