@@ -4,7 +4,8 @@ Options (``--task-option KEY=VALUE``): hidden (10), layers (1 hidden layer), dat
 batch_size (64, global), lr (0.01), momentum (0.9), step_time (0 s of simulated compute per step),
 and for skew tests: slow_rank (none), slow_factor (1: that rank's step_time multiplier),
 start_delay (0 s that rank sleeps before initialising), build_delay (0 s every rank of this
-command line sleeps before initialising: a node slow to start, given to one node), wedge_step (none: in the first attempt,
+command line sleeps before initialising: a node slow to start, given to one node), step_factor
+(1: every rank of this command line's step_time multiplier: a slow node), wedge_step (none: in the first attempt,
 that rank stops inside this micro-step for good, its process alive, as a rank wedged in a kernel or
 a collective is) and first_step_time (0 s more in every rank's first micro-step: a compilation).
 frozen_mb (0) adds that many MB of frozen weights: a checkpoint that size, whose persist a test
@@ -36,6 +37,7 @@ KNOWN_OPTIONS = {
     "slow_factor",
     "start_delay",
     "build_delay",
+    "step_factor",
     "wedge_step",
     "first_step_time",
     "frozen_mb",
@@ -140,6 +142,7 @@ def make_task(options: Mapping[str, str]) -> Task:
         step_time *= option(options, "slow_factor", 1.0, float)
         time.sleep(option(options, "start_delay", 0.0, float))  # the task is built before init
     time.sleep(option(options, "build_delay", 0.0, float))
+    step_time *= option(options, "step_factor", 1.0, float)
     lr = option(options, "lr", 0.01, float)
     momentum = option(options, "momentum", 0.9, float)
     mse = nn.MSELoss()
