@@ -110,7 +110,9 @@ def _draw_scores(timeline: Timeline, ax) -> None:
         title="straggler scores: each rank's work before the step's first synchronisation "
         f"(dotted: {SLOW_RATIO}x; star: named a straggler)",
     )
-    ax.legend(loc="upper left", fontsize=7, ncol=8)
+    top = max([SLOW_RATIO] + [score for points in by_rank.values() for _, score in points])
+    ax.set_ylim(0, 1.4 * top)  # room for the legend above a slow rank's line
+    ax.legend(loc="upper right", fontsize=7, ncol=8)
 
 
 def _draw_restarts(timeline: Timeline, steps, ckpt, world, loss) -> None:
