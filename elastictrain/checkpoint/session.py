@@ -116,6 +116,8 @@ class CheckpointSession:
         """Rank 0: each rank's host, by rank, from this attempt's ``start`` event."""
         self.nodes: list[int] | None = None
         """Rank 0: each rank's node (torchrun's ``GROUP_RANK``), from the same event."""
+        self.store_nodes: list[int] = []
+        """Rank 0: the nodes whose torchrun agent serves the job's store."""
         self.last_words = last_words or LastWords(config.event_log, env.rank)
         self.last_words.keep_with(self.history)
         self._watchdog = watchdog
@@ -164,10 +166,11 @@ class CheckpointSession:
         """Scheduled checkpoints skipped under ``on_storage_failure="warn"``."""
         return self._ckpt.skipped
 
-    def emit_start(self, **fields: Any) -> None:
+    def emit_start(self, store_here: bool = False, **fields: Any) -> None:
         """The ``start`` event that begins an attempt in the run report, every rank together: it
-        names each rank's training process (host, pid), gathered on rank 0 alone."""
-        mine = [socket.gethostname(), os.getpid(), self.env.node_rank]
+        names each rank's training process (host, pid) and node, gathered on rank 0 alone.
+        ``store_here``: this rank's node serves the job's store (``store_nodes``: never evicted)."""
+        mine = [socket.gethostname(), os.getpid(), self.env.node_rank, store_here]
         if self._gate is None:
             gathered = [mine]
         else:
@@ -175,9 +178,10 @@ class CheckpointSession:
             dist.gather_object(mine, gathered, dst=0, group=self._gate)
         processes = None
         if gathered is not None:
-            self.hosts = [host for host, _, _ in gathered]
-            self.nodes = [node for _, _, node in gathered]
-            processes = [[host, pid] for host, pid, _ in gathered]
+            self.hosts = [host for host, *_ in gathered]
+            self.nodes = [node for _, _, node, _ in gathered]
+            self.store_nodes = sorted({node for _, _, node, here in gathered if here})
+            processes = [[host, pid] for host, pid, *_ in gathered]
         self.events.emit(
             Event.START,
             world_size=self.env.world_size,
@@ -187,6 +191,7 @@ class CheckpointSession:
             host=mine[0],
             processes=processes,
             nodes=self.nodes,
+            **({"store_nodes": self.store_nodes} if self.store_nodes else {}),
             **fields,
         )
 

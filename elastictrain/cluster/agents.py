@@ -23,6 +23,7 @@ rendezvous store, and ``torchelastic/agent/terminal_state``).
 from __future__ import annotations
 
 import logging
+import os
 import pickle
 from base64 import b64decode
 from typing import TYPE_CHECKING
@@ -76,6 +77,37 @@ class StartWatch:
             f"torchrun's rendezvous round {state.round} stopped keeping it alive while the job "
             "started (torchrun's agents removed them): their ranks will never join"
         )
+
+
+def hosts_the_store(env: DistEnv) -> bool:
+    """Whether this worker's torchrun agent serves the job's c10d rendezvous store (it listens on
+    its port: ``/proc/net/tcp*`` against the agent's sockets). Such a node must never be taken
+    out on purpose: the store, and with it every survivor's way back, would go with it."""
+    address = rendezvous_store(env)
+    if address is None or env.agent_pid is None:
+        return False
+    listening = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                rows = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            cols = row.split()
+            if cols[3] == "0A" and int(cols[1].rsplit(":", 1)[1], 16) == address.port:  # LISTEN
+                listening.add(f"socket:[{cols[9]}]")
+    try:
+        fds = os.listdir(f"/proc/{env.agent_pid}/fd")
+    except OSError:
+        return False
+    for fd in fds:
+        try:
+            if os.readlink(f"/proc/{env.agent_pid}/fd/{fd}") in listening:
+                return True
+        except OSError:
+            continue
+    return False
 
 
 def arrive_for_gone_nodes(env: DistEnv, store: dist.Store, nodes_left: int) -> int:

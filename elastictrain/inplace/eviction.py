@@ -93,11 +93,13 @@ class EvictionPolicy:
         hosts: list[str],
         events: EventLog,
         movable: bool = True,
+        store_nodes: list[int] = (),
     ) -> Eviction | None:
         """``named``: what the watch said at this report (newly slow, or recovered); ``members``,
         ``nodes``, ``hosts``: the epoch's, by its rank (torchrun rank, node, host). ``movable``:
-        the state can move in place (a stream's per-rank position cannot). Each refusal and the
-        eviction are recorded in ``events``."""
+        the state can move in place (a stream's per-rank position cannot). ``store_nodes``: the
+        nodes serving the job's store, never evicted. Each refusal and the eviction are recorded
+        in ``events``."""
         for straggler in (s for s in named if s.slow):
             node = nodes[straggler.rank]
             on_node = [r for r, n in enumerate(nodes) if n == node]
@@ -108,7 +110,7 @@ class EvictionPolicy:
                 step=step,
                 evidence=straggler.as_event(),
             )
-            refused = self._refusal(nodes, movable)
+            refused = self._refusal(nodes, movable, node in store_nodes)
             fields = {**asdict(eviction), "evicted": refused is None}
             if refused is not None:
                 logger.warning("not evicting node %d (rank %d): %s", node, straggler.rank, refused)
@@ -120,9 +122,14 @@ class EvictionPolicy:
             return eviction
         return None
 
-    def _refusal(self, nodes: list[int], movable: bool) -> str | None:
+    def _refusal(self, nodes: list[int], movable: bool, serves_store: bool) -> str | None:
         if not movable:
             return "the data stream's per-rank positions cannot move in place"
+        if serves_store:
+            return (
+                "its torchrun agent serves the job's rendezvous store, which every other node "
+                "needs to go on (put --rdzv-endpoint off the training nodes: docs/faults.md)"
+            )
         left = len(set(nodes)) - 1
         if left < self.min_nodes:
             return f"it would leave {left} node(s), below --min-nodes {self.min_nodes}"

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from elastictrain import mesh
 from elastictrain.checkpoint.session import CheckpointSession, install_stop_signals
+from elastictrain.cluster.agents import hosts_the_store
 from elastictrain.cluster.env import DistEnv, read_env
 from elastictrain.cluster.groups import ProcessGroups, pick_device
 from elastictrain.config import RunConfig
@@ -239,6 +240,7 @@ def _epoch(b: _Built, driver: EpochDriver, carry: LiveState | None, died_at: flo
     init_s = time.monotonic() - t_init
     _say_started(b, epoch, start, shape, init_s)
     session.emit_start(
+        store_here=cfg.straggler_action == "evict" and hosts_the_store(b.env),
         max_steps=cfg.max_steps,
         init_s=round(init_s, 4),
         **start.start_fields(),

@@ -207,6 +207,7 @@ class _Run:
                 hosts=session.hosts,
                 events=attempt.events,
                 movable=not self.state.per_rank,
+                store_nodes=session.store_nodes,
             ),
             attempt.groups.control,
         )

@@ -166,7 +166,7 @@ def test_a_persistent_straggler_node_is_evicted_in_place_and_every_sample_trains
     ckpt, ev, samples = str(tmp_path / "shared"), str(tmp_path / "ev.jsonl"), tmp_path / "samples"
     steps, data = 300, ("dataset_size=1024", "batch_size=32")
     run = toy_args(ckpt, ev, max_steps=steps, every=50, step_time=0.03)[2:]  # ckpt: the recipe
-    run += [a for opt in ("slow_rank=1", "slow_factor=3", *data) for a in ("--task-option", opt)]
+    run += [a for opt in data for a in ("--task-option", opt)]
     run += ["--log-every-seconds", "1", "--sample-log", str(samples)]
     run += ["--replace-in-place", "--replace-wait", "30", "--straggler-action", "evict"]
     nodes = []
@@ -174,7 +174,12 @@ def test_a_persistent_straggler_node_is_evicted_in_place_and_every_sample_trains
         home = tmp_path / f"host{node}"
         home.mkdir()
         env = node_env(node, port, run_id, ckpt)
-        nodes.append(launch(run, script=TWO_NODES, env=env, cwd=str(home), name=f"node{node}"))
+        # Node 1 slow (node 0's agent serves the job's store: never evicted); which rank it gets
+        # is the rendezvous's choice.
+        slow = ["--task-option", "step_factor=3"] if node == 1 else []
+        nodes.append(
+            launch(run + slow, script=TWO_NODES, env=env, cwd=str(home), name=f"node{node}")
+        )
     assert nodes[1].wait(120) != 0, nodes[1].log()[-3000:]  # torchrun exits 1 on its SIGTERM
     end = wait_for_event(ev, lambda e: e["event"] == Event.END, 120, nodes[0])
     # torchrun's agents wait for each other once their workers finish (300 s): rank 0 arrived
@@ -184,25 +189,29 @@ def test_a_persistent_straggler_node_is_evicted_in_place_and_every_sample_trains
     assert time.time() - end["time"] < 30
 
     events = read_events(ev)
-    (evicted,) = [e for e in events if e["event"] == Event.EVICTION]
-    assert (evicted["evicted"], evicted["node"], evicted["ranks"]) == (True, 1, [1]), evicted
-    assert evicted["evidence"]["rank"] == 1 and evicted["evidence"]["ratio"] > 2, evicted
-    named = [e for e in events if e["event"] == Event.STRAGGLER]
-    assert [(e["rank"], e["step"]) for e in named] == [(1, evicted["step"])], named
     starts = [e for e in events if e["event"] == Event.START]
+    (host,) = starts[0]["store_nodes"]  # torchrun's node rank of the recipe's node 0
+    (slow,) = set(starts[0]["nodes"]) - {host}
+    (slow_rank,) = [r for r, n in enumerate(starts[0]["nodes"]) if n == slow]
+    (evicted,) = [e for e in events if e["event"] == Event.EVICTION]
+    assert (evicted["evicted"], evicted["node"], evicted["ranks"]) == (True, slow, [slow_rank])
+    assert evicted["evidence"]["rank"] == slow_rank and evicted["evidence"]["ratio"] > 2, evicted
+    named = [e for e in events if e["event"] == Event.STRAGGLER]
+    assert [(e["rank"], e["step"]) for e in named] == [(slow_rank, evicted["step"])], named
     assert [(e["world_size"], e["nodes"], e["restart_count"]) for e in starts] == [
-        (2, [0, 1], 0),
-        (1, [0], 0),
+        (2, [0, 1], 0),  # rank r on node r: one rank a node
+        (1, [host], 0),
     ], starts
-    assert (starts[1]["began"], starts[1]["dropped_ranks"]) == ("shrunk in place", [1])
-    assert starts[1]["processes"][0] == starts[0]["processes"][0]  # the survivor's own process
+    assert (starts[1]["began"], starts[1]["dropped_ranks"]) == ("shrunk in place", [slow_rank])
+    kept = starts[0]["processes"][1 - slow_rank]
+    assert starts[1]["processes"][0] == kept  # the survivor's own process
     # --replace-wait 30: had the survivor waited for the evicted rank as for a lost node, this
     # epoch would have begun 30 s after the decision.
     assert starts[1]["time"] - evicted["time"] < 10, (starts[1], evicted)
     resume = next(e for e in events if e["event"] == Event.RESUME and e["time"] > evicted["time"])
     assert (resume["tier"], resume["remote_bytes"], resume["step"]) == ("live", 0, evicted["step"])
     log = nodes[1].log()
-    assert "FAILED (exit 9): NodeEvictedError: node 1 (ranks [1]" in log
+    assert f"FAILED (exit 9): NodeEvictedError: node {slow} (ranks [{slow_rank}]" in log
     assert "this node was evicted; stopping its torchrun agent" in log
     ledger = assert_exactly_once(
         read_sample_log(str(samples)), dataset_size=1024, batch_size=32, max_steps=steps

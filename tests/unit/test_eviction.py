@@ -91,3 +91,14 @@ def test_state_that_cannot_move_in_place_is_never_evicted():
     assert (
         events.emitted[-1]["refused"] == "the data stream's per-rank positions cannot move in place"
     )
+
+
+def test_the_node_serving_the_jobs_store_is_never_evicted():
+    """Its torchrun agent hosts the c10d rendezvous store: evicting it (its agent stopped) would
+    take the store every survivor regroups through, and the job with it. (Seen on the two-node
+    recipe, where the rendezvous gives that node either rank.)"""
+    events = Events()
+    policy = EvictionPolicy(min_nodes=1, per_hour=9, store=None, run_id="r")
+    assert _decide(policy, [_slow(1)], events, store_nodes=[0]) is None
+    assert "serves the job's rendezvous store" in events.emitted[-1]["refused"]
+    assert _decide(policy, [_slow(2)], events, store_nodes=[0]).node == 1
