@@ -121,9 +121,8 @@ class Liveness:
         process-group init waits on it (their requests ignore their timeouts then) ends the rank
         in ``--silent-timeout``, naming the store, as a silent peer does later. ``start_lost``:
         asked each beat too, on the probe's connection (``agents.StartWatch.lost``): why this
-        start cannot complete (a node
-        lost while the job starts), which ends the rank at once (exit 8) so torchrun re-forms
-        the group."""
+        start cannot complete (a node lost while the job starts), which ends the rank at once
+        (exit 8) so torchrun re-forms the group."""
         if not self.enabled:
             return
         self._start_lost = start_lost

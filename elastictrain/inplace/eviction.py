@@ -164,8 +164,8 @@ def agree(
     policy: EvictionPolicy | None, decide: Callable[[EvictionPolicy], Eviction | None], group: Any
 ) -> Eviction | None:
     """Every rank, at the same report: rank 0's decision (``decide(policy)``; ``policy`` is rank
-    0's, None elsewhere), broadcast over ``group``: one small object every --log-every-seconds,
-    and only under ``evict``."""
+    0's when it named a straggler, None otherwise: no decision), broadcast over ``group``: one
+    small object every --log-every-seconds, and only under ``evict``."""
     import torch.distributed as dist
 
     box = [decide(policy) if policy is not None else None]

@@ -190,7 +190,7 @@ class _Run:
             return
         session, members = attempt.session, driver.epoch.members
         policy = None
-        if attempt.env.is_rank0:
+        if attempt.env.is_rank0 and any(s.slow for s in named):  # else nothing to decide
             policy = eviction.EvictionPolicy(
                 min_nodes=attempt.cfg.min_nodes or min_nodes(driver.env) or 1,
                 per_hour=attempt.cfg.max_evictions_per_hour,
