@@ -104,7 +104,12 @@ def test_frozen_nodes_are_dropped_while_two_or_more_survive_whichever_holds_rank
             args += ["--silent-timeout", "6"]
             targs = off_node_agent("2:4", port, run_id)
             nodes.append(launch(args, torchrun_args=targs, env=env, cwd=str(home), name=f"n{node}"))
-        wait_for_event(ev, lambda e: e["event"] == Event.START and e["world_size"] == 4, 150)
+        full = wait_for_event(ev, lambda e: e["event"] == Event.START and e["world_size"] == 4, 150)
+        # Its first step too: a freeze between the start and that step let the attempt's own
+        # first step pass for "training again", with no start after the freeze (a CI run).
+        wait_for_event(
+            ev, lambda e: e["event"] == Event.FIRST_STEP and e["time"] > full["time"], 60
+        )
         took, first_words = {}, []
         for size, rank0 in ((3, False), (2, True)):
             live = [n for n in nodes if n.proc.poll() is None and n.workers()]
