@@ -32,7 +32,7 @@ Checksum = Literal["xxh3", "sha256"]  # storage.hashing.ALGORITHMS, checked by a
 Precision = Literal["fp32", "bf16", "fp16"]
 Parallel = Literal["ddp", "fsdp", "hsdp"]
 ProgressMode = Literal["auto", "live", "plain"]
-StragglerAction = Literal["report", "evict"]
+StragglerAction = Literal["report", "evict", "replace"]
 
 
 def flag(name: str) -> str:
@@ -223,14 +223,20 @@ class RunConfig:
     max_replacements: int = setting(3, metavar="N")
     """Replacements each rank's supervisor makes; past them a death restarts the group (and no
     spare is kept once they are spent)."""
+    spare_nodes: int = setting(0, metavar="N")
+    """Nodes of the torchrun job that stand by instead of training (the last N by torchrun's node
+    rank): their ranks import torch, build the task and wait. A lost, frozen or evicted node's
+    ranks are taken over by a spare node in place, so the world size and the data split do not
+    change (needs --replace-in-place; docs/multinode.md). With none left, the job shrinks."""
     straggler_action: StragglerAction = "report"
     """What a rank named a straggler (persistently slower than the others: docs/faults.md,
     "Stragglers") costs it: report logs and records it; evict also drops its node in place, the
-    way a lost node is dropped (needs --replace-in-place), within --min-nodes and
-    --max-evictions-per-hour."""
+    way a lost node is dropped (a spare node takes its place if one stands by); replace hands its
+    node's ranks to a spare node and is refused when none stands by (never shrinks the job).
+    Both need --replace-in-place and stay within --min-nodes and --max-evictions-per-hour."""
     min_nodes: int | None = setting(None, metavar="N")
-    """Nodes an eviction never goes below; default torchrun's --nnodes minimum (MIN of MIN:MAX),
-    read from the agent's command line, else 1."""
+    """Training nodes an eviction never goes below; default torchrun's --nnodes minimum (MIN of
+    MIN:MAX, read from the agent's command line) less --spare-nodes, else 1."""
     max_evictions_per_hour: int = setting(1, metavar="N")
     """Evictions the job makes in any hour; past them a straggler is reported only. A bad node
     is rare; a policy that evicts node after node is evicting for a cause no node has."""
@@ -279,10 +285,22 @@ class RunConfig:
             raise ConfigError(
                 f"--max-replacements must be 0 or more, got {self.max_replacements!r}."
             )
-        if self.straggler_action == "evict" and not self.replace_in_place:
+        if self.straggler_action != "report" and not self.replace_in_place:
             raise ConfigError(
-                "--straggler-action evict drops a node in place: add --replace-in-place, or use "
-                "--straggler-action report."
+                f"--straggler-action {self.straggler_action} moves a node's ranks in place: add "
+                "--replace-in-place, or use --straggler-action report."
+            )
+        if self.spare_nodes != 0 and not _whole(self.spare_nodes):
+            raise ConfigError(f"--spare-nodes must be 0 or more, got {self.spare_nodes!r}.")
+        if self.spare_nodes and not self.replace_in_place:
+            raise ConfigError(
+                f"--spare-nodes {self.spare_nodes}: a spare node takes a lost node's ranks in "
+                "place: add --replace-in-place."
+            )
+        if self.straggler_action == "replace" and not self.spare_nodes:
+            raise ConfigError(
+                "--straggler-action replace hands a straggler's node's ranks to a spare node: "
+                "add --spare-nodes N (N >= 1), or use --straggler-action evict."
             )
         if self.min_nodes is not None and self.min_nodes < 1:
             raise ConfigError(f"--min-nodes must be 1 or more, got {self.min_nodes!r}.")

@@ -25,7 +25,7 @@ from elastictrain.cluster.agents import arrive_for_gone_nodes
 from elastictrain.cluster.env import DistEnv
 from elastictrain.cluster.groups import ProcessGroups, init_process_groups, shutdown
 from elastictrain.cluster.liveness import Liveness
-from elastictrain.inplace import agreement, members, supervisor
+from elastictrain.inplace import agreement, members, spares, supervisor
 from elastictrain.inplace.epoch_end import EpochEnd, prepare_nccl
 from elastictrain.inplace.members import LiveState
 from elastictrain.inplace.states import EpochState, EpochStates, Transition
@@ -68,6 +68,9 @@ class Epoch:
     """A survivor's state from the epoch before."""
     died_at: float | None = None
     """A replacement's first epoch: when the death it replaces was seen."""
+    took_over: list[list[int]] = dataclasses.field(default_factory=list)
+    """``[lost, spare]`` torchrun ranks: a spare node's rank in a lost one's place
+    (``inplace.spares``)."""
 
     @property
     def in_place(self) -> bool:
@@ -95,7 +98,8 @@ class Steps:
 class EpochDriver:
     """Moves this process through its membership epochs (``env``: torchrun's identity, fixed for
     the process). ``step``, ``phase``: what its beats carry (the runner's watchdog; library mode
-    has the driver's own: :meth:`at` and the state); ``watchdog``: bounds the recovery phases."""
+    has the driver's own: :meth:`at` and the state); ``watchdog``: bounds the recovery phases.
+    ``spare_nodes``: the job's hot-spare nodes (``--spare-nodes``), if any."""
 
     def __init__(
         self,
@@ -104,12 +108,15 @@ class EpochDriver:
         settings: EpochSettings,
         *,
         spare: bool = False,
+        spare_nodes: spares.SpareNodes | None = None,
         watchdog: Any = None,
         step: Callable[[], int | None] | None = None,
         phase: Callable[[], str] | None = None,
         steps: Steps | None = None,
     ) -> None:
         self.env, self.device, self.settings = env, device, settings
+        self.spare_nodes = spare_nodes if spare_nodes is not None and spare_nodes.count else None
+        self._called: tuple[spares.Call, list[int]] | None = None  # a spare node's call, members
         self.watchdog = watchdog
         self.steps = steps or Steps()
         self.epoch: Epoch | None = None
@@ -156,20 +163,69 @@ class EpochDriver:
     # -- the states ------------------------------------------------------------------------------
 
     def wait_as_spare(
-        self, warm: Callable[[], None], log_level: int = logging.INFO
+        self,
+        warm: Callable[[], None],
+        log_level: int = logging.INFO,
+        *,
+        per_process: bool = True,
+        standby: Callable[[], spares.Standby] | None = None,
+        stop: Callable[[], bool] = lambda: False,
     ) -> float | None:
         """spare -> gathering: ``warm`` (what a replacement's first epoch would pay), then wait
-        to be told to go; when the death it stands in for was seen, or None (done: the
-        supervisor is gone or ended the wait)."""
+        to be told to go: by the supervisor (``per_process``: a dead training process's spare),
+        then, on a spare node, by the decider of an epoch that lost a node (``standby``: this
+        rank's place in the job's store, connected once it is needed; ``stop``: a stop signal,
+        the agent gone). When the death it stands in for was seen, or None (done: the supervisor
+        is gone or ended the wait; the spare node was dismissed or stopped)."""
         warm()
-        logger.log(
-            log_level,
-            "spare for rank %d ready (pid %d): waiting to stand in",
-            self.env.rank,
-            os.getpid(),
-        )
-        died_at = supervisor.wait_for_go()
+        died_at = None
+        if per_process:
+            logger.log(
+                log_level,
+                "spare for rank %d ready (pid %d): waiting to stand in",
+                self.env.rank,
+                os.getpid(),
+            )
+            died_at = supervisor.wait_for_go()
+            if died_at is None:
+                return died_at if self.go(died_at) else None
+        if standby is not None:
+            self._called = self._stand_by(standby(), stop)
+            if self._called is None:
+                self.states.to(S.DONE, "the spare node was dismissed (the job finished) or stopped")
+                return None
+            call = self._called[0]
+            self.states.to(S.GATHERING, f"called to take rank {call.stands_for}'s place")
+            return call.at
         return died_at if self.go(died_at) else None
+
+    def _stand_by(
+        self, standby: spares.Standby, stop: Callable[[], bool]
+    ) -> tuple[spares.Call, list[int]] | None:
+        """A spare node's rank: until a decider gives it a lost rank's place (the call and the
+        next epoch's members), or None. A call whose epoch went on without it (it answered after
+        the decider gave up on its node) leaves it standing by."""
+        while True:
+            standby.register()
+            logger.info(
+                "spare node's rank %d ready (pid %d): standing by for a lost node",
+                self.env.rank,
+                os.getpid(),
+            )
+            call = standby.wait(stop)
+            if call is None:
+                return None
+            found = members.decided(
+                standby.store, call.nonce, self.env.rank, self.settings.replace_timeout
+            )
+            if self.env.rank in found:
+                return call, found
+            logger.warning(
+                "rank %d: called to stand in for rank %d, but the epoch went on without this "
+                "spare; standing by again",
+                self.env.rank,
+                call.stands_for,
+            )
 
     def go(self, died_at: float | None) -> bool:
         """A spare, its wait over: True to stand in for a death seen at ``died_at``."""
@@ -194,16 +250,22 @@ class EpochDriver:
         """gathering -> forming: this epoch's members, then its groups, liveness and end. None
         (and the state ``exit``) when the members went on without this rank."""
         env, s = self.env, self.settings
+        previous = carry.nonce if carry is not None else None
         try:
-            found = self.steps.next_members(
-                env,
-                carry,
-                died_at,
-                wait_s=s.replace_wait,
-                timeout_s=s.replace_timeout,
-                silent_s=s.silent_timeout,
-                beat_s=s.beat_s,
-            )
+            if self._called is not None and carry is None:  # a spare node's rank, called
+                previous, found = self._called[0].nonce, self._called[1]
+                self._called = None
+            else:
+                found = self.steps.next_members(
+                    env,
+                    carry,
+                    died_at,
+                    wait_s=s.replace_wait,
+                    timeout_s=s.replace_timeout,
+                    silent_s=s.silent_timeout,
+                    beat_s=s.beat_s,
+                    spares=self.spare_nodes,
+                )
         except BaseException as e:
             self.fail(e)
             raise
@@ -212,13 +274,20 @@ class EpochDriver:
             return None
         self.states.to(S.FORMING, f"members {found}")
         try:
-            self.epoch = self._build(found, carry, died_at)
+            self.epoch = self._build(found, carry, died_at, previous)
         except BaseException as e:
             self.fail(e)
             raise
         return self.epoch
 
-    def _build(self, found: list[int], carry: LiveState | None, died_at: float | None) -> Epoch:
+    def _build(
+        self,
+        found: list[int],
+        carry: LiveState | None,
+        died_at: float | None,
+        previous: str | None = None,
+    ) -> Epoch:
+        """``previous``: the failed epoch's nonce (an in-place epoch)."""
         s = self.settings
         in_place = carry is not None or died_at is not None
         here = dataclasses.replace(self.env, rank=found.index(self.env.rank), world_size=len(found))
@@ -262,7 +331,10 @@ class EpochDriver:
                     members.publish(groups.store, groups.attempt.nonce, found)
                 end.watch(groups.store)
         liveness.start()
-        return Epoch(here, found, groups, liveness, end, carry, died_at)
+        took = []
+        if self.spare_nodes is not None and previous and groups.store is not None:
+            took = members.took_over(groups.store, previous)
+        return Epoch(here, found, groups, liveness, end, carry, died_at, took)
 
     def agree(self, group: Any, **agree_options: Any) -> agreement.EpochStart:
         """forming -> agreeing -> resuming: how the epoch began, agreed by every member over
@@ -323,8 +395,9 @@ class EpochDriver:
         self, step: int | None = None, reason: str = "finished", nodes: list[int] | None = None
     ) -> None:
         """training -> done (once), at ``step`` (completed steps). ``nodes``: rank 0's, each
-        rank's node in the last epoch: torchrun's agents of the nodes no longer in the job are
-        stood in for at their exit barrier (``cluster.agents``)."""
+        rank's node in the last epoch: the spare nodes standing by are dismissed (they exit 0),
+        and torchrun's agents of the nodes no longer in the job (neither training nor standing
+        by) are stood in for at their exit barrier (``cluster.agents``)."""
         self.last_step = step if step is not None else self.last_step
         if self.state == S.DONE:
             return
@@ -332,7 +405,14 @@ class EpochDriver:
         epoch = self.epoch
         if nodes and epoch is not None and epoch.env.is_rank0 and epoch.groups.store is not None:
             try:
-                self.steps.arrive_for_gone_nodes(self.env, epoch.groups.store, len(set(nodes)))
+                left = len(set(nodes))
+                if self.spare_nodes is not None:  # the spares standing by exit, and are there
+                    left += spares.dismiss(
+                        epoch.groups.store,
+                        self.spare_nodes,
+                        answer_s=max(1.0, self.settings.replace_wait),
+                    )
+                self.steps.arrive_for_gone_nodes(self.env, epoch.groups.store, left)
             except Exception as e:  # the agents then wait their 300 s: slower, nothing lost
                 logger.warning(
                     "could not arrive for the gone nodes' agents at torchrun's exit barrier "

@@ -1,5 +1,5 @@
 """Health decides who is in the job: a straggler's node evicted in place (``--straggler-action
-evict``).
+evict``), or its ranks handed to a spare node (``replace``: ``inplace.spares``).
 
 Rank 0 names stragglers at its progress reports (``observe.stragglers.StragglerWatch``). Under
 ``evict`` it then decides here whether the straggler's node leaves (:class:`EvictionPolicy`), and
@@ -13,7 +13,9 @@ every rank learns the decision in one small broadcast at that report's step (:fu
   as silent (not waited for), and regroup without them: the path of a lost node
   (``inplace.members``), in their own processes, torchrun restarting nothing.
 
-Budgets: never below ``--min-nodes`` nodes, at most ``--max-evictions-per-hour`` evictions,
+A spare node standing by takes the evicted node's ranks (the lost-node path does that), so the
+job keeps its size; ``replace`` is refused when none stands by. Budgets: never below
+``--min-nodes`` training nodes, at most ``--max-evictions-per-hour`` evictions,
 counted in the job's store (it outlives every process, so a new rank 0 reads the same count).
 Every decision is an ``eviction`` event with the evidence it was made on, a refused one too (once
 per named straggler: the watch names each once).
@@ -55,14 +57,19 @@ class Eviction:
     step: int
     evidence: dict[str, Any]
     """The straggler it was judged on (``Straggler.as_event``: rank, ratio, medians, reports)."""
+    action: str = "evict"
+    """``--straggler-action``: ``replace`` was decided only with a spare node standing by."""
+    spares: int = 0
+    """Spare nodes standing by when it was decided: one takes the node's ranks."""
 
     def describe(self) -> str:
         s = self.evidence
+        after = "a spare node takes its ranks" if self.spares else "the others go on without it"
         return (
             f"node {self.node} (ranks {self.ranks}, host {', '.join(sorted(set(self.hosts)))}) "
             f"is a straggler: rank {s['rank']} took {s['ratio']:.2f}x the others' work before "
             f"each step's first synchronisation for {s['reports']} reports in a row; evicted at "
-            f"step {self.step} (--straggler-action evict), the others go on without it"
+            f"step {self.step} (--straggler-action {self.action}), {after}"
         )
 
 
@@ -76,10 +83,15 @@ class EvictionPolicy:
         per_hour: int,
         store: dist.Store | None,
         run_id: str,
+        action: str = "evict",
+        spares: int = 0,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        """``store``: the job's (the evictions' history); None keeps it in this process only."""
+        """``store``: the job's (the evictions' history); None keeps it in this process only.
+        ``action``: ``evict`` or ``replace`` (refused without a spare: it never shrinks the job);
+        ``spares``: the spare nodes standing by now (``inplace.spares``)."""
         self.min_nodes, self.per_hour = min_nodes, per_hour
+        self.action, self.spares = action, spares
         self._store, self._key, self._clock = store, history_key(run_id), clock
         self._local: list[float] = []
 
@@ -109,6 +121,8 @@ class EvictionPolicy:
                 hosts=[hosts[r] for r in on_node],
                 step=step,
                 evidence=straggler.as_event(),
+                action=self.action,
+                spares=self.spares,
             )
             refused = self._refusal(nodes, movable, node in store_nodes)
             fields = {**asdict(eviction), "evicted": refused is None}
@@ -130,7 +144,12 @@ class EvictionPolicy:
                 "its torchrun agent serves the job's rendezvous store, which every other node "
                 "needs to go on (put --rdzv-endpoint off the training nodes: docs/faults.md)"
             )
-        left = len(set(nodes)) - 1
+        if self.action == "replace" and not self.spares:
+            return (
+                "no spare node stands by, and --straggler-action replace never shrinks the job "
+                "(--straggler-action evict would)"
+            )
+        left = len(set(nodes)) - (0 if self.spares else 1)
         if left < self.min_nodes:
             return f"it would leave {left} node(s), below --min-nodes {self.min_nodes}"
         recent = self._recent()

@@ -28,6 +28,7 @@ from elastictrain.cluster.handshake import ATTEMPT_KEY
 from elastictrain.cluster.job_store import connect
 from elastictrain.errors import InitTimeoutError
 from elastictrain.inplace import epoch_end
+from elastictrain.inplace.spares import SpareNodes, take_over
 
 logger = logging.getLogger(__name__)
 
@@ -112,9 +113,11 @@ def next_members(
     silent_s: float,
     beat_s: float = 0.0,
     store: dist.Store | None = None,
+    spares: SpareNodes | None = None,
 ) -> list[int]:
-    """The epoch's members by torchrun rank (``env``: torchrun's): everyone at a start; after a
-    death, whoever is back (:func:`regroup`), agreed through the job's store, which outlives every
+    """The epoch's members by torchrun rank (``env``: torchrun's): every training rank at a start
+    (``spares``: the spare nodes' ranks stand by); after a death, whoever is back (:func:`regroup`),
+    with spare nodes in the place of lost ones, agreed through the job's store, which outlives every
     training process. Empty when the epoch went on without this replacement.
 
     After a silent peer the wait is at least two beats (``beat_s``): only rank 0 watches every
@@ -122,7 +125,7 @@ def next_members(
     death, by contrast, resets every survivor's connections at once). ``--replace-wait`` alone
     would drop them with the frozen node. ``store``: the job's (default: connected to here)."""
     if carry is None and died_at is None:
-        return list(range(env.world_size))
+        return list(range(spares.training_world_size if spares else env.world_size))
     if carry is not None and carry.silent:
         wait_s = max(wait_s, 2 * beat_s + 0.5)
     if store is None:
@@ -137,8 +140,10 @@ def next_members(
             timeout_s=timeout_s,
             counted=carry.counted_in,
             silent=carry.silent,
+            spares=spares,
         )
-    return join_as_replacement(store, env.rank, wait_s=wait_s, timeout_s=timeout_s) or []
+    found = join_as_replacement(store, env.rank, wait_s=wait_s, timeout_s=timeout_s, spares=spares)
+    return found or []
 
 
 def publish(store: dist.Store, nonce: str, members: list[int]) -> None:
@@ -156,6 +161,7 @@ def regroup(
     timeout_s: float,
     counted: bool = False,
     silent: list[int] = (),
+    spares: SpareNodes | None = None,
 ) -> list[int]:
     """Every rank back from the failed epoch ``nonce`` (``members``, by torchrun rank), survivor
     or replacement: the next epoch's members.
@@ -167,6 +173,8 @@ def regroup(
     at the deadline. One store request per poll (the count), and one look at who came.
     ``counted``: this rank counted itself back already (a survivor, in :func:`leave`).
     ``silent``: members found silent (a frozen host), not waited for: the rest back, the wait ends.
+    ``spares``: a spare node, called by the decider, takes the place of each node none of whose
+    members is back (``spares.take_over``), in its rank order: the size does not change.
     """
     deadline = time.monotonic() + wait_s
     if not counted:
@@ -181,12 +189,37 @@ def regroup(
             store.wait([_back_count_key(nonce, expected)], left)
     if store.compare_set(f"{nonce}/decider", "", str(me)).decode() == str(me):
         back = [m for m in members if store.check([f"{nonce}/back/{m}"])]
-        store.compare_set(f"{nonce}/members", "", json.dumps(back))
+        decided = back
+        if spares is not None and spares.count and len(back) < len(members):
+            missing = [m for m in members if m not in back]
+            taken = take_over(store, spares, nonce, members, missing, answer_s=max(1.0, wait_s))
+            if taken:  # read by every member before the members: it is set first
+                store.set(took_over_key(nonce), json.dumps(sorted(taken.items())))
+            decided = [taken.get(m, m) for m in members if m in back or m in taken]
+        store.compare_set(f"{nonce}/members", "", json.dumps(decided))
     return _get_json(store, f"{nonce}/members", me, timeout_s)
 
 
+def took_over_key(nonce: str) -> str:
+    """Where the decider of the epoch after ``nonce`` says which spare took which lost rank's
+    place: ``[[lost, spare], ...]`` by torchrun rank; absent when none did."""
+    return f"{nonce}/took-over"
+
+
+def took_over(store: dist.Store, nonce: str) -> list[list[int]]:
+    """``took_over_key``'s pairs (empty when no spare took a place)."""
+    if not store.check([took_over_key(nonce)]):
+        return []
+    return json.loads(store.get(took_over_key(nonce)))
+
+
 def join_as_replacement(
-    store: dist.Store, me: int, *, wait_s: float, timeout_s: float
+    store: dist.Store,
+    me: int,
+    *,
+    wait_s: float,
+    timeout_s: float,
+    spares: SpareNodes | None = None,
 ) -> list[int] | None:
     """A spare told to go (torchrun rank ``me``): the next epoch's members, or None when the
     epoch goes on without this rank (it came back too late)."""
@@ -194,8 +227,14 @@ def join_as_replacement(
     members = _get_json(store, f"{nonce}/members-of", me, timeout_s)
     if me not in members:  # that epoch already went on without this rank
         return None
-    members = regroup(store, nonce, members, me, wait_s=wait_s, timeout_s=timeout_s)
+    members = regroup(store, nonce, members, me, wait_s=wait_s, timeout_s=timeout_s, spares=spares)
     return members if me in members else None
+
+
+def decided(store: dist.Store, nonce: str, me: int, timeout_s: float) -> list[int]:
+    """The members of the epoch after ``nonce``, once its decider wrote them (a called spare
+    node's rank reads them here; ``me``: its torchrun rank, for the error)."""
+    return _get_json(store, f"{nonce}/members", me, timeout_s)
 
 
 def _count_in(

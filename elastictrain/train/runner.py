@@ -22,12 +22,14 @@ from elastictrain.checkpoint.session import CheckpointSession, install_stop_sign
 from elastictrain.cluster.agents import hosts_the_store
 from elastictrain.cluster.env import DistEnv, read_env
 from elastictrain.cluster.groups import ProcessGroups, pick_device
+from elastictrain.cluster.job_store import connect
 from elastictrain.config import RunConfig
 from elastictrain.errors import EXIT_INIT_TIMEOUT, EXIT_PREEMPTED, Preempted
 from elastictrain.inplace import epoch_end, supervisor
 from elastictrain.inplace.agreement import EpochStart
 from elastictrain.inplace.driver import Epoch, EpochDriver, EpochSettings, warm_spare
 from elastictrain.inplace.members import LiveState, PeerLost
+from elastictrain.inplace.spares import SpareNodes, Standby
 from elastictrain.observe.events import LastWords
 from elastictrain.observe.logs import setup_logging
 from elastictrain.observe.terminal import STATUS
@@ -62,9 +64,14 @@ def run(cfg: RunConfig, early_signals: StopSignals | None = None) -> int:
     # Built before any process-group work, so a bad --task fails fast and identically everywhere.
     torch.manual_seed(cfg.seed)
     task = build_task(cfg.task, cfg.task_options)
-    shape = mesh.resolve(cfg.parallel, cfg.mesh, env.world_size, env.local_world_size)
+    # Hot-spare nodes (--spare-nodes): torchrun's last nodes stand by; the rest train.
+    spare_nodes = SpareNodes.of(env, cfg.spare_nodes) if cfg.spare_nodes else None
+    standby = spare_nodes is not None and spare_nodes.is_spare(env.rank)
+    world = spare_nodes.training_world_size if spare_nodes else env.world_size
+    position = spare_nodes.position(env.rank) if spare_nodes else env.rank
+    shape = mesh.resolve(cfg.parallel, cfg.mesh, world, env.local_world_size)
     # The samples are split over the data-parallel ranks: one tensor-parallel group, one share.
-    data = mesh.data_ranks(shape, env.rank, env.world_size)
+    data = mesh.data_ranks(shape, position, world)
     mesh.use(data)
     if streams.is_stream(task.dataset):  # no sampler: the stream says what comes next
         streams.check_stream(task.dataset, task.batch_size, data.size, cfg.grad_accum_steps)
@@ -92,7 +99,8 @@ def run(cfg: RunConfig, early_signals: StopSignals | None = None) -> int:
         env,
         device,
         epoch_settings(cfg),
-        spare=spare,
+        spare=spare or standby,
+        spare_nodes=spare_nodes,
         watchdog=watchdog,
         step=lambda: watchdog.step,
         phase=lambda: watchdog.phase_name,
@@ -101,10 +109,15 @@ def run(cfg: RunConfig, early_signals: StopSignals | None = None) -> int:
     died_at = None
     # DDP in place: the wrapper survives the epochs with the process (parallel.KeptReplica).
     replica = parallel.KeptReplica() if cfg.replace_in_place and cfg.parallel == "ddp" else None
-    if spare:
-        died_at = driver.wait_as_spare(lambda: _warm(cfg, task, sampler, device, data, replica))
-        if died_at is None:  # the supervisor is gone or ended the spare's wait
-            return 0
+    if spare or standby:
+        died_at = driver.wait_as_spare(
+            lambda: _warm(cfg, task, sampler, device, data, replica),
+            per_process=spare,
+            standby=(lambda: _standby(cfg, env)) if standby else None,
+            stop=lambda: signals.requested or os.getppid() != agent_pid,
+        )
+        if died_at is None:  # the supervisor is gone or ended the wait; dismissed; stopped
+            return EXIT_PREEMPTED if signals.requested else 0
     watchdog.start()
     built = _Built(
         cfg, env, task, sampler, device, watchdog, signals, last_words, agent_pid, replica
@@ -169,6 +182,12 @@ def _warm(
             type(e).__name__,
             str(e).splitlines()[0][:200] if str(e) else "",
         )
+
+
+def _standby(cfg: RunConfig, env: DistEnv) -> Standby:
+    """A spare node's rank: its place in the job's store, where a decider calls it."""
+    store = connect(env, timeout_s=cfg.init_timeout, silent_s=cfg.silent_timeout).store
+    return Standby(store, env.rank)
 
 
 def epoch_settings(cfg: RunConfig) -> EpochSettings:
@@ -239,11 +258,14 @@ def _epoch(b: _Built, driver: EpochDriver, carry: LiveState | None, died_at: flo
         start = driver.agree(groups.control)
     init_s = time.monotonic() - t_init
     _say_started(b, epoch, start, shape, init_s)
+    began = start.start_fields()
+    if epoch.took_over:  # a spare node in a lost one's place: the size did not change
+        began.update(began="taken over by a spare node in place", took_over=epoch.took_over)
     session.emit_start(
-        store_here=cfg.straggler_action == "evict" and hosts_the_store(b.env),
+        store_here=cfg.straggler_action != "report" and hosts_the_store(b.env),
         max_steps=cfg.max_steps,
         init_s=round(init_s, 4),
-        **start.start_fields(),
+        **began,
         **({"dropped_ranks": epoch.dropped} if epoch.dropped else {}),
     )
     attempt = Attempt(
@@ -299,8 +321,15 @@ def _say_started(b: _Built, epoch: Epoch, start: EpochStart, shape, init_s: floa
         b.device,
         init_s,
         f", replacing rank(s) {start.replaced} in place" if start.replaced else "",
-        f", without the lost rank(s) {epoch.dropped}" if epoch.dropped else "",
+        _lost(epoch),
     )
+
+
+def _lost(epoch: Epoch) -> str:
+    if epoch.took_over:
+        pairs = ", ".join(f"{spare} for {lost}" for lost, spare in epoch.took_over)
+        return f", spare node rank(s) in the lost ones' places ({pairs})"
+    return f", without the lost rank(s) {epoch.dropped}" if epoch.dropped else ""
 
 
 def _fresh_model(b: _Built) -> Task:

@@ -23,7 +23,7 @@ from elastictrain.checkpoint.state import TrainState
 from elastictrain.checkpoint.state import train_state as tstate
 from elastictrain.cluster.env import min_nodes
 from elastictrain.errors import NodeEvictedError, named_timeout
-from elastictrain.inplace import epoch_end, eviction
+from elastictrain.inplace import epoch_end, eviction, spares
 from elastictrain.inplace.driver import EpochDriver
 from elastictrain.inplace.members import LiveState, PeerLost
 from elastictrain.observe import stragglers
@@ -181,21 +181,28 @@ class _Run:
         return named
 
     def _evict_if_decided(self, step: int, named: list[stragglers.Straggler]) -> None:
-        """``--straggler-action evict``: rank 0's decision on what it just named, every rank's
-        (``inplace.eviction``). The evicted node's ranks raise ``NodeEvictedError`` (exit 9);
-        the others leave the epoch with their state at ``step``, the evicted ranks not waited
-        for, as after a lost node."""
+        """``--straggler-action evict|replace``: rank 0's decision on what it just named, every
+        rank's (``inplace.eviction``). The evicted node's ranks raise ``NodeEvictedError`` (exit
+        9); the others leave the epoch with their state at ``step``, the evicted ranks not
+        waited for, as after a lost node (a spare node standing by takes their places)."""
         attempt, driver = self.attempt, self.driver
-        if attempt.cfg.straggler_action != "evict" or attempt.env.world_size == 1:
+        action = attempt.cfg.straggler_action
+        if action == "report" or attempt.env.world_size == 1:
             return
         session, members = attempt.session, driver.epoch.members
         policy = None
         if attempt.env.is_rank0 and any(s.slow for s in named):  # else nothing to decide
+            store, spare_nodes = driver.epoch.groups.store, driver.spare_nodes
+            standing = spares.standing_by(store, spare_nodes) if spare_nodes and store else 0
+            floor = min_nodes(driver.env)
+            floor = floor - spare_nodes.count if floor and spare_nodes else floor
             policy = eviction.EvictionPolicy(
-                min_nodes=attempt.cfg.min_nodes or min_nodes(driver.env) or 1,
+                min_nodes=attempt.cfg.min_nodes or max(1, floor or 1),
                 per_hour=attempt.cfg.max_evictions_per_hour,
-                store=driver.epoch.groups.store,
+                store=store,
                 run_id=driver.env.run_id,
+                action=action,
+                spares=standing,
             )
         decided = eviction.agree(
             policy,
