@@ -19,6 +19,8 @@ from tests.helpers.launcher import (
     final_state,
     job_env,
     node_env,
+    off_node_agent,
+    store_server,
     toy_args,
     wait_for_event,
     wait_for_spares,
@@ -217,3 +219,72 @@ def test_a_persistent_straggler_node_is_evicted_in_place_and_every_sample_trains
         read_sample_log(str(samples)), dataset_size=1024, batch_size=32, max_steps=steps
     )
     assert ledger["world_sizes"] == [1, 2], ledger
+
+
+@pytest.mark.slow
+def test_spare_nodes_take_a_straggler_nodes_and_then_a_killed_nodes_ranks_bitwise(launch, tmp_path):
+    """--spare-nodes 2 --straggler-action replace, four simulated nodes of one rank (the
+    rendezvous store off them): torchrun ranks 0 and 1 train, 2 and 3 stand by. Rank 1 does 3x
+    the others' work before each step's sync: named, then its node's ranks handed to spare rank
+    2. Then rank 0's node is SIGKILLed: spare rank 3 takes its place. Each time the world size
+    stays 2, the spare trains in the lost rank's position with the state of a survivor, torchrun
+    restarts nothing, and the final state is bitwise that of an uninterrupted 2-rank run; the
+    nodes still in the job exit 0 within 30 s of the last step. (Seen failing with the decider's
+    call of a spare left out: the job shrank to one rank, and to none.)"""
+    steps, port, run_id = 400, free_port(), f"spares-{uuid.uuid4().hex[:6]}"
+    ckpt, ev, ref_dir = str(tmp_path / "shared"), str(tmp_path / "ev.jsonl"), str(tmp_path / "ref")
+    ref_args = toy_args(ref_dir, str(tmp_path / "ref.jsonl"), max_steps=steps, every=1000)
+    ref = launch([*ref_args, "--task-option", "step_time=0"], nproc=2, name="ref", plain=True)
+    run = toy_args(ckpt, ev, max_steps=steps, every=100, step_time=0.03)[2:]
+    run += ["--task-option", "slow_rank=1", "--task-option", "slow_factor=3"]
+    run += ["--log-every-seconds", "1", "--replace-in-place", "--max-replacements", "0"]
+    run += ["--spare-nodes", "2", "--straggler-action", "replace"]
+    env = job_env()
+    env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)  # torch's default: the shared store
+    with store_server(port):
+        nodes = []
+        for node in range(4):
+            home = tmp_path / f"host{node}"
+            home.mkdir()
+            args = ["--checkpoint-dir", ckpt, *run]
+            targs = off_node_agent("4", port, run_id)
+            nodes.append(launch(args, torchrun_args=targs, env=env, cwd=str(home), name=f"n{node}"))
+        decided = wait_for_event(ev, lambda e: e["event"] == Event.EVICTION, 150)
+        took = wait_for_event(
+            ev, lambda e: e["event"] == Event.START and e["time"] > decided["time"], 60
+        )
+        assert took.get("took_over") == [[1, 2]], took  # not shrunk: a spare took its place
+        wait_for_event(
+            ev, lambda e: e["event"] == Event.FIRST_STEP and e["time"] > took["time"], 60
+        )
+        (killed,) = [n for n in nodes if 0 in n.workers()]
+        t_kill = time.time()
+        killed.kill()
+        end = wait_for_event(ev, lambda e: e["event"] == Event.END, 120)
+        evicted = next(n for n in nodes if n is not killed and n.proc.poll() is not None)
+        assert evicted.wait(1) != 0  # torchrun exits 1 on the SIGTERM its evicted rank sent
+        for node in nodes:
+            if node not in (killed, evicted):
+                assert node.wait(60) == 0, node.log()[-3000:]
+        assert time.time() - end["time"] < 30
+    assert ref.wait(120) == 0, ref.log()[-3000:]
+
+    events = read_events(ev)
+    (decision,) = [e for e in events if e["event"] == Event.EVICTION]
+    assert (decision["evicted"], decision["action"], decision["ranks"]) == (True, "replace", [1])
+    starts = [e for e in events if e["event"] == Event.START]
+    assert [(e["world_size"], e["restart_count"], e.get("took_over")) for e in starts] == [
+        (2, 0, None),
+        (2, 0, [[1, 2]]),  # spare rank 2 in the straggler's place: its position, its data
+        (2, 0, [[0, 3]]),
+    ], starts
+    assert (
+        starts[2]["time"] > t_kill and starts[2]["began"] == "taken over by a spare node in place"
+    )
+    # The survivors keep their processes: rank 0's through the first takeover, rank 2's after.
+    assert starts[1]["processes"][0] == starts[0]["processes"][0]
+    assert starts[2]["processes"][1] == starts[1]["processes"][1]
+    resumes = [e for e in events if e["event"] == Event.RESUME]
+    assert [e.get("tier") for e in resumes[1:]] == ["live", "live"], resumes
+    print(f"\nspare took the killed node's ranks: training again {starts[2]['time'] - t_kill:.2f}s")
+    assert_bitwise_equal(final_state(ckpt), final_state(ref_dir))

@@ -156,6 +156,7 @@ def test_dismissed_spares_exit_and_are_counted_alive():
 def test_a_stopped_spare_ends_its_wait_and_its_thread():
     """A stop signal (or the agent gone) ends the wait within its poll, and the waiting thread
     is woken and joined: none of ours may be inside a store request at exit (SIGABRT)."""
+
     def ours():
         return {t for t in threading.enumerate() if t.name == "elastictrain-spare-node"}
 
