@@ -286,9 +286,10 @@ class RunConfig:
                 f"--max-replacements must be 0 or more, got {self.max_replacements!r}."
             )
         if self.straggler_action != "report" and not self.replace_in_place:
+            what = {"evict": "drops a node", "replace": "hands a node's ranks to a spare"}
             raise ConfigError(
-                f"--straggler-action {self.straggler_action} moves a node's ranks in place: add "
-                "--replace-in-place, or use --straggler-action report."
+                f"--straggler-action {self.straggler_action} {what[self.straggler_action]} in "
+                "place: add --replace-in-place, or use --straggler-action report."
             )
         if self.spare_nodes != 0 and not _whole(self.spare_nodes):
             raise ConfigError(f"--spare-nodes must be 0 or more, got {self.spare_nodes!r}.")

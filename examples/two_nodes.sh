@@ -7,6 +7,8 @@
 #   NODE=0 bash examples/two_nodes.sh [flags...]                 only node 0 (hosts the rendezvous)
 #   NODE=1 bash examples/two_nodes.sh [flags...]                 only node 1 (e.g. another terminal)
 #   NPROC=2 ...           ranks per node (default 1)
+#   NNODES=3 ...          torchrun's --nnodes (default 1:2): e.g. a third node, started with NODE=2,
+#                         that stands by with --replace-in-place --spare-nodes 1 (docs/multinode.md)
 #   RDZV_OFF_NODE=1 ...   no node hosts the rendezvous store: it runs at 127.0.0.1:$PORT off the
 #                         training nodes (a store server, or etcd), so a frozen node never holds
 #                         it (docs/faults.md)
@@ -26,7 +28,7 @@ export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
 RDZV_CONF="last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=3"
 
 node() {  # $1: the node (0 hosts the rendezvous store); the rest: elastictrain flags
-  local cmd=(torchrun --nnodes=1:2 --nproc_per_node="${NPROC:-1}" --max-restarts="${MAX_RESTARTS:-3}"
+  local cmd=(torchrun --nnodes="${NNODES:-1:2}" --nproc_per_node="${NPROC:-1}" --max-restarts="${MAX_RESTARTS:-3}"
     --rdzv-backend=c10d --rdzv-endpoint="127.0.0.1:${PORT}" --rdzv-id="${RUN_ID}"
     --rdzv-conf="${RDZV_CONF},is_host=$([[ $1 == 0 && -z ${RDZV_OFF_NODE:-} ]] && echo 1 || echo 0)"
     -m elastictrain --checkpoint-dir "${CKPT}" "${@:2}")

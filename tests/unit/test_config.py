@@ -69,6 +69,12 @@ def test_flags_parse():
             "--straggler-action evict drops a node in place: add --replace-in-place",
         ),
         (["--min-nodes", "0"], "--min-nodes must be 1 or more, got 0"),
+        (["--spare-nodes", "-1"], "--spare-nodes must be 0 or more, got -1"),
+        (["--spare-nodes", "1"], "--spare-nodes 1: a spare node takes .* add --replace-in-place"),
+        (
+            ["--replace-in-place", "--straggler-action", "replace"],
+            "--straggler-action replace hands .* add --spare-nodes N",
+        ),
         (["--max-evictions-per-hour", "-1"], "--max-evictions-per-hour must be 0 or more"),
     ],
 )

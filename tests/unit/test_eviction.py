@@ -102,3 +102,22 @@ def test_the_node_serving_the_jobs_store_is_never_evicted():
     assert _decide(policy, [_slow(1)], events, store_nodes=[0]) is None
     assert "serves the job's rendezvous store" in events.emitted[-1]["refused"]
     assert _decide(policy, [_slow(2)], events, store_nodes=[0]).node == 1
+
+
+def test_replace_needs_a_spare_standing_by_and_a_spare_keeps_the_node_count():
+    """``replace`` never shrinks the job: with no spare node standing by it is refused (and
+    recorded). With one, an eviction leaves the training nodes as many as before, so the floor
+    that refused a shrink lets it through. Seen failing with each rule taken out."""
+    events = Events()
+    alone = EvictionPolicy(min_nodes=1, per_hour=5, store=None, run_id="r", action="replace")
+    assert _decide(alone, [_slow(0)], events) is None
+    assert "no spare node stands by" in events.emitted[-1]["refused"]
+    spared = EvictionPolicy(
+        min_nodes=3, per_hour=5, store=None, run_id="r", action="replace", spares=1
+    )
+    eviction = _decide(spared, [_slow(0)], events)
+    assert eviction is not None and (eviction.action, eviction.spares) == ("replace", 1)
+    assert events.emitted[-1]["evicted"] and events.emitted[-1]["action"] == "replace"
+    assert "(--straggler-action replace), a spare node takes its ranks" in eviction.describe()
+    shrink = EvictionPolicy(min_nodes=3, per_hour=5, store=None, run_id="r", spares=0)
+    assert _decide(shrink, [_slow(0)], events) is None  # evict, no spare: below the floor
