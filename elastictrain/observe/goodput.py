@@ -15,7 +15,11 @@ From the attempts ``timeline`` builds (each ``start`` event begins one):
 - **redone steps**: steps the next attempt trained again (from its resume step to the highest step
   the failed one reported), at the failed attempt's own step time;
 - **checkpoint blocking**: the training time each committed checkpoint held the loop
-  (``blocked_s``).
+  (``blocked_s``);
+- **stragglers**: while a rank is a named straggler (from the report its streak of slow reports
+  began at to the one it recovered at, or its attempt's end: an eviction ends it), the steps of
+  each report's interval times its median work before the step's first sync over the others'
+  median: every synchronous rank waited that long on it each step.
 
 What is left of the wall time is time in steps that count. Step events are periodic, so the
 highest step an attempt reported is a lower bound of what it trained: redone steps are a lower
@@ -31,7 +35,15 @@ from dataclasses import dataclass, field
 from elastictrain.observe.history import merge_lines
 from elastictrain.observe.timeline import Attempt, Timeline, build_timeline
 
-CAUSES = ("start-up", "detection", "replacement", "restart", "redone steps", "checkpoint blocking")
+CAUSES = (
+    "start-up",
+    "detection",
+    "replacement",
+    "restart",
+    "redone steps",
+    "checkpoint blocking",
+    "stragglers",
+)
 
 
 @dataclass(frozen=True)
@@ -76,6 +88,7 @@ def goodput(timeline: Timeline, until: float | None = None) -> Goodput:
         if a.trained_at is not None:
             lost["start-up"] += a.trained_at - a.start
         lost["checkpoint blocking"] += sum(float(c.get("blocked_s") or 0) for c in a.checkpoints)
+        lost["stragglers"] += _straggler_s(a)
     for a, nxt in timeline.restarts:
         redone = a.last_step - nxt.resumed_step if nxt.resumed else 0
         lost["redone steps"] += max(0, redone) * _step_s(a)
@@ -113,3 +126,26 @@ def _step_s(a: Attempt) -> float:
         if s1 > s0 and t1 > t0
     ]
     return statistics.median(rates) if rates else 0.0
+
+
+def _straggler_s(a: Attempt) -> float:
+    """Seconds every rank of ``a`` waited on its named stragglers (the module's doc)."""
+    steps = [step for step, _ in a.work]
+    lost = 0.0
+    for named in (e for e in a.stragglers if e.get("slow") and e.get("step") in steps):
+        rank, at = int(named["rank"]), steps.index(named["step"])
+        first = max(0, at - int(named.get("reports") or 1) + 1)
+        recovered = [
+            steps.index(e["step"])
+            for e in a.stragglers
+            if e.get("rank") == rank and not e.get("slow") and e.get("step") in steps[at + 1 :]
+        ]
+        last = recovered[0] - 1 if recovered else len(steps) - 1
+        for k in range(first, last + 1):
+            medians = a.work[k][1]
+            others = [m for r, m in enumerate(medians) if r != rank]
+            if rank >= len(medians) or not others:
+                continue
+            since = steps[k - 1] if k > 0 else a.resumed_step
+            lost += max(0.0, medians[rank] - statistics.median(others)) * max(0, steps[k] - since)
+    return lost

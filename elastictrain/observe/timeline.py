@@ -64,6 +64,11 @@ class Attempt:
     """(time, each rank's straggler score) from the periodic ``stragglers`` events."""
     stragglers: list[dict[str, Any]] = field(default_factory=list)
     """The ``straggler`` events: a rank named persistently slow, or no longer slow."""
+    work: list[tuple[int, list[float]]] = field(default_factory=list)
+    """(step, each rank's median work before the step's first sync) from the ``stragglers``
+    events: what a straggler cost every rank (``goodput``)."""
+    evictions: list[dict[str, Any]] = field(default_factory=list)
+    """The ``eviction`` events that took a node out (``evicted``): the next epoch began by one."""
     processes: list[list[Any]] | None = None
     """Each rank's training process, [host, pid], from the ``start`` event."""
     began: str = "fresh start"
@@ -177,8 +182,13 @@ def _add_record(a: Attempt, kind: str | None, t: float, e: dict[str, Any]) -> No
         ranks = e.get("ranks", [])
         if ranks and all("score" in r for r in ranks):  # logs before issue 46 have none
             a.scores.append((t, [float(r["score"]) for r in ranks]))
+        if ranks and isinstance(step, int) and all("median_s" in r for r in ranks):
+            a.work.append((step, [float(r["median_s"]) for r in ranks]))
     elif kind == Event.STRAGGLER:
         a.stragglers.append(e)
+    elif kind == Event.EVICTION:
+        if e.get("evicted"):
+            a.evictions.append(e)
     else:
         _add_ending(a, kind, e)
 
@@ -239,7 +249,9 @@ def _began(before: Attempt, a: Attempt) -> str:
         size = (
             f", {before.world_size} -> {a.world_size}" if a.world_size != before.world_size else ""
         )
-        return f"{a.in_place['began']}: rank {', '.join(map(str, ranks))}{size}"
+        # An eviction is a straggler's node taken out on purpose, not a failure: said apart.
+        why = "a straggler's node evicted, " if before.evictions else ""
+        return f"{why}{a.in_place['began']}: rank {', '.join(map(str, ranks))}{size}"
     if a.world_size != before.world_size:
         grew = "grown" if a.world_size > before.world_size else "shrunk"
         return f"{grew} {before.world_size} -> {a.world_size}"

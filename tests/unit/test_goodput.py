@@ -41,6 +41,7 @@ def test_lost_time_by_cause_and_the_effective_ratio_from_one_kill_and_restart():
             "restart": 2.5,  # to the next start event
             "redone steps": 1.0,  # steps 21-30 again, at attempt 0's 0.1 s a step
             "checkpoint blocking": 0.3,
+            "stragglers": 0.0,  # no rank named
         }
     )
     assert g.ratio == pytest.approx((20 - 7.3) / 20)
@@ -90,3 +91,46 @@ def test_an_in_place_recovery_is_its_own_cause_from_its_own_record():
     assert first.outcome == Outcome.LOST and second.began == "replaced in place: rank 1"
     assert second.stall_s == pytest.approx(0.4)
     assert "(replaced in place: rank 1; stall 0.40s)" in summary(timeline)
+
+
+def _work(step: int, time: float, medians: list[float]) -> dict:
+    ranks = [{"rank": r, "median_s": m, "score": 1.0} for r, m in enumerate(medians)]
+    return {"event": Event.STRAGGLERS, "time": time, "step": step, "ranks": ranks}
+
+
+def test_a_straggler_costs_its_excess_work_on_every_step_from_its_streaks_start_to_its_eviction():
+    """Three ranks, reports every 10 steps; rank 2's work before the sync is 0.05 s against the
+    others' 0.01 from the report at step 20 on. Named at step 40 after 3 slow reports (20, 30,
+    40), evicted there, its node taken over by a spare. Lost to it: (0.05 - 0.01) s x the 30 steps
+    from step 10 to 40 = 1.2 s, a cause of its own; the next epoch says it began by an eviction.
+    (Seen failing with the streak not counted back: 0.4 s.)"""
+    events = [
+        {"event": Event.START, "time": 0.0, "world_size": 3},
+        {"event": Event.RESUME, "time": 0.5, "step": 0, "fresh": True},
+        {"event": Event.FIRST_STEP, "time": 1.0, "step": 1},
+        _work(10, 2.0, [0.01, 0.01, 0.01]),
+        _work(20, 3.0, [0.01, 0.011, 0.05]),
+        _work(30, 4.5, [0.01, 0.009, 0.05]),
+        _work(40, 6.0, [0.01, 0.01, 0.05]),
+        {"event": Event.STRAGGLER, "time": 6.0, "step": 40, "rank": 2, "slow": True, "reports": 3},
+        {"event": Event.EVICTION, "time": 6.0, "step": 40, "evicted": True, "ranks": [2]},
+        {
+            "event": Event.START,
+            "time": 6.3,
+            "world_size": 3,
+            "began": "taken over by a spare node in place",
+            "replaced_ranks": [2],
+            "failed_at": 6.0,
+            "detected_s": 0.0,
+        },
+        {"event": Event.RESUME, "time": 6.4, "step": 40, "tier": "live"},
+        {"event": Event.FIRST_STEP, "time": 6.5, "step": 41},
+        _work(50, 7.0, [0.01, 0.01, 0.01]),
+        {"event": Event.END, "time": 8.0, "step": 60},
+    ]
+    timeline = build_timeline(events)
+    g = goodput(timeline)
+    assert g.lost_s["stragglers"] == pytest.approx(0.04 * 30)
+    assert timeline.attempts[1].began == (
+        "a straggler's node evicted, taken over by a spare node in place: rank 2"
+    )
