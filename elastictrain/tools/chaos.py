@@ -9,6 +9,8 @@ sessions of their own, so a process group would miss them.
 Faults:
   kill-worker  SIGKILL one worker (an OOM kill, a segfault)
   stop-worker  SIGSTOP one worker (a hung rank); it is sent SIGCONT when the job ends
+  slow-worker  slow one worker by --slow-factor (a throttled device or CPU, a noisy neighbour): it
+               is stopped for 1 - 1/F of every 100 ms until the job ends; alive, only slow
   term-agent   SIGTERM the torchrun agent (a preemption by SLURM or Kubernetes)
   kill-node    SIGKILL the agent and every process under it (a node lost)
   kill-agent   SIGKILL only the agent, orphaning its workers (the agent OOM-killed)
@@ -23,12 +25,14 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 from typing import IO
 
 from elastictrain import knobs
 
-FAULTS = ("kill-worker", "stop-worker", "term-agent", "kill-node", "kill-agent")
+FAULTS = ("kill-worker", "stop-worker", "slow-worker", "term-agent", "kill-node", "kill-agent")
+SLOW_PERIOD_S = 0.1  # short next to a step's work, long next to the kernel's scheduling
 
 
 def _children_map() -> dict[int, list[int]]:
@@ -97,6 +101,37 @@ def signal_all(pids: list[int], sig: int) -> None:
             os.kill(pid, sig)
 
 
+class Throttle:
+    """A process slowed ``factor`` times from outside: stopped (SIGSTOP) for ``1 - 1/factor`` of
+    every ``period_s`` and continued for the rest, from a thread, until :meth:`stop` (which leaves
+    it running) or its exit. Its heartbeat thread is slowed with it, never silent for long."""
+
+    def __init__(self, pid: int, factor: float, period_s: float = SLOW_PERIOD_S) -> None:
+        self.pid, self.running_s = pid, period_s / factor
+        self.stopped_s = period_s - self.running_s
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="chaos-throttle", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            while not self._done.is_set():
+                os.kill(self.pid, signal.SIGCONT)
+                if self._done.wait(self.running_s):
+                    break
+                os.kill(self.pid, signal.SIGSTOP)
+                self._done.wait(self.stopped_s)
+        except ProcessLookupError:  # it exited: nothing left to slow
+            return
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGCONT)
+
+    def stop(self) -> None:
+        self._done.set()
+        self._thread.join()
+
+
 class Chaos:
     """One job and the faults injected into it."""
 
@@ -111,8 +146,10 @@ class Chaos:
         seed: int,
         log: IO[bytes],
         out: IO[str] = sys.stdout,
+        slow_factor: float = 2.0,
     ) -> None:
         self.command, self.faults, self.first_s, self.gap_s = command, faults, first_s, gap_s
+        self.slow_factor, self.throttles = slow_factor, []
         self.timeout_s, self.seed, self.log, self.out = timeout_s, seed, log, out
         self.rng = random.Random(seed)
         self.injected: list[tuple[float, str, int]] = []
@@ -123,12 +160,15 @@ class Chaos:
 
     def inject(self, fault: str, agent: int) -> int | None:
         """Inject ``fault``; the pid it hit, or None when there was nothing to hit yet."""
-        if fault in ("kill-worker", "stop-worker"):
+        if fault in ("kill-worker", "stop-worker", "slow-worker"):
             workers = children(agent)
             if not workers:
                 return None
             target = _training_process(self.rng.choice(workers))
-            signal_all([target], signal.SIGKILL if fault == "kill-worker" else signal.SIGSTOP)
+            if fault == "slow-worker":
+                self.throttles.append(Throttle(target, self.slow_factor))
+            else:
+                signal_all([target], signal.SIGKILL if fault == "kill-worker" else signal.SIGSTOP)
             return target
         if fault == "kill-node":
             signal_all([*descendants(agent), agent], signal.SIGKILL)
@@ -168,6 +208,8 @@ class Chaos:
             leftovers = sorted(p for p in set(descendants(job.pid)) | alive if not _zombie(p))
             if code is None:
                 self.say(f"timeout after {self.timeout_s:.0f}s: killing the job")
+            for throttle in self.throttles:
+                throttle.stop()
             signal_all(stopped, signal.SIGCONT)
             signal_all(leftovers + ([job.pid] if code is None else []), signal.SIGKILL)
             if code is None:
@@ -196,6 +238,11 @@ def main(argv: list[str]) -> int:
     except ValueError:
         print(f"error: --gap {args.gap!r}: use A:B seconds, e.g. 4:8", file=sys.stderr)
         return 2
+    if args.slow_factor <= 1:
+        print(
+            f"error: --slow-factor {args.slow_factor:g}: use more than 1, e.g. 2", file=sys.stderr
+        )
+        return 2
     kinds = args.fault or ["kill-worker"]
     faults = [kinds[i % len(kinds)] for i in range(args.faults)]
     seed = args.seed if args.seed is not None else int(time.time())
@@ -208,6 +255,7 @@ def main(argv: list[str]) -> int:
             timeout_s=args.timeout,
             seed=seed,
             log=log,
+            slow_factor=args.slow_factor,
         ).run()
     print(f"job output: {args.log}")
     return 0 if code == 0 else 1
@@ -246,6 +294,13 @@ def _parser() -> argparse.ArgumentParser:
         default=600.0,
         metavar="S",
         help="kill everything after S seconds (default 600)",
+    )
+    p.add_argument(
+        "--slow-factor",
+        type=float,
+        default=2.0,
+        metavar="F",
+        help="how many times slower slow-worker makes its worker (default 2; more than 1)",
     )
     p.add_argument("--seed", type=int, help="random seed, to replay a run")
     p.add_argument(

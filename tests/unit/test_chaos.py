@@ -1,0 +1,38 @@
+"""elastictrain.tools.chaos's slow-worker fault: a process slowed from outside, stopped and
+continued in turn, and left running when the job ends."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+
+from elastictrain.inplace.supervisor import _state
+from elastictrain.tools.chaos import Throttle
+
+
+def test_a_throttled_process_is_stopped_and_continued_in_turn_and_left_running():
+    """Seen failing with the SIGSTOP left out (never stopped) and with the final SIGCONT left out
+    (stopped for good after ``stop``)."""
+    proc = subprocess.Popen(["sleep", "30"])
+    try:
+        throttle = Throttle(proc.pid, factor=2.0, period_s=0.05)
+        seen = set()
+        deadline = time.monotonic() + 10
+        while not ("T" in seen and "S" in seen) and time.monotonic() < deadline:
+            seen.add(_state(proc.pid))
+            time.sleep(0.003)
+        throttle.stop()
+        assert {"T", "S"} <= seen
+        time.sleep(0.05)
+        assert _state(proc.pid) in ("S", "R")  # sleeping again, not stopped
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_throttle_ends_by_itself_when_its_process_exits():
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    throttle = Throttle(proc.pid, factor=3.0)
+    throttle._thread.join(5)
+    assert not throttle._thread.is_alive()
