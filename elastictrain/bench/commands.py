@@ -78,6 +78,12 @@ def _storage_options(benches: dict[str, argparse.ArgumentParser]) -> None:
         "next completed step in both modes",
     )
     benches["recovery"].add_argument(
+        "--spares",
+        action="store_true",
+        help="with --in-place: the node kill once more with a spare node standing by (3 "
+        "simulated nodes, --spare-nodes 1): its ranks take the lost node's places",
+    )
+    benches["recovery"].add_argument(
         "--parallel",
         choices=("ddp", "fsdp", "hsdp"),
         default="ddp",
@@ -204,7 +210,9 @@ def main(argv: list[str]) -> int:
                 f"bench recovery --parallel {args.parallel} sets the layout of the --in-place "
                 "job; add --in-place (the 2-rank restart bench is DDP's)."
             )
-        return bench.main(args.size, args.json, args.in_place, args.parallel)
+        if args.spares and not args.in_place:
+            raise ConfigError("bench recovery --spares is a case of --in-place: add --in-place.")
+        return bench.main(args.size, args.json, args.in_place, args.parallel, args.spares)
     if args.bench == "tiers":
         return bench.main(
             args.size,

@@ -9,6 +9,9 @@ the survivors' next step at the smaller world size. Restart-all, a second job of
 rank 1's worker SIGKILLed, then node 1, the same two figures. Every figure is read from the job's
 event log (``first_step`` after the kill, against the kill's wall-clock time).
 
+``--spares``: the node kill once more, in place with a spare node standing by (three simulated
+nodes, ``--spare-nodes 1``): the spare's ranks take the lost node's places at the same world size.
+
 ``--parallel hsdp|fsdp``: the same job sharded (HSDP 2x2, a replica per node; FSDP over all 4
 ranks), each node's memory tier in a folder of its own with a copy every 10 steps. Each figure
 also says where the state came from (``live``: the survivors' memory; ``fast``: node memory's
@@ -42,12 +45,14 @@ NPROC = 2  # ranks per simulated node
 _RDZV_CONF = "last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=3"
 
 
-def _node_command(node: int, port: int, run_id: str, args: list[str]) -> list[str]:
+def _node_command(
+    node: int, port: int, run_id: str, args: list[str], nodes: str = "1:2"
+) -> list[str]:
     return [
         sys.executable,
         "-m",
         "torch.distributed.run",
-        "--nnodes=1:2",
+        f"--nnodes={nodes}",
         f"--nproc_per_node={NPROC}",
         "--max-restarts=3",
         "--rdzv-backend=c10d",
@@ -65,9 +70,9 @@ def _free_port() -> int:
 
 
 class _TwoNodes:
-    """Two torchrun agents of one job, each in a session of its own."""
+    """Two (``count``) torchrun agents of one job, each in a session of its own."""
 
-    def __init__(self, workdir: str, name: str, args: list[str]) -> None:
+    def __init__(self, workdir: str, name: str, args: list[str], count: int = 2) -> None:
         """``args``: the job's; ``{node}`` in one is the node's number (its own tier folder)."""
         port, run_id = _free_port(), f"{name}-{os.getpid()}"
         # A store of its own per attempt: the agents' shared one can hand a restarted group the
@@ -81,9 +86,11 @@ class _TwoNodes:
                 [],
                 os.path.join(workdir, f"{name}-node{n}.log"),
                 env,
-                command=_node_command(n, port, run_id, [a.format(node=n) for a in args]),
+                command=_node_command(
+                    n, port, run_id, [a.format(node=n) for a in args], f"{count - 1}:{count}"
+                ),
             )
-            for n in (0, 1)
+            for n in range(count)
         ]
 
     def log(self) -> str:
@@ -214,11 +221,35 @@ def measure(
     }
 
 
-def run(workdir: str, size: int, parallel: str = "ddp") -> dict[str, Any]:
+def measure_spare(workdir: str, size: int, parallel: str = "ddp") -> dict[str, Any]:
+    """The node kill again, with a spare node standing by (``--spare-nodes 1``): three simulated
+    nodes of ``NPROC``, two training. The node killed is a training one that does not host the
+    rendezvous store (node 0's agent does); its ranks' places go to the spare's."""
+    name = f"{parallel}-spare"
+    ckpt, ev = os.path.join(workdir, f"ckpt-{name}"), os.path.join(workdir, f"{name}.jsonl")
+    args = [*_args(ckpt, ev, size, True, parallel), "--spare-nodes", "1"]
+    job = _TwoNodes(workdir, name, [*args, "--max-replacements", "0"], count=3)
+    watch = job.nodes[0]
+    try:
+        wait_for(lambda: _checkpoint_at_full_size(ev), 240, "a checkpoint at 4 ranks", watch)
+        if parallel != "ddp":
+            wait_for(lambda: _copies_since_start(ev) >= 2, 180, "two copies", watch)
+        time.sleep(1.0)
+        training = [n for n in (1, 2) if min(job.nodes[n].workers(), default=99) < 2 * NPROC]
+        t_kill = time.time()
+        job.kill_node(training[0])
+        first, start, resume = _first_step_after(ev, t_kill, watch)
+    finally:
+        job.stop()
+    return {**_figure(first, start, resume, t_kill), "took_over": start.get("took_over")}
+
+
+def run(workdir: str, size: int, parallel: str = "ddp", spares: bool = False) -> dict[str, Any]:
     return {
         "parallel": parallel,
         "in_place": measure(workdir, size, True, parallel=parallel),
         "restart_all": measure(workdir, size, False, parallel=parallel),
+        **({"spare": measure_spare(workdir, size, parallel)} if spares else {}),
     }
 
 
@@ -244,6 +275,9 @@ def table(r: dict[str, Any]) -> str:
     lines.append(
         f"| {'a node (2 ranks)':<34} | {cell(ip['node_kill']):>24} | {cell(ra['node_kill']):>24} |"
     )
+    if "spare" in r:
+        spare = r["spare"]
+        lines.append(f"| {'a node, a spare node standing by':<34} | {cell(spare):>24} | {'':>24} |")
     parts = ", ".join(
         f"{what} {statistics.median(k[key] for k in ip['rank_kills']):.3f} s"
         for what, key in (
@@ -253,7 +287,7 @@ def table(r: dict[str, Any]) -> str:
         )
     )
     lines.append(f"in place, a rank's kill (medians): {parts}")
-    every = [*ip["rank_kills"], ip["node_kill"]]
+    every = [*ip["rank_kills"], ip["node_kill"], *([r["spare"]] if "spare" in r else [])]
     lines.append(
         f"in place: torchrun restarts {max(k['restart_count'] for k in every)}; resumed from "
         f"{', '.join(sorted({k['tier'] for k in every}))}; steps redone per recovery "

@@ -154,11 +154,13 @@ def measure_bare(workdir: str) -> dict[str, float]:
     }
 
 
-def run(size: int, in_place: bool = False, parallel: str = "ddp") -> dict[str, Any]:
+def run(
+    size: int, in_place: bool = False, parallel: str = "ddp", spares: bool = False
+) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as workdir:
         ours = measure_elastictrain(workdir, size)
         bare = measure_bare(workdir)
-        replaced = bench_in_place.run(workdir, size, parallel) if in_place else None
+        replaced = bench_in_place.run(workdir, size, parallel, spares) if in_place else None
     budget = bare["total_s"] + ours["checkpoint_bytes"] / (ours["read_gbps"] * 1e9)
     return {
         "elastictrain": ours,
@@ -199,7 +201,9 @@ def table(r: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main(size: int, as_json: bool, in_place: bool = False, parallel: str = "ddp") -> int:
-    result = run(size, in_place, parallel)
+def main(
+    size: int, as_json: bool, in_place: bool = False, parallel: str = "ddp", spares: bool = False
+) -> int:
+    result = run(size, in_place, parallel, spares)
     print(json.dumps(result, indent=1) if as_json else table(result))
     return 0
