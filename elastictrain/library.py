@@ -38,8 +38,10 @@ from elastictrain.cluster.groups import pick_device
 from elastictrain.config import check_silent_timeout
 from elastictrain.errors import EXIT_INIT_TIMEOUT, ConfigError
 from elastictrain.inplace import epoch_end, recovering, supervisor
-from elastictrain.inplace.driver import EpochDriver, EpochSettings, warm_spare
+from elastictrain.inplace.driver import EpochDriver
+from elastictrain.inplace.epoch import EpochSettings
 from elastictrain.inplace.members import LiveState
+from elastictrain.inplace.spares import warm_spare
 from elastictrain.inplace.states import EpochState
 
 logger = logging.getLogger(__name__)

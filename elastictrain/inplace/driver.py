@@ -26,6 +26,7 @@ from elastictrain.cluster.env import DistEnv
 from elastictrain.cluster.groups import ProcessGroups, init_process_groups, shutdown
 from elastictrain.cluster.liveness import Liveness
 from elastictrain.inplace import agreement, members, spares, supervisor
+from elastictrain.inplace.epoch import Epoch, EpochSettings
 from elastictrain.inplace.epoch_end import EpochEnd, prepare_nccl
 from elastictrain.inplace.members import LiveState
 from elastictrain.inplace.states import EpochState, EpochStates, Transition
@@ -34,52 +35,6 @@ from elastictrain.observe.events import Event
 logger = logging.getLogger(__name__)
 
 S = EpochState
-
-
-@dataclass(frozen=True)
-class EpochSettings:
-    """The bounds of every epoch, by the names the user set them with (``flags``)."""
-
-    replace_in_place: bool
-    init_timeout: float
-    collective_timeout: float
-    checkpoint_timeout: float
-    replace_wait: float
-    replace_timeout: float
-    silent_timeout: float
-    beat_s: float
-    init_flag: str = "--init-timeout"
-    replace_flag: str = "--replace-timeout"
-
-
-@dataclass
-class Epoch:
-    """The membership epoch this process is in, once formed."""
-
-    env: DistEnv
-    """This epoch's identity of the rank: its rank among the members, the members' count."""
-    members: list[int]
-    """The epoch's torchrun ranks, in its rank order."""
-    groups: ProcessGroups
-    liveness: Liveness
-    end: EpochEnd | None
-    """Its end: fails its collectives when announced or when a member is silent (in place)."""
-    carry: LiveState | None = None
-    """A survivor's state from the epoch before."""
-    died_at: float | None = None
-    """A replacement's first epoch: when the death it replaces was seen."""
-    took_over: list[list[int]] = dataclasses.field(default_factory=list)
-    """``[lost, spare]`` torchrun ranks: a spare node's rank in a lost one's place
-    (``inplace.spares``)."""
-
-    @property
-    def in_place(self) -> bool:
-        return self.carry is not None or self.died_at is not None
-
-    @property
-    def dropped(self) -> list[int]:
-        """The epoch before's members not back (a lost node), by torchrun rank."""
-        return sorted(set(self.carry.members) - set(self.members)) if self.carry else []
 
 
 @dataclass
@@ -190,7 +145,10 @@ class EpochDriver:
             if died_at is None:
                 return died_at if self.go(died_at) else None
         if standby is not None:
-            self._called = self._stand_by(standby(), stop)
+            place, timeout_s = standby(), self.settings.replace_timeout
+            self._called = place.stand_by(
+                lambda nonce: members.decided(place.store, nonce, self.env.rank, timeout_s), stop
+            )
             if self._called is None:
                 self.states.to(S.DONE, "the spare node was dismissed (the job finished) or stopped")
                 return None
@@ -198,34 +156,6 @@ class EpochDriver:
             self.states.to(S.GATHERING, f"called to take rank {call.stands_for}'s place")
             return call.at
         return died_at if self.go(died_at) else None
-
-    def _stand_by(
-        self, standby: spares.Standby, stop: Callable[[], bool]
-    ) -> tuple[spares.Call, list[int]] | None:
-        """A spare node's rank: until a decider gives it a lost rank's place (the call and the
-        next epoch's members), or None. A call whose epoch went on without it (it answered after
-        the decider gave up on its node) leaves it standing by."""
-        while True:
-            standby.register()
-            logger.info(
-                "spare node's rank %d ready (pid %d): standing by for a lost node",
-                self.env.rank,
-                os.getpid(),
-            )
-            call = standby.wait(stop)
-            if call is None:
-                return None
-            found = members.decided(
-                standby.store, call.nonce, self.env.rank, self.settings.replace_timeout
-            )
-            if self.env.rank in found:
-                return call, found
-            logger.warning(
-                "rank %d: called to stand in for rank %d, but the epoch went on without this "
-                "spare; standing by again",
-                self.env.rank,
-                call.stands_for,
-            )
 
     def go(self, died_at: float | None) -> bool:
         """A spare, its wait over: True to stand in for a death seen at ``died_at``."""
@@ -439,15 +369,3 @@ class EpochDriver:
                 epoch.end.close(wait=wait)
             epoch.liveness.stop(wait=wait)
         self.steps.shutdown()  # also what a failed forming left behind
-
-
-def warm_spare(make_optimizer: Callable[[], Any] | None = None) -> None:
-    """A spare, before it waits: pay now what a replacement's first epoch would: DDP's import,
-    and the first optimizer's construction (it imports torch._dynamo: most of a start's build
-    time). ``make_optimizer``: the task's first optimizer (the runner); else a throwaway one."""
-    from torch.nn.parallel import DistributedDataParallel  # noqa: F401
-
-    if make_optimizer is not None:
-        make_optimizer()
-    else:
-        torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)

@@ -28,13 +28,16 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import threading
 import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from elastictrain.cluster.env import DistEnv
@@ -178,6 +181,33 @@ class Standby:
             return None
         return Call(called["nonce"], int(called["for"]), float(called["at"]))
 
+    def stand_by(
+        self, decided: Callable[[str], list[int]], stop: Callable[[], bool]
+    ) -> tuple[Call, list[int]] | None:
+        """Until a decider gives this rank a lost rank's place: the call and the next epoch's
+        members (``decided``: the epoch after a nonce's, once written), or None (dismissed,
+        stopped). A call whose epoch went on without it (it answered after the decider gave up
+        on its node) leaves it standing by."""
+        while True:
+            self.register()
+            logger.info(
+                "spare node's rank %d ready (pid %d): standing by for a lost node",
+                self.rank,
+                os.getpid(),
+            )
+            call = self.wait(stop)
+            if call is None:
+                return None
+            found = decided(call.nonce)
+            if self.rank in found:
+                return call, found
+            logger.warning(
+                "rank %d: called to stand in for rank %d, but the epoch went on without this "
+                "spare; standing by again",
+                self.rank,
+                call.stands_for,
+            )
+
 
 def _standing_by(store: dist.Store, ranks: list[int]) -> list[str] | None:
     """The tokens of a spare node's ranks, if every one is registered and none is called yet."""
@@ -262,3 +292,15 @@ def dismiss(store: dist.Store, spares: SpareNodes, *, answer_s: float) -> int:
     for tokens in waiting:
         alive += _answered(store, tokens, max(0.001, deadline - time.monotonic()))
     return alive
+
+
+def warm_spare(make_optimizer: Callable[[], Any] | None = None) -> None:
+    """A spare, before it waits: pay now what a replacement's first epoch would: DDP's import,
+    and the first optimizer's construction (it imports torch._dynamo: most of a start's build
+    time). ``make_optimizer``: the task's first optimizer (the runner); else a throwaway one."""
+    from torch.nn.parallel import DistributedDataParallel  # noqa: F401
+
+    if make_optimizer is not None:
+        make_optimizer()
+    else:
+        torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)

@@ -27,9 +27,10 @@ from elastictrain.config import RunConfig
 from elastictrain.errors import EXIT_INIT_TIMEOUT, EXIT_PREEMPTED, Preempted
 from elastictrain.inplace import epoch_end, supervisor
 from elastictrain.inplace.agreement import EpochStart
-from elastictrain.inplace.driver import Epoch, EpochDriver, EpochSettings, warm_spare
+from elastictrain.inplace.driver import EpochDriver
+from elastictrain.inplace.epoch import Epoch, EpochSettings
 from elastictrain.inplace.members import LiveState, PeerLost
-from elastictrain.inplace.spares import SpareNodes, Standby
+from elastictrain.inplace.spares import SpareNodes, Standby, warm_spare
 from elastictrain.observe.events import LastWords
 from elastictrain.observe.logs import setup_logging
 from elastictrain.observe.terminal import STATUS

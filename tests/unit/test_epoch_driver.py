@@ -21,7 +21,8 @@ from elastictrain.cluster.groups import ProcessGroups
 from elastictrain.cluster.handshake import handshake
 from elastictrain.errors import InitTimeoutError, RecurringFailureError, StoreSilentError
 from elastictrain.inplace import members
-from elastictrain.inplace.driver import EpochDriver, EpochSettings, Steps
+from elastictrain.inplace.driver import EpochDriver, Steps
+from elastictrain.inplace.epoch import EpochSettings
 from elastictrain.inplace.members import LiveState
 from elastictrain.inplace.states import TRANSITIONS, EpochState, EpochStates, TransitionError
 
