@@ -9,8 +9,9 @@ sessions of their own, so a process group would miss them.
 Faults:
   kill-worker  SIGKILL one worker (an OOM kill, a segfault)
   stop-worker  SIGSTOP one worker (a hung rank); it is sent SIGCONT when the job ends
-  slow-worker  slow one worker by --slow-factor (a throttled device or CPU, a noisy neighbour): it
-               is stopped for 1 - 1/F of every 100 ms until the job ends; alive, only slow
+  slow-worker  slow one worker by --slow-factor (a throttled CPU, a noisy neighbour): it is stopped
+               for 1 - 1/F of every 20 ms until the job ends; alive, only slow. It slows the
+               worker's own computation, not its sleeps or its GPU's kernels
   term-agent   SIGTERM the torchrun agent (a preemption by SLURM or Kubernetes)
   kill-node    SIGKILL the agent and every process under it (a node lost)
   kill-agent   SIGKILL only the agent, orphaning its workers (the agent OOM-killed)
@@ -32,7 +33,7 @@ from typing import IO
 from elastictrain import knobs
 
 FAULTS = ("kill-worker", "stop-worker", "slow-worker", "term-agent", "kill-node", "kill-agent")
-SLOW_PERIOD_S = 0.1  # short next to a step's work, long next to the kernel's scheduling
+SLOW_PERIOD_S = 0.02  # shorter than a step: each step is stretched, not some stopped whole
 
 
 def _children_map() -> dict[int, list[int]]:
