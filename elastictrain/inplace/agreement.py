@@ -91,11 +91,13 @@ def agree(
     rank: int,
     members: list[int] | None = None,
     dropped: list[int] = (),
+    took_over: list[list[int]] = (),
     collectives: Any = leaf_collectives,
 ) -> EpochStart:
     """Every rank, at the start of every epoch: one small all-gather says who survived with what
     and who is a replacement. ``members``: the epoch's torchrun ranks, in its rank order;
-    ``dropped``: the failed epoch's members not back. Rank 0 also asks the job's store whether a
+    ``dropped``: the failed epoch's members not back; ``took_over``: ``[lost, spare]`` pairs, a
+    spare node's rank in a lost one's place (a newcomer, not a death of its own). Rank 0 also asks the job's store whether a
     failure recurs (a process of the same torchrun rank lost at the same step before, in this
     job): that ends the job with a clear error on every rank, since going on would repeat it."""
     mine = (
@@ -126,7 +128,9 @@ def agree(
         receivers=tuple(r for r, s in enumerate(steps) if s != newest),
     )
     members = members if members is not None else list(range(len(everyone)))
-    lost = sorted({members[r] for r in replaced} | set(dropped)) if newest >= 0 else []
+    spares = {spare for _, spare in took_over}
+    died = {members[r] for r in replaced} - spares  # a spare taking a place did not die
+    lost = sorted(died | set(dropped)) if newest >= 0 else []
     # Every member back with its state: no peer was lost, whatever the error said (any DistError
     # reads as a loss). Once at a step it may be a transient reset; again there, it is not.
     errors = [e for _, _, _, _, _, e in everyone if e]

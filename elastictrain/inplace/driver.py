@@ -280,6 +280,7 @@ class EpochDriver:
                 rank=epoch.env.rank,
                 members=epoch.members,
                 dropped=epoch.dropped,
+                took_over=epoch.took_over,
                 **agree_options,
             )
         except BaseException as e:

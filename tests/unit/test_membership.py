@@ -194,6 +194,39 @@ def test_an_error_with_every_member_back_is_refused_when_it_recurs_at_its_step()
         agreement.agree(survivor(30, bug), None, **agree_args, dropped=[lost])
 
 
+def test_a_spare_node_taking_a_place_is_no_death_of_its_own():
+    """Epoch ranks 0 (torchrun 0, a survivor at step 30) and 1 (torchrun 4, a spare in lost rank
+    2's place). The spare is a newcomer, not a process that died: the recurring-death count is
+    rank 2's alone, so a later death of rank 4 at that step would be its first. (Seen failing
+    without ``took_over``: rank 4 counted as lost at step 30.)"""
+    survivor = LiveState(30, {}, None, time.time(), nonce="n", members=[0, 2])
+    spare = (-1, None, None, time.time(), 0, "")
+
+    class Both:  # the all-gather of the two members, seen from rank 0
+        @staticmethod
+        def all_gather_object(mine, group):
+            return [mine, spare]
+
+        @staticmethod
+        def broadcast_bytes(value, group):
+            return value
+
+    server = _store()
+    agreement.agree(
+        survivor,
+        None,
+        group=None,
+        store=_client(server),
+        rank=0,
+        members=[0, 4],
+        dropped=[2],
+        took_over=[[2, 4]],
+        collectives=Both,
+    )
+    assert server.add("elastictrain/lost/rank-2/step-30", 0) == 1
+    assert server.add("elastictrain/lost/rank-4/step-30", 0) == 0
+
+
 class _Counting:
     """A store client that counts the requests made of it (every method goes through)."""
 
