@@ -129,8 +129,8 @@ def agree(
     )
     members = members if members is not None else list(range(len(everyone)))
     spares = {spare for _, spare in took_over}
-    died = {members[r] for r in replaced} - spares  # a spare taking a place did not die
-    lost = sorted(died | set(dropped)) if newest >= 0 else []
+    processes_lost = {members[r] for r in replaced} - spares  # a spare taking a place: no death
+    lost = sorted(processes_lost | set(dropped)) if newest >= 0 else []
     # Every member back with its state: no peer was lost, whatever the error said (any DistError
     # reads as a loss). Once at a step it may be a transient reset; again there, it is not.
     errors = [e for _, _, _, _, _, e in everyone if e]
