@@ -17,8 +17,9 @@ A spare node standing by takes the evicted node's ranks (the lost-node path does
 job keeps its size; ``replace`` is refused when none stands by. Budgets: never below
 ``--min-nodes`` training nodes, at most ``--max-evictions-per-hour`` evictions,
 counted in the job's store (it outlives every process, so a new rank 0 reads the same count).
-Every decision is an ``eviction`` event with the evidence it was made on, a refused one too (once
-per named straggler: the watch names each once).
+Every decision is an ``eviction`` event with the evidence it was made on, a refused one too. A
+refused straggler is decided again at each report while it stays slow (a spare may come up, the
+hour's budget free up); its refusal is recorded once while the reason holds.
 """
 
 from __future__ import annotations
@@ -106,12 +107,16 @@ class EvictionPolicy:
         events: EventLog,
         movable: bool = True,
         store_nodes: list[int] = (),
+        said: dict[int, str] | None = None,
     ) -> Eviction | None:
-        """``named``: what the watch said at this report (newly slow, or recovered); ``members``,
-        ``nodes``, ``hosts``: the epoch's, by its rank (torchrun rank, node, host). ``movable``:
-        the state can move in place (a stream's per-rank position cannot). ``store_nodes``: the
-        nodes serving the job's store, never evicted. Each refusal and the eviction are recorded
-        in ``events``."""
+        """``named``: the stragglers standing (named slow and not recovered: a refusal is
+        decided again at each report, since a spare, or the hour's budget, may free up);
+        ``members``, ``nodes``, ``hosts``: the epoch's, by its rank (torchrun rank, node, host).
+        ``movable``: the state can move in place (a stream's per-rank position cannot).
+        ``store_nodes``: the nodes serving the job's store, never evicted. Each refusal and the
+        eviction are recorded in ``events``; ``said``: each rank's last refusal, not recorded
+        again while its reason stays the same (updated here)."""
+        said = {} if said is None else said
         for straggler in (s for s in named if s.slow):
             node = nodes[straggler.rank]
             on_node = [r for r, n in enumerate(nodes) if n == node]
@@ -127,8 +132,12 @@ class EvictionPolicy:
             refused = self._refusal(nodes, movable, node in store_nodes)
             fields = {**asdict(eviction), "evicted": refused is None}
             if refused is not None:
-                logger.warning("not evicting node %d (rank %d): %s", node, straggler.rank, refused)
-                events.emit(Event.EVICTION, **fields, refused=refused)
+                if said.get(straggler.rank) != refused:
+                    logger.warning(
+                        "not evicting node %d (rank %d): %s", node, straggler.rank, refused
+                    )
+                    events.emit(Event.EVICTION, **fields, refused=refused)
+                    said[straggler.rank] = refused
                 continue
             self._record()
             logger.error("EVICTED: %s", eviction.describe())

@@ -159,6 +159,10 @@ class _Run:
         self.loss = torch.zeros(())
         self.completed = self.resumed.step
         """Steps whose optimizer step ran: what this rank's state holds if a peer dies now."""
+        self._standing: dict[int, stragglers.Straggler] = {}
+        """Rank 0: stragglers named and not recovered (``--straggler-action evict|replace``)."""
+        self._refused: dict[int, str] = {}
+        """Rank 0: each standing straggler's last refusal, recorded once while it holds."""
 
     def carry(self) -> LiveState:
         """This rank's state for the next membership epoch (its live tensors, not copied)."""
@@ -190,10 +194,17 @@ class _Run:
         if action == "report" or attempt.env.world_size == 1:
             return
         session, members = attempt.session, driver.epoch.members
+        for s in named:  # standing until recovered: a refusal is decided again each report
+            if s.slow:
+                self._standing[s.rank] = s
+            else:
+                self._standing.pop(s.rank, None)
+                self._refused.pop(s.rank, None)
+        stragglers_now = list(self._standing.values())
         policy = None
-        if attempt.env.is_rank0 and any(s.slow for s in named):  # else nothing to decide
+        if attempt.env.is_rank0 and stragglers_now:  # else nothing to decide
             store, spare_nodes = driver.epoch.groups.store, driver.spare_nodes
-            standing = spares.standing_by(store, spare_nodes) if spare_nodes and store else 0
+            ready = spares.standing_by(store, spare_nodes) if spare_nodes and store else 0
             floor = min_nodes(driver.env)
             floor = floor - spare_nodes.count if floor and spare_nodes else floor
             policy = eviction.EvictionPolicy(
@@ -202,12 +213,12 @@ class _Run:
                 store=store,
                 run_id=driver.env.run_id,
                 action=action,
-                spares=standing,
+                spares=ready,
             )
         decided = eviction.agree(
             policy,
             lambda p: p.decide(
-                named,
+                stragglers_now,
                 step=step,
                 members=members,
                 nodes=session.nodes,
@@ -215,6 +226,7 @@ class _Run:
                 events=attempt.events,
                 movable=not self.state.per_rank,
                 store_nodes=session.store_nodes,
+                said=self._refused,
             ),
             attempt.groups.control,
         )

@@ -121,3 +121,20 @@ def test_replace_needs_a_spare_standing_by_and_a_spare_keeps_the_node_count():
     assert "(--straggler-action replace), a spare node takes its ranks" in eviction.describe()
     shrink = EvictionPolicy(min_nodes=3, per_hour=5, store=None, run_id="r", spares=0)
     assert _decide(shrink, [_slow(0)], events) is None  # evict, no spare: below the floor
+
+
+def test_a_refused_straggler_is_decided_again_each_report_and_its_refusal_recorded_once():
+    """A straggler stands until it recovers, so the runner asks again at each report: no spare
+    stood by when it was named (a spare still importing), one does now, and it is replaced then.
+    The refusal is recorded once while its reason holds, not at every report. (Seen failing with
+    ``said`` ignored: three refusals recorded.)"""
+    events, said = Events(), {}
+    waiting = EvictionPolicy(min_nodes=1, per_hour=5, store=None, run_id="r", action="replace")
+    for _ in range(3):
+        assert _decide(waiting, [_slow(0)], events, said=said) is None
+    assert [e["evicted"] for e in events.emitted] == [False]
+    ready = EvictionPolicy(
+        min_nodes=1, per_hour=5, store=None, run_id="r", action="replace", spares=1
+    )
+    assert _decide(ready, [_slow(0)], events, said=said).ranks == [0, 1]
+    assert [e["evicted"] for e in events.emitted] == [False, True]
