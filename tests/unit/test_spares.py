@@ -57,6 +57,24 @@ class _Spare:
         self.call = self.standby.wait(self.stopped.is_set)
 
 
+def _back(server: dist.TCPStore, nonce: str, ranks, layout: SpareNodes) -> dict:
+    """Members [0, 1, 2, 3] of epoch ``nonce``: ``ranks`` come back, each in a thread; what
+    each one read as the next epoch's members."""
+    results: dict = {}
+
+    def back(r):
+        results[r] = regroup(
+            _client(server), nonce, [0, 1, 2, 3], r, wait_s=0.3, timeout_s=5, spares=layout
+        )
+
+    threads = [threading.Thread(target=back, args=(r,)) for r in ranks]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    return results
+
+
 def test_the_last_nodes_stand_by_and_the_training_ranks_stay_first():
     layout = SpareNodes.of(_env(0, nodes=4, per_node=2), wanted=1)
     assert layout.training_world_size == 6
@@ -81,18 +99,9 @@ def test_a_spare_node_takes_a_lost_nodes_place_in_its_rank_order():
     server = _store()
     layout = SpareNodes.of(_env(0, nodes=3, per_node=2), wanted=1)
     waiting = [_Spare(server, r) for r in (4, 5)]
-    results: dict = {}
-
-    def back(r):
-        results[r] = regroup(
-            _client(server), "n1", [0, 1, 2, 3], r, wait_s=0.3, timeout_s=5, spares=layout
-        )
-
-    threads = [threading.Thread(target=back, args=(r,)) for r in (2, 3)]
-    for t in threads:
-        t.start()
-    for t in threads + [s.thread for s in waiting]:
-        t.join(10)
+    results = _back(server, "n1", (2, 3), layout)
+    for s in waiting:
+        s.thread.join(10)
     assert results == {2: [4, 5, 2, 3], 3: [4, 5, 2, 3]}
     assert [(s.call.nonce, s.call.stands_for) for s in waiting] == [("n1", 0), ("n1", 1)]
     assert decided(_client(server), "n1", 4, timeout_s=1) == [4, 5, 2, 3]
@@ -106,18 +115,7 @@ def test_a_node_with_a_member_back_is_not_taken_over():
     server = _store()
     layout = SpareNodes.of(_env(0, nodes=3, per_node=2), wanted=1)
     waiting = [_Spare(server, r) for r in (4, 5)]
-    results: dict = {}
-
-    def back(r):
-        results[r] = regroup(
-            _client(server), "n2", [0, 1, 2, 3], r, wait_s=0.3, timeout_s=5, spares=layout
-        )
-
-    threads = [threading.Thread(target=back, args=(r,)) for r in (0, 2, 3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(10)
+    results = _back(server, "n2", (0, 2, 3), layout)
     assert results[0] == [0, 2, 3]
     assert spares.standing_by(server, layout) == 1
     for s in waiting:
