@@ -240,6 +240,10 @@ class RunConfig:
     max_evictions_per_hour: int = setting(1, metavar="N")
     """Evictions the job makes in any hour; past them a straggler is reported only. A bad node
     is rare; a policy that evicts node after node is evicting for a cause no node has."""
+    self_check: bool = True
+    """At every start, check each node before it trains (docs/faults.md, "Self-checks"): a
+    compute check compared across nodes, the job's store round trip, room for the node-memory
+    tier. A failing node is left out if the job can go on without it; else exit 2."""
     sample_log: str | None = setting(None, metavar="DIR")
     """Directory where every rank appends the dataset indices it trains on (the exactly-once ledger)."""
     log_every_seconds: float = setting(10.0, metavar="SECONDS")

@@ -84,6 +84,24 @@ class NodeEvictedError(ElasticTrainError):
     traceback_helps = False
 
 
+class NodeUnhealthyError(NodeEvictedError):
+    """This rank's node failed its self-check at a start (``cluster.self_check``), or a spare
+    node failed it when called: the job goes on without the node."""
+
+
+class SelfCheckFailedError(ElasticTrainError):
+    """A node failed its self-check, and the job cannot go on without it (too few nodes left,
+    it serves the job's store, no torchrun restart left): every rank stops, naming each reason."""
+
+
+class NodesLeftOutError(ElasticTrainError):
+    """Without ``--replace-in-place``: a node failed its self-check and stopped its torchrun
+    agent; the other ranks exit so torchrun re-forms the group without it."""
+
+    exit_code = EXIT_CRASH
+    traceback_helps = False
+
+
 class CollectiveTimeoutError(ElasticTrainError, TimeoutError):
     """A training collective or checkpoint barrier outlived its timeout (names which one)."""
 
@@ -151,7 +169,8 @@ EXIT_CODES: dict[int, tuple[str, str]] = {
     EXIT_USER_ERROR: (
         "`FAILED (exit 2): <error>: ...`",
         "bad input, a checkpoint of another model or of a newer release, an unusable checkpoint "
-        "location, or nodes that do not share it; nothing was changed",
+        "location, nodes that do not share it, or a node that failed its self-check when the job "
+        "cannot go on without it; nothing was changed",
     ),
     EXIT_INIT_TIMEOUT: ("`... did not join within --init-timeout (900s)`", "a rank never arrived"),
     EXIT_HUNG: (
@@ -182,10 +201,15 @@ EXIT_CODES: dict[int, tuple[str, str]] = {
     ),
     EXIT_EVICTED: (
         "`FAILED (exit 9): NodeEvictedError: node N (ranks [...], host H) is a straggler ...`",
-        "`--straggler-action evict` dropped this rank's node; the others trained on in place. "
-        "Its supervisor stops the node's torchrun agent (SIGTERM), which exits 1",
+        "`--straggler-action evict` dropped this rank's node, or it failed its self-check at a "
+        "start (`NodeUnhealthyError`); the others went on without it. The node's torchrun agent "
+        "is stopped (SIGTERM), and exits 1",
     ),
-    EXIT_CRASH: ("a traceback", "a crash; torchrun restarts the group"),
+    EXIT_CRASH: (
+        "a traceback, or `FAILED (exit 1): NodesLeftOutError: ...`",
+        "a crash, or (without `--replace-in-place`) another node failed its self-check and left; "
+        "torchrun restarts the group",
+    ),
 }
 """Every exit code the runner ends with: (its final log line, what it means). docs/troubleshooting.md
 shows them as ``python -m elastictrain.errors`` prints them."""
@@ -230,9 +254,12 @@ __all__ = [
     "FileConflictError",
     "InitTimeoutError",
     "NodeEvictedError",
+    "NodeUnhealthyError",
+    "NodesLeftOutError",
     "NewerFormatError",
     "OrphanedError",
     "Preempted",
+    "SelfCheckFailedError",
     "StaleWriterError",
     "StorageError",
     "StorageFullError",

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 ROLE = "ELASTICTRAIN_ROLE"
 """Set by a rank's supervisor (``--replace-in-place``) on its children: ``worker`` (training from
 the start) or ``spare``."""
+UNHEALTHY = "ELASTICTRAIN_CHAOS_UNHEALTHY"
 AGENT_PID = "ELASTICTRAIN_AGENT_PID"
 """Set by a rank's supervisor on its children: the torchrun agent's pid (their parent is the
 supervisor, not the agent)."""
@@ -48,6 +49,19 @@ def nccl_in_place() -> bool:
     built (``epoch_end``) but has not yet run on GPUs beyond the GPU tier's one-device cases
     (docs/faults.md, "NCCL"); until it has, a CUDA job asks for it by name."""
     return os.environ.get("ELASTICTRAIN_NCCL_IN_PLACE") == "1"
+
+
+def unhealthy() -> str | None:
+    """``ELASTICTRAIN_CHAOS_UNHEALTHY=compute``: this process's self-check computes a wrong
+    product, as a device that computes wrong would (``chaos --fault unhealthy-node`` sets it on
+    one node's torchrun, to rehearse a node left out at its start). ``compute:R,...``: only for
+    the processes of torchrun ranks R, ... (a test's way to pick the node whatever the
+    rendezvous's order)."""
+    value = os.environ.get(UNHEALTHY, "")
+    check, _, ranks = value.partition(":")
+    if ranks and os.environ.get("RANK") not in ranks.split(","):
+        return None
+    return check or None
 
 
 def role() -> str | None:

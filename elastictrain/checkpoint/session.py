@@ -161,6 +161,12 @@ class CheckpointSession:
         """This node's newest local-tier copy, if this rank writes one."""
         return self._ckpt.last_local
 
+    def tier_room(self, state: TrainState, step: int) -> tuple[int, int] | None:
+        """The node-memory tier's (free, needed) bytes where this rank writes it; None elsewhere
+        (the node's self-check, ``cluster.self_check``)."""
+        room = getattr(self._ckpt.local, "room", None)  # the sharded tier sizes per copy
+        return room(state, step) if room is not None else None
+
     @property
     def skipped_checkpoints(self) -> int:
         """Scheduled checkpoints skipped under ``on_storage_failure="warn"``."""

@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from elastictrain.cluster.env import DistEnv
 from elastictrain.cluster.job_store import BoundedCalls
-from elastictrain.errors import ConfigError
+from elastictrain.errors import ConfigError, NodeUnhealthyError
 
 logger = logging.getLogger(__name__)
 
@@ -130,8 +130,12 @@ def _answer_key(token: str) -> str:
 class Standby:
     """A spare rank's side: register, wait to be called, answer."""
 
-    def __init__(self, store: dist.Store, rank: int) -> None:
-        self.store, self.rank = store, rank
+    def __init__(
+        self, store: dist.Store, rank: int, check: Callable[[], str | None] | None = None
+    ) -> None:
+        """``check``: this rank's self-check (``cluster.self_check.spare_check``), run before it
+        stands by and again when it is called: why it fails, or None."""
+        self.store, self.rank, self.check = store, rank, check
         self.token = ""
 
     def register(self) -> None:
@@ -176,10 +180,23 @@ class Standby:
         if "error" in called:
             logger.warning("the spare stops standing by: the job's store is gone (%s)", called)
             return None
-        self.store.set(_answer_key(self.token), b"1")
         if "done" in called:
+            self.store.set(_answer_key(self.token), b"1")
             return None
-        return Call(called["nonce"], int(called["for"]), float(called["at"]))
+        call = Call(called["nonce"], int(called["for"]), float(called["at"]))
+        # Checked again before it takes the place: it may have stood by for weeks.
+        unhealthy = self.check() if self.check is not None else None
+        answer = json.dumps({"unhealthy": unhealthy}) if unhealthy else b"1"
+        self.store.set(_answer_key(self.token), answer)
+        if unhealthy:
+            raise self._unhealthy(unhealthy, f"called to take rank {call.stands_for}'s place")
+        return call
+
+    def _unhealthy(self, why: str, when: str) -> NodeUnhealthyError:
+        return NodeUnhealthyError(
+            f"spare node's rank {self.rank}, {when}, failed its self-check: {why}; it leaves "
+            "the job (--no-self-check skips the check)"
+        )
 
     def stand_by(
         self, decided: Callable[[str], list[int]], stop: Callable[[], bool]
@@ -188,6 +205,9 @@ class Standby:
         members (``decided``: the epoch after a nonce's, once written), or None (dismissed,
         stopped). A call whose epoch went on without it (it answered after the decider gave up
         on its node) leaves it standing by."""
+        unhealthy = self.check() if self.check is not None else None
+        if unhealthy:
+            raise self._unhealthy(unhealthy, "before it stood by")
         while True:
             self.register()
             logger.info(
@@ -232,6 +252,13 @@ def _answered(store: dist.Store, tokens: list[str], wait_s: float) -> bool:
     return False
 
 
+def _unhealthy(store: dist.Store, tokens: list[str]) -> str | None:
+    """A called spare node's self-check failures, from its answers (None: it is healthy)."""
+    answers = store.multi_get([_answer_key(t) for t in tokens])
+    why = [json.loads(a)["unhealthy"] for a in answers if bytes(a) != b"1"]
+    return "; ".join(why) or None
+
+
 def take_over(
     store: dist.Store,
     spares: SpareNodes,
@@ -262,6 +289,15 @@ def take_over(
             }
             store.multi_set(list(calls), list(calls.values()))
             if _answered(store, tokens[: len(lost)], answer_s):
+                unhealthy = _unhealthy(store, tokens[: len(lost)])
+                if unhealthy:
+                    logger.warning(
+                        "spare node of ranks %s failed its self-check when called (%s); trying "
+                        "the next",
+                        node,
+                        unhealthy,
+                    )
+                    continue
                 taken.update(zip(lost, node, strict=False))
                 logger.warning(
                     "spare node of ranks %s takes the place of the lost ranks %s", node, lost

@@ -34,6 +34,7 @@ class Event(Name):
     STRAGGLERS = "stragglers"  # periodic: per-rank step-time spread, each rank's score
     STRAGGLER = "straggler"  # a rank named persistently slow (slow) or recovered: host, ratio
     EVICTION = "eviction"  # a straggler's node evicted (evicted) or refused by a budget: evidence
+    SELF_CHECK = "self_check"  # the nodes' self-check at a start: failed nodes, reasons, action
     CHECKPOINT = (
         "checkpoint"  # a checkpoint committed: step, reason, bytes, blocked/persist seconds
     )

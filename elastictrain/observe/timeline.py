@@ -69,6 +69,8 @@ class Attempt:
     events: what a straggler cost every rank (``goodput``)."""
     evictions: list[dict[str, Any]] = field(default_factory=list)
     """The ``eviction`` events that took a node out (``evicted``): the next epoch began by one."""
+    left_out: list[dict[str, Any]] = field(default_factory=list)
+    """The ``self_check`` events that left a node out: the next epoch began without it."""
     processes: list[list[Any]] | None = None
     """Each rank's training process, [host, pid], from the ``start`` event."""
     began: str = "fresh start"
@@ -184,13 +186,20 @@ def _add_record(a: Attempt, kind: str | None, t: float, e: dict[str, Any]) -> No
             a.scores.append((t, [float(r["score"]) for r in ranks]))
         if ranks and isinstance(step, int) and all("median_s" in r for r in ranks):
             a.work.append((step, [float(r["median_s"]) for r in ranks]))
-    elif kind == Event.STRAGGLER:
-        a.stragglers.append(e)
-    elif kind == Event.EVICTION:
-        if e.get("evicted"):
-            a.evictions.append(e)
+    elif kind in (Event.STRAGGLER, Event.EVICTION, Event.SELF_CHECK):
+        _add_decision(a, kind, e)
     else:
         _add_ending(a, kind, e)
+
+
+def _add_decision(a: Attempt, kind: str, e: dict[str, Any]) -> None:
+    """Who is in the job: a straggler named, a node evicted or left out by its self-check."""
+    if kind == Event.STRAGGLER:
+        a.stragglers.append(e)
+    elif kind == Event.EVICTION and e.get("evicted"):
+        a.evictions.append(e)
+    elif kind == Event.SELF_CHECK and e.get("action") != "stop":
+        a.left_out.append(e)
 
 
 def _add_ending(a: Attempt, kind: str | None, e: dict[str, Any]) -> None:
@@ -244,19 +253,21 @@ def _in_place_fields(start: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def _began(before: Attempt, a: Attempt) -> str:
+    # A node taken out on purpose (a straggler's, one that failed its self-check) is not a
+    # failure: said apart.
+    why = "a straggler's node evicted, " if before.evictions else ""
+    why += "a node that failed its self-check left out, " if before.left_out else ""
     if a.in_place is not None:
         ranks = a.in_place.get("replaced_ranks") or a.in_place.get("dropped_ranks") or []
         size = (
             f", {before.world_size} -> {a.world_size}" if a.world_size != before.world_size else ""
         )
-        # An eviction is a straggler's node taken out on purpose, not a failure: said apart.
-        why = "a straggler's node evicted, " if before.evictions else ""
         return f"{why}{a.in_place['began']}: rank {', '.join(map(str, ranks))}{size}"
     if a.world_size != before.world_size:
         grew = "grown" if a.world_size > before.world_size else "shrunk"
-        return f"{grew} {before.world_size} -> {a.world_size}"
+        return f"{why}{grew} {before.world_size} -> {a.world_size}"
     if a.restart_count > before.restart_count:
-        return "restart through torchrun"
+        return f"{why}restart through torchrun"
     return "relaunch"  # torchrun's restart count began again: a new torchrun
 
 

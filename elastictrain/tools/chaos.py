@@ -15,6 +15,11 @@ Faults:
   term-agent   SIGTERM the torchrun agent (a preemption by SLURM or Kubernetes)
   kill-node    SIGKILL the agent and every process under it (a node lost)
   kill-agent   SIGKILL only the agent, orphaning its workers (the agent OOM-killed)
+  unhealthy-node
+               the node fails its self-check at its start (each of its ranks computes a wrong
+               product): it is left out if the job can go on without it, else every rank exits
+               2. Given at launch, not timed; wrap one node's torchrun to rehearse a multi-node
+               job losing that node
 """
 
 from __future__ import annotations
@@ -32,7 +37,16 @@ from typing import IO
 
 from elastictrain import knobs
 
-FAULTS = ("kill-worker", "stop-worker", "slow-worker", "term-agent", "kill-node", "kill-agent")
+FAULTS = (
+    "kill-worker",
+    "stop-worker",
+    "slow-worker",
+    "term-agent",
+    "kill-node",
+    "kill-agent",
+    "unhealthy-node",
+)
+AT_LAUNCH = ("unhealthy-node",)
 SLOW_PERIOD_S = 0.02  # shorter than a step: each step is stretched, not some stopped whole
 
 
@@ -180,10 +194,19 @@ class Chaos:
     def run(self) -> int | None:
         """The job's exit code, or None when it outlived ``timeout_s`` and was killed."""
         self._t0 = time.monotonic()
+        at_launch = [f for f in AT_LAUNCH if f in self.faults]  # once, however often named
+        timed = [f for f in self.faults if f not in AT_LAUNCH]
+        env = {**os.environ, knobs.UNHEALTHY: "compute"} if at_launch else None
         job = subprocess.Popen(
-            self.command, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
+            self.command, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True, env=env
         )
         self.say(f"launched pid {job.pid} (seed {self.seed}): {' '.join(self.command)}")
+        if at_launch:
+            self.injected.append((0.0, at_launch[0], job.pid))
+            self.say(
+                f"fault 1: unhealthy-node -> pid {job.pid}: every rank it starts computes a wrong "
+                "product in its self-check"
+            )
         seen: dict[int, str | None] = {}  # every descendant, so a dead agent's orphans are found
         stopped: list[int] = []
         due = self._t0 + self.first_s
@@ -191,8 +214,9 @@ class Chaos:
             while job.poll() is None and time.monotonic() - self._t0 < self.timeout_s:
                 for pid in descendants(job.pid):
                     seen.setdefault(pid, start_time(pid))
-                if len(self.injected) < len(self.faults) and time.monotonic() >= due:
-                    fault = self.faults[len(self.injected)]
+                done = len(self.injected) - len(at_launch)
+                if done < len(timed) and time.monotonic() >= due:
+                    fault = timed[done]
                     target = self.inject(fault, job.pid)
                     if target is not None:
                         if fault == "stop-worker":

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from elastictrain import mesh
 from elastictrain.checkpoint.session import CheckpointSession, install_stop_signals
+from elastictrain.cluster import self_check
 from elastictrain.cluster.agents import hosts_the_store
 from elastictrain.cluster.env import DistEnv, read_env
 from elastictrain.cluster.groups import ProcessGroups, pick_device
@@ -114,7 +115,7 @@ def run(cfg: RunConfig, early_signals: StopSignals | None = None) -> int:
         died_at = driver.wait_as_spare(
             lambda: _warm(cfg, task, sampler, device, data, replica),
             per_process=spare,
-            standby=(lambda: _standby(cfg, env)) if standby else None,
+            standby=(lambda: _standby(cfg, env, device)) if standby else None,
             stop=lambda: signals.requested or os.getppid() != agent_pid,
         )
         if died_at is None:  # the supervisor is gone or ended the wait; dismissed; stopped
@@ -185,10 +186,17 @@ def _warm(
         )
 
 
-def _standby(cfg: RunConfig, env: DistEnv) -> Standby:
-    """A spare node's rank: its place in the job's store, where a decider calls it."""
+def _standby(cfg: RunConfig, env: DistEnv, device: torch.device) -> Standby:
+    """A spare node's rank: its place in the job's store, where a decider calls it, and its
+    self-check (before it stands by, and when it is called)."""
     store = connect(env, timeout_s=cfg.init_timeout, silent_s=cfg.silent_timeout).store
-    return Standby(store, env.rank)
+    check = None
+    if cfg.self_check:
+        timed = store if env.local_rank == 0 else None
+        check = lambda: self_check.spare_check(  # noqa: E731
+            device, node=env.node_rank, store=timed, rtt_limit_s=cfg.heartbeat_seconds
+        )
+    return Standby(store, env.rank, check)
 
 
 def epoch_settings(cfg: RunConfig) -> EpochSettings:

@@ -21,9 +21,11 @@ from elastictrain.checkpoint.resume.live import Live
 from elastictrain.checkpoint.sharded import format as sharded
 from elastictrain.checkpoint.state import TrainState
 from elastictrain.checkpoint.state import train_state as tstate
-from elastictrain.cluster.env import min_nodes
-from elastictrain.errors import NodeEvictedError, named_timeout
-from elastictrain.inplace import epoch_end, eviction, spares
+from elastictrain.errors import (
+    NodeEvictedError,
+    named_timeout,
+)
+from elastictrain.inplace import epoch_end
 from elastictrain.inplace.driver import EpochDriver
 from elastictrain.inplace.members import LiveState, PeerLost
 from elastictrain.observe import stragglers
@@ -32,6 +34,7 @@ from elastictrain.observe.logs import CONTEXT
 from elastictrain.observe.progress import Progress
 from elastictrain.observe.tensorboard import Scalars
 from elastictrain.observe.terminal import live_terminal
+from elastictrain.train import health
 from elastictrain.train.attempt import Attempt
 from elastictrain.train.loop import Trainer
 from elastictrain.train.precision import Precision
@@ -100,7 +103,7 @@ def train(attempt: Attempt, live: Live | None, driver: EpochDriver) -> int:
         connections.learn(attempt.groups.control)
     # DDP's buckets primed with every rank, unless the epoch's wrapper came primed (in place).
     primes = attempt.parallelism.primes_buckets and replica is None
-    run = _Run(attempt, state, trainer, resumed, scalars, driver, primes)
+    run = _Run(attempt, state, trainer, resumed, scalars, driver, primes, at_start=live is None)
     try:
         return run.loop(startup)
     except PeerLost:
@@ -141,6 +144,8 @@ class _Run:
     scalars: Scalars
     driver: EpochDriver
     collective_prime: bool
+    at_start: bool = False
+    """Not an in-place epoch: the nodes check themselves before they train."""
 
     def __post_init__(self) -> None:
         cfg, env = self.attempt.cfg, self.attempt.env
@@ -159,9 +164,9 @@ class _Run:
         self.loss = torch.zeros(())
         self.completed = self.resumed.step
         """Steps whose optimizer step ran: what this rank's state holds if a peer dies now."""
-        self._standing: dict[int, stragglers.Straggler] = {}
+        self.standing: dict[int, stragglers.Straggler] = {}
         """Rank 0: stragglers named and not recovered (``--straggler-action evict|replace``)."""
-        self._refused: dict[int, str] = {}
+        self.refused: dict[int, str] = {}
         """Rank 0: each standing straggler's last refusal, recorded once while it holds."""
 
     def carry(self) -> LiveState:
@@ -184,60 +189,6 @@ class _Run:
         self.scalars.write(step, "train", {**means, **fields})
         return named
 
-    def _evict_if_decided(self, step: int, named: list[stragglers.Straggler]) -> None:
-        """``--straggler-action evict|replace``: rank 0's decision on what it just named, every
-        rank's (``inplace.eviction``). The evicted node's ranks raise ``NodeEvictedError`` (exit
-        9); the others leave the epoch with their state at ``step``, the evicted ranks not
-        waited for, as after a lost node (a spare node standing by takes their places)."""
-        attempt, driver = self.attempt, self.driver
-        action = attempt.cfg.straggler_action
-        if action == "report" or attempt.env.world_size == 1:
-            return
-        session, members = attempt.session, driver.epoch.members
-        for s in named:  # standing until recovered: a refusal is decided again each report
-            if s.slow:
-                self._standing[s.rank] = s
-            else:
-                self._standing.pop(s.rank, None)
-                self._refused.pop(s.rank, None)
-        stragglers_now = list(self._standing.values())
-        policy = None
-        if attempt.env.is_rank0 and stragglers_now:  # else nothing to decide
-            store, spare_nodes = driver.epoch.groups.store, driver.spare_nodes
-            ready = spares.standing_by(store, spare_nodes) if spare_nodes and store else 0
-            floor = min_nodes(driver.env)
-            floor = floor - spare_nodes.count if floor and spare_nodes else floor
-            policy = eviction.EvictionPolicy(
-                min_nodes=attempt.cfg.min_nodes or max(1, floor or 1),
-                per_hour=attempt.cfg.max_evictions_per_hour,
-                store=store,
-                run_id=driver.env.run_id,
-                action=action,
-                spares=ready,
-            )
-        decided = eviction.agree(
-            policy,
-            lambda p: p.decide(
-                stragglers_now,
-                step=step,
-                members=members,
-                nodes=session.nodes,
-                hosts=session.hosts,
-                events=attempt.events,
-                movable=not self.state.per_rank,
-                store_nodes=session.store_nodes,
-                said=self._refused,
-            ),
-            attempt.groups.control,
-        )
-        if decided is None:
-            return
-        if driver.env.rank in decided.ranks:
-            raise NodeEvictedError(decided.describe())
-        carry = self.carry()
-        carry.silent = decided.ranks
-        raise PeerLost(carry, NodeEvictedError(decided.describe()))
-
     def _checkpoints_shown(self) -> None:
         session = self.attempt.session
         self.progress.last_checkpoint = session.last_committed
@@ -246,6 +197,8 @@ class _Run:
     def loop(self, startup: dict[str, float]) -> int:
         attempt, trainer, resumed = self.attempt, self.trainer, self.resumed
         cfg, env, session = attempt.cfg, attempt.env, attempt.session
+        if self.at_start and cfg.self_check and resumed.step < cfg.max_steps:
+            health.check_nodes(self)  # before any step: a failing node leaves now
         if resumed.step < cfg.max_steps and self.collective_prime:
             with named_timeout(
                 "--collective-timeout", cfg.collective_timeout, "the first step's all-reduce"
@@ -287,7 +240,7 @@ class _Run:
                 if outcome.report and done < cfg.max_steps:
                     self._checkpoints_shown()
                     slow = stragglers.gather(trainer.timer, attempt.groups.control)
-                    self._evict_if_decided(done, self.report(done, slow))
+                    health.evict_if_decided(self, done, self.report(done, slow))
         return self._finish(t_loop, t_first, t_done)
 
     def _finish(self, t_loop: float, t_first: float, t_done: float) -> int:

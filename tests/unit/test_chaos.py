@@ -7,7 +7,7 @@ import subprocess
 import time
 
 from elastictrain.inplace.supervisor import _state
-from elastictrain.tools.chaos import Throttle
+from elastictrain.tools.chaos import Chaos, Throttle
 
 
 def test_a_throttled_process_is_stopped_and_continued_in_turn_and_left_running():
@@ -36,3 +36,25 @@ def test_a_throttle_ends_by_itself_when_its_process_exits():
     throttle = Throttle(proc.pid, factor=3.0)
     throttle._thread.join(5)
     assert not throttle._thread.is_alive()
+
+
+def test_unhealthy_node_is_given_at_launch_and_the_timed_faults_still_follow(tmp_path):
+    """``unhealthy-node`` sets the self-check's knob in the launched command's environment (its
+    whole node), at once; the timed faults after it are injected as before."""
+    out = tmp_path / "env.txt"
+    command = ["sh", "-c", f'echo "$ELASTICTRAIN_CHAOS_UNHEALTHY" > {out}; sleep 3']
+    with open(tmp_path / "job.log", "wb") as log, open(tmp_path / "timeline.txt", "w") as said:
+        chaos = Chaos(
+            command,
+            faults=["unhealthy-node", "kill-agent"],
+            first_s=0.5,
+            gap_s=(0.1, 0.1),
+            timeout_s=20,
+            seed=1,
+            log=log,
+            out=said,
+        )
+        code = chaos.run()
+    assert out.read_text().strip() == "compute"
+    assert [fault for _, fault, _ in chaos.injected] == ["unhealthy-node", "kill-agent"]
+    assert code == -9  # the "agent" (the shell) was SIGKILLed by the timed fault

@@ -11,7 +11,7 @@ import pytest
 import torch.distributed as dist
 
 from elastictrain.cluster.env import DistEnv
-from elastictrain.errors import ConfigError
+from elastictrain.errors import ConfigError, NodeUnhealthyError
 from elastictrain.inplace import spares
 from elastictrain.inplace.members import decided, regroup, took_over
 from elastictrain.inplace.spares import SpareNodes, Standby
@@ -45,16 +45,20 @@ def _env(rank: int, nodes: int, per_node: int, world: int | None = None) -> Dist
 class _Spare:
     """A spare rank standing by in a thread: what it was called for, once called."""
 
-    def __init__(self, server: dist.TCPStore, rank: int) -> None:
-        self.standby = Standby(_client(server), rank)
+    def __init__(self, server: dist.TCPStore, rank: int, check=None) -> None:
+        self.standby = Standby(_client(server), rank, check)
         self.standby.register()
         self.stopped = threading.Event()
         self.call: spares.Call | None = None
+        self.error: Exception | None = None
         self.thread = threading.Thread(target=self._wait)
         self.thread.start()
 
     def _wait(self) -> None:
-        self.call = self.standby.wait(self.stopped.is_set)
+        try:
+            self.call = self.standby.wait(self.stopped.is_set)
+        except NodeUnhealthyError as e:
+            self.error = e
 
 
 def _back(server: dist.TCPStore, nonce: str, ranks, layout: SpareNodes) -> dict:
@@ -137,6 +141,29 @@ def test_a_spare_node_that_does_not_answer_is_skipped_for_the_next():
     alive.thread.join(10)
     assert taken == {1: 3} and alive.call.stands_for == 1
     assert spares.take_over(server, layout, "n4", [0, 3], [3], answer_s=0.3) == {}
+
+
+def test_a_spare_node_failing_its_self_check_when_called_leaves_and_the_next_one_is_called():
+    """Spare node [2] fails its self-check when it is called (it stood by for weeks; its device
+    now computes wrong): it answers with the reason and leaves (``NodeUnhealthyError``: exit 9),
+    and the decider calls node [3], which takes the place. Before it stands by at all, a failing
+    spare never registers. (Seen failing with the answers' reasons not read: rank 2 took the
+    place.)"""
+    server = _store()
+    layout = SpareNodes.of(_env(0, nodes=4, per_node=1), wanted=2)
+    bad = _Spare(server, 2, check=lambda: "its compute check is wrong")
+    good = _Spare(server, 3, check=lambda: None)
+    taken = spares.take_over(server, layout, "n5", [0, 1], [1], answer_s=2)
+    for s in (bad, good):
+        s.thread.join(10)
+    assert taken == {1: 3} and good.call.stands_for == 1
+    assert bad.call is None and "failed its self-check: its compute check is wrong" in str(
+        bad.error
+    )
+    never = Standby(_client(server), 2, check=lambda: "a round trip takes 9s")
+    with pytest.raises(NodeUnhealthyError, match="before it stood by.*a round trip takes 9s"):
+        never.stand_by(lambda nonce: [], lambda: False)
+    assert never.token == ""  # never registered: no decider can call it
 
 
 def test_dismissed_spares_exit_and_are_counted_alive():

@@ -291,10 +291,7 @@ class LocalTier:
             return f"a local write failed: {type(error).__name__}: {error}"
         if self._sized:
             return None
-        need = COPIES_OF_ROOM * (
-            self.copies.copy_bytes(self.copies.capture(state, step)) + SLACK_BYTES
-        )
-        free = shutil.disk_usage(self.dir).free + _bytes_under(self.dir)
+        free, need = self.room(state, step)
         if free >= need:
             return None
         self._release_own()
@@ -303,6 +300,16 @@ class LocalTier:
             f"({COPIES_OF_ROOM} copies of the {_size(need // COPIES_OF_ROOM)} state: "
             f"{KEEP} kept + 1 being written)"
         )
+
+    def room(self, state: tstate.TrainState, step: int) -> tuple[int, int] | None:
+        """(free bytes, the bytes the tier needs: the kept copies and one being written) where
+        this rank writes; None where it writes nothing (the node's self-check asks)."""
+        if not self.active:
+            return None
+        need = COPIES_OF_ROOM * (
+            self.copies.copy_bytes(self.copies.capture(state, step)) + SLACK_BYTES
+        )
+        return shutil.disk_usage(self.dir).free + _bytes_under(self.dir), need
 
     def own_stores(self) -> list[storage.CheckpointStore]:
         """The folders this rank writes (a node's one replica; a rank's own shards)."""
