@@ -52,6 +52,7 @@ class TrainingRun(Protocol):
 
     def carry(self) -> LiveState: ...
 
+
 logger = logging.getLogger(__name__)
 
 

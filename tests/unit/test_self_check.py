@@ -101,9 +101,10 @@ def test_the_job_goes_on_without_a_failing_node_only_within_its_bounds():
     assert decide(failed, findings, in_place=True, floor=3, spares_ready=1).how == "in place"
     assert "no restart left" in decide(failed, findings, in_place=False, floor=1).why_stop
     store_node = _findings(r2={"serves_store": True})
-    assert "serves the job's rendezvous store" in decide(
-        failed, store_node, in_place=True, floor=1
-    ).why_stop
+    assert (
+        "serves the job's rendezvous store"
+        in decide(failed, store_node, in_place=True, floor=1).why_stop
+    )
     assert decide(failed, findings, in_place=True, floor=1, movable=False).how == "stop"
     alone = _findings(nodes=1)
     assert decide({0: ["bad"]}, alone, in_place=True, floor=1).how == "stop"
