@@ -3,6 +3,7 @@ other ranks keep their processes and their state; torchrun never sees a failure.
 
 from __future__ import annotations
 
+import signal
 import time
 import uuid
 
@@ -220,6 +221,55 @@ def test_a_persistent_straggler_node_is_evicted_in_place_and_every_sample_trains
         read_sample_log(str(samples)), dataset_size=1024, batch_size=32, max_steps=steps
     )
     assert ledger["world_sizes"] == [1, 2], ledger
+
+
+@pytest.mark.slow
+def test_neither_a_paused_node_nor_a_paused_job_is_evicted(launch, tmp_path):
+    """--straggler-action evict on two simulated nodes of one rank, node 1 evictable (node 0's
+    agent serves the job's store): node 1 SIGSTOPped for 10 s, then both nodes for 10 s (a
+    job-wide stall). A short pause is not a straggler, and a slowdown of every rank is not one:
+    nobody is named, nothing is evicted, the job finishes in its first epoch at world size 2.
+    (Seen failing with each rank's window judged by its mean instead of its median: the pause
+    named node 1's rank, and it was evicted at once.)"""
+    port, run_id = free_port(), f"noevict-{uuid.uuid4().hex[:6]}"
+    ckpt, ev = str(tmp_path / "shared"), str(tmp_path / "ev.jsonl")
+    steps = 600
+    run = toy_args(ckpt, ev, max_steps=steps, every=200, step_time=0.05)[2:]
+    run += ["--log-every-seconds", "1", "--replace-in-place", "--max-replacements", "0"]
+    run += ["--straggler-action", "evict"]
+    nodes = []
+    for node in (0, 1):
+        home = tmp_path / f"host{node}"
+        home.mkdir()
+        env = node_env(node, port, run_id, ckpt)
+        nodes.append(launch(run, script=TWO_NODES, env=env, cwd=str(home), name=f"node{node}"))
+    for paused in ([nodes[1]], nodes):
+        progress = wait_for_event(
+            ev,
+            lambda e: e["event"] == Event.PROGRESS and e["step"] >= 60 and e["world_size"] == 2,
+            150,
+            nodes[0],
+        )
+        for node in paused:
+            node.signal_node(signal.SIGSTOP)
+        time.sleep(10)
+        for node in paused:
+            node.signal_node(signal.SIGCONT)
+        after = time.time()
+        # Four reports after the pause: what a straggler needs to be named (SLOW_REPORTS + 1).
+        wait_for_event(
+            ev, lambda e, t=after: e["event"] == Event.PROGRESS and e["time"] > t + 4, 60, nodes[0]
+        )
+        assert all(node.proc.poll() is None for node in nodes), progress  # still training
+    for node in nodes:
+        assert node.wait(150) == 0, node.log()[-3000:]
+    events = read_events(ev)
+    named = [e for e in events if e["event"] in (Event.STRAGGLER, Event.EVICTION)]
+    assert not named, named
+    starts = [e for e in events if e["event"] == Event.START]
+    assert [(e["world_size"], e["restart_count"]) for e in starts] == [(2, 0)], starts
+    (end,) = [e for e in events if e["event"] == Event.END]
+    assert end["step"] == steps
 
 
 @pytest.mark.slow
