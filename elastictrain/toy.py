@@ -3,7 +3,8 @@
 Options (``--task-option KEY=VALUE``): hidden (10), layers (1 hidden layer), dataset_size (4096),
 batch_size (64, global), lr (0.01), momentum (0.9), step_time (0 s of simulated compute per step),
 and for skew tests: slow_rank (none), slow_factor (1: that rank's step_time multiplier),
-start_delay (0 s that rank sleeps before initialising), build_delay (0 s every rank of this
+slow_from_step (0: slow_factor and step_factor apply from this process's N-th micro-step on, as
+on a node that starts to throttle mid-run), start_delay (0 s that rank sleeps before initialising), build_delay (0 s every rank of this
 command line sleeps before initialising: a node slow to start, given to one node), step_factor
 (1: every rank of this command line's step_time multiplier: a slow node), wedge_step (none: in the first attempt,
 that rank stops inside this micro-step for good, its process alive, as a rank wedged in a kernel or
@@ -35,6 +36,7 @@ KNOWN_OPTIONS = {
     "step_time",
     "slow_rank",
     "slow_factor",
+    "slow_from_step",
     "start_delay",
     "build_delay",
     "step_factor",
@@ -138,9 +140,11 @@ def make_task(options: Mapping[str, str]) -> Task:
     wedges = env.rank == slow_rank and env.restart_count == 0 and wedge_at >= 0
     calls = [0]
     first_step_time = option(options, "first_step_time", 0.0, float)
+    healthy_step_time = step_time
     if env.rank == slow_rank:
         step_time *= option(options, "slow_factor", 1.0, float)
         time.sleep(option(options, "start_delay", 0.0, float))  # the task is built before init
+    slow_from = option(options, "slow_from_step", 0)
     time.sleep(option(options, "build_delay", 0.0, float))
     step_time *= option(options, "step_factor", 1.0, float)
     lr = option(options, "lr", 0.01, float)
@@ -149,8 +153,8 @@ def make_task(options: Mapping[str, str]) -> Task:
 
     def loss_fn(model: nn.Module, batch) -> torch.Tensor:
         x, y = batch
-        if step_time > 0:
-            time.sleep(step_time)  # simulated compute, so tests can kill mid-run
+        if step_time > 0:  # simulated compute, so tests can kill mid-run
+            time.sleep(step_time if calls[0] >= slow_from else healthy_step_time)
         if calls[0] == 0:
             time.sleep(first_step_time)  # holds the GIL no more than a compiler's Python does
         calls[0] += 1
