@@ -249,6 +249,48 @@ def test_a_pause_is_not_evicted_and_a_persistent_straggler_node_is_and_every_sam
 
 
 @pytest.mark.slow
+def test_an_hsdp_straggler_node_is_evicted_and_the_other_replica_trains_on_from_its_own_shards(
+    launch, tmp_path
+):
+    """--straggler-action evict under --parallel hsdp, two simulated nodes of two ranks (a
+    replica per node), node 1's ranks 3x slower from the start: named, and node 1 (both its
+    ranks) evicted. Node 0's replica trains on at two ranks from its own shards (``live``, no
+    byte read from storage), from the step of the decision, torchrun restarting nothing; the
+    ledger is exactly once across world sizes 4 and 2. (Seen failing with the evicted node's
+    ranks not raising ``NodeEvictedError``: they took the others' leaving for a death and waited
+    for a replacement, and node 1's torchrun never exited.)"""
+    port, run_id = free_port(), f"evict-hsdp-{uuid.uuid4().hex[:6]}"
+    ckpt, ev, samples = str(tmp_path / "shared"), str(tmp_path / "ev.jsonl"), tmp_path / "samples"
+    steps, data = 200, ("dataset_size=1024", "batch_size=32")
+    run = toy_args(ckpt, ev, max_steps=steps, every=50, step_time=0.03)[2:]
+    run += [a for opt in data for a in ("--task-option", opt)]
+    run += ["--log-every-seconds", "1", "--sample-log", str(samples), "--parallel", "hsdp"]
+    run += ["--replace-in-place", "--max-replacements", "0", "--straggler-action", "evict"]
+    nodes = []
+    for node in (0, 1):
+        home = tmp_path / f"host{node}"
+        home.mkdir()
+        env = node_env(node, port, run_id, ckpt, NPROC="2")
+        slow = ["--task-option", "step_factor=3"] if node == 1 else []
+        nodes.append(
+            launch(run + slow, script=TWO_NODES, env=env, cwd=str(home), name=f"node{node}")
+        )
+    assert nodes[1].wait(150) != 0, nodes[1].log()[-3000:]  # torchrun exits 1 on its SIGTERM
+    assert nodes[0].wait(120) == 0, nodes[0].log()[-3000:]
+    events = read_events(ev)
+    (evicted,) = [e for e in events if e["event"] == Event.EVICTION]
+    assert evicted["evicted"] and len(evicted["ranks"]) == 2, evicted
+    starts = [e for e in events if e["event"] == Event.START]
+    assert [(e["world_size"], e["restart_count"]) for e in starts] == [(4, 0), (2, 0)], starts
+    resume = next(e for e in events if e["event"] == Event.RESUME and e["time"] > evicted["time"])
+    assert (resume["tier"], resume["remote_bytes"], resume["step"]) == ("live", 0, evicted["step"])
+    ledger = assert_exactly_once(
+        read_sample_log(str(samples)), dataset_size=1024, batch_size=32, max_steps=steps
+    )
+    assert ledger["world_sizes"] == [2, 4], ledger
+
+
+@pytest.mark.slow
 def test_spare_nodes_take_a_straggler_nodes_and_then_a_killed_nodes_ranks_bitwise(launch, tmp_path):
     """--spare-nodes 2 --straggler-action replace, four simulated nodes of one rank (the
     rendezvous store off them): torchrun ranks 0 and 1 train, 2 and 3 stand by. Rank 1 does 3x
