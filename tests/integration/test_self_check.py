@@ -70,35 +70,40 @@ def test_a_node_failing_its_self_check_leaves_and_torchrun_reforms_the_group_wit
 
 
 @pytest.mark.slow
-def test_a_node_failing_its_self_check_at_the_start_hands_its_ranks_to_a_spare_node_in_place(
+def test_a_node_failing_its_self_check_at_the_start_hands_its_ranks_to_a_healthy_spare_in_place(
     launch, tmp_path
 ):
-    """Three simulated nodes of one rank, the rendezvous store off them, ``--replace-in-place
-    --spare-nodes 1``: torchrun ranks 0 and 1 train, 2 stands by. Rank 1's compute check is
-    wrong at the start (the knob names the rank, whichever node the rendezvous gives it): it is
-    left out in place, and spare rank 2 takes its position before any step. The world size stays
-    2, torchrun restarts nothing, and the nodes still in the job exit 0. (Seen failing with the
-    failing rank not leaving: it went on to its first step alone, and the job never finished.)"""
+    """Four simulated nodes of one rank, the rendezvous store off them, ``--replace-in-place
+    --spare-nodes 2``: torchrun ranks 0 and 1 train, 2 and 3 stand by. Rank 1's compute check is
+    wrong at the start, and so is spare rank 2's (the knob names the ranks, whichever node the
+    rendezvous gives them). Spare 2 leaves before it stands by; rank 1 is left out in place, and
+    spare 3 takes its position before any step. The world size stays 2, torchrun restarts
+    nothing, and the nodes still in the job exit 0. (Seen failing with the failing rank not
+    leaving: it went on to its first step alone, and the job never finished; and with the
+    spare's check before it stands by left out: spare 2 stood by, failed the check it runs when
+    called, and spare 3 took the place, so the log line is what tells the two apart.)"""
     port, run_id = free_port(), f"check-{uuid.uuid4().hex[:6]}"
     ckpt, ev = str(tmp_path / "shared"), str(tmp_path / "ev.jsonl")
     run = ["--checkpoint-dir", ckpt, *toy_args(ckpt, ev, max_steps=STEPS, every=1000)[2:]]
-    run += ["--replace-in-place", "--max-replacements", "0", "--spare-nodes", "1"]
-    env = job_env(**{knobs.UNHEALTHY: "compute:1"})
+    run += ["--replace-in-place", "--max-replacements", "0", "--spare-nodes", "2"]
+    env = job_env(**{knobs.UNHEALTHY: "compute:1,2"})
     env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)  # torch's default: the shared store
     with store_server(port):
         nodes = []
-        for node in range(3):
+        for node in range(4):
             home = tmp_path / f"host{node}"
             home.mkdir()
-            targs = off_node_agent("3", port, run_id)
+            targs = off_node_agent("4", port, run_id)
             nodes.append(launch(run, torchrun_args=targs, env=env, cwd=str(home), name=f"n{node}"))
-        codes = sorted(node.wait(150) for node in nodes)
-    assert codes[:2] == [0, 0] and codes[2] != 0, [n.log()[-2000:] for n in nodes]
+        codes = [node.wait(150) for node in nodes]
+    assert sorted(codes) == [0, 0, 1, 1], [n.log()[-2000:] for n in nodes]
+    logs = "\n".join(n.log() for n in nodes)
+    assert "spare node's rank 2, before it stood by, failed its self-check" in logs, logs[-4000:]
 
     events = read_events(ev)
     (check,) = [e for e in events if e["event"] == Event.SELF_CHECK]
     assert (check["action"], check["ranks"], check["spares"]) == ("in place", [1], 1), check
-    assert _starts(events) == [(2, 0, None), (2, 0, [[1, 2]])]
+    assert _starts(events) == [(2, 0, None), (2, 0, [[1, 3]])]
     began = build_timeline(events).attempts[1].began
     assert began.startswith("a node that failed its self-check left out, taken over by a spare")
     resumes = [e for e in events if e["event"] == Event.RESUME]
