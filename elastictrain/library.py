@@ -35,6 +35,7 @@ from elastictrain.checkpoint.sharded.format import is_sharded
 from elastictrain.checkpoint.state.train_state import TrainState
 from elastictrain.cluster.env import DistEnv, read_env
 from elastictrain.cluster.groups import pick_device
+from elastictrain.cluster.self_check import check_or_stop
 from elastictrain.config import check_silent_timeout
 from elastictrain.errors import EXIT_INIT_TIMEOUT, ConfigError
 from elastictrain.inplace import epoch_end, recovering, supervisor
@@ -62,6 +63,7 @@ def init_distributed(
     replace_wait: float = 0.5,
     replace_timeout: float = 60.0,
     max_replacements: int = 3,
+    self_check: bool = True,
 ) -> torch.device:
     """Library mode's ``init_process_group``: the runner's restart-safe handshake for your loop.
 
@@ -87,9 +89,13 @@ def init_distributed(
             :meth:`CheckpointManager.run`. A frozen peer is dropped after ``silent_timeout``.
         replace_wait, replace_timeout, max_replacements: the runner's ``--replace-wait``,
             ``--replace-timeout`` and ``--max-replacements`` (docs/faults.md).
+        self_check: at a start (not a replacement), every node's self-check
+            (``elastictrain.cluster.self_check``); a failing node stops every rank with
+            ``SelfCheckFailedError`` (exit 2): library mode cannot leave a node out at its start.
 
     Raises:
         InitTimeoutError: a rank did not join within ``init_timeout``.
+        SelfCheckFailedError: a node failed its self-check (``self_check``).
         StoreSilentError: the job's store (torchrun's rendezvous store, ``job_store``) accepted
             the connection and did not answer within ``silent_timeout``: its host is frozen.
     """
@@ -129,6 +135,15 @@ def init_distributed(
             EXIT_INIT_TIMEOUT,
         )
         sys.exit(EXIT_INIT_TIMEOUT)
+    if self_check and died_at is None:
+        epoch = _driver.epoch
+        check_or_stop(
+            device,
+            env,
+            store=epoch.groups.store,
+            group=epoch.groups.control,
+            rtt_limit_s=heartbeat_seconds,
+        )
     return device
 
 

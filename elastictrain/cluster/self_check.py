@@ -265,3 +265,31 @@ def decide(
         why = "torchrun has no restart left to re-form the group without it (--max-restarts)"
     how = "stop" if why else ("in place" if in_place else "restart")
     return LeftOut(failed, ranks, how, why)
+
+
+def check_or_stop(
+    device: torch.device, env, *, store, group, rtt_limit_s: float, serves_store: bool = False
+) -> None:
+    """Library mode's self-check (``init_distributed``): every rank's findings gathered and
+    judged; a failing node stops every rank (``SelfCheckFailedError``, exit 2) naming each reason,
+    since nothing there can leave a node out before the user's loop has its state."""
+    import socket
+
+    from elastictrain.cluster.collectives import all_gather_object
+    from elastictrain.errors import SelfCheckFailedError
+
+    mine = examine(
+        device,
+        rank=env.rank,
+        node=env.node_rank,
+        host=socket.gethostname(),
+        serves_store=serves_store,
+        store=store if env.local_rank == 0 else None,
+    )
+    failed = judge(all_gather_object(mine, group), rtt_limit_s=rtt_limit_s)
+    if failed:
+        reasons = "; ".join(f"node {n}: {', '.join(why)}" for n, why in sorted(failed.items()))
+        raise SelfCheckFailedError(
+            f"{len(failed)} node(s) failed the self-check: {reasons}. Fix or replace the "
+            "node(s), or relaunch without them; init_distributed(self_check=False) skips it."
+        )

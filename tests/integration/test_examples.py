@@ -324,3 +324,21 @@ def test_a_final_save_at_a_step_committed_in_the_background_returns_on_every_ran
                  entry=("-m", "tests.helpers.final_after_background"), name="final", plain=True)  # fmt: skip
     assert job.wait(120) == 0, job.log()[-3000:]
     assert job.log().count('"final": true') == 2, job.log()[-3000:]
+
+
+def test_library_mode_stops_at_init_when_a_node_fails_its_self_check(launch, tmp_path):
+    """``init_distributed`` runs the nodes' self-check at a start: rank 1's compute check is wrong
+    (the chaos knob), so every rank raises ``SelfCheckFailedError`` naming it, before the loop
+    builds anything, and no checkpoint is written. (Seen failing with the check left out of
+    ``init_distributed``: the loop trained to the end.)"""
+    script = (os.path.join(REPO_ROOT, "examples", "custom_loop.py"),)
+    ckpt = str(tmp_path / "run")
+    env = job_env(ELASTICTRAIN_CHAOS_UNHEALTHY="compute:1")
+    job = launch(
+        custom_loop_args(ckpt, str(tmp_path / "ev.jsonl")), entry=script, env=env, plain=True
+    )
+    assert job.wait(120) != 0, job.log()[-3000:]
+    log = job.log()
+    assert "SelfCheckFailedError: 1 node(s) failed the self-check" in log, log[-3000:]
+    assert "the compute check of rank(s) 1" in log and "self_check=False" in log
+    assert not os.path.isdir(ckpt) or not any(n.startswith("step") for n in os.listdir(ckpt))
