@@ -164,8 +164,8 @@ class CheckpointSession:
     def tier_room(self, state: TrainState, step: int) -> tuple[int, int] | None:
         """The node-memory tier's (free, needed) bytes where this rank writes it; None elsewhere
         (the node's self-check, ``cluster.self_check``)."""
-        room = getattr(self._ckpt.local, "room", None)  # the sharded tier sizes per copy
-        return room(state, step) if room is not None else None
+        local = self._ckpt.local
+        return local.room(state, step) if local is not None else None
 
     @property
     def skipped_checkpoints(self) -> int:

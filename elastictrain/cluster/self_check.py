@@ -17,8 +17,9 @@ The checks (``--no-self-check`` skips them):
 - **The job's store.** The median of 5 set+get round trips, on each node's local rank 0. It
   fails above one heartbeat (``--heartbeat-seconds``): liveness beats through this store, and a
   node whose round trip is longer than a beat would soon be found silent mid-step.
-- **Room for the node-memory tier** (local rank 0, when the tier is on): the folder's free
-  bytes against the tier's own need (3 copies of the state at the check). A node short of room
+- **Room for the node-memory tier** (the rank that writes a node's replicated copy, when the
+  tier is on; the sharded tier checks its room at its first copy): the folder's free bytes
+  against the tier's own need (3 copies of the state at the check). A node short of room
   fails only where another node has it (a full ``/dev/shm`` on one host); when every node is
   short, the tier turns itself off at its first copy, as it always has, and no node fails.
 - **The checkpoint storage** is the multi-node preflight's (``checkpoint.write.node_check``):

@@ -291,7 +291,7 @@ class LocalTier:
             return f"a local write failed: {type(error).__name__}: {error}"
         if self._sized:
             return None
-        free, need = self.room(state, step)
+        free, need = self._room(state, step)
         if free >= need:
             return None
         self._release_own()
@@ -302,10 +302,12 @@ class LocalTier:
         )
 
     def room(self, state: tstate.TrainState, step: int) -> tuple[int, int] | None:
-        """(free bytes, the bytes the tier needs: the kept copies and one being written) where
-        this rank writes; None where it writes nothing (the node's self-check asks)."""
-        if not self.active:
-            return None
+        """(free bytes, the bytes the tier needs) where this rank writes; None where it writes
+        nothing (the node's self-check asks, at a start)."""
+        return self._room(state, step) if self.active else None
+
+    def _room(self, state: tstate.TrainState, step: int) -> tuple[int, int]:
+        """The kept copies and one being written, against the folder's free bytes."""
         need = COPIES_OF_ROOM * (
             self.copies.copy_bytes(self.copies.capture(state, step)) + SLACK_BYTES
         )

@@ -364,6 +364,13 @@ class ShardTier(LocalTier):
             self.save(step, state)
         self._writing_since = self.active and self.writer.writing
 
+    def room(self, state: tstate.TrainState, step: int) -> None:
+        """Not measured at a start (the self-check's tier room): sizing the shards takes DCP's
+        state dict, which initialises a fresh optimizer's state by running a step (torch's
+        ``_init_optim_state``: an Adam's step count would change the run). The tier checks its
+        room at its first copy instead (``_why_not``)."""
+        return None
+
     def _due(self, step: int) -> bool:
         """The same answer on every rank: from the step count, the agreed interval, and (before
         the first copy) whether a step time has been measured, which all ranks do at one step."""
