@@ -365,10 +365,8 @@ class ShardTier(LocalTier):
         self._writing_since = self.active and self.writer.writing
 
     def room(self, state: tstate.TrainState, step: int) -> None:
-        """Not measured at a start (the self-check's tier room): sizing the shards takes DCP's
-        state dict, which initialises a fresh optimizer's state by running a step (torch's
-        ``_init_optim_state``: an Adam's step count would change the run). The tier checks its
-        room at its first copy instead (``_why_not``)."""
+        """None: sizing shards at a start takes DCP's state dict, which steps a fresh optimizer
+        (torch's ``_init_optim_state``); the tier checks its room at its first copy instead."""
         return None
 
     def _due(self, step: int) -> bool:
