@@ -12,9 +12,7 @@ parser (``flags``) is built from the fields, so nothing here is written twice.
 
 from __future__ import annotations
 
-import functools
 import importlib.util
-import inspect
 from collections.abc import Callable
 from dataclasses import MISSING, InitVar, dataclass, field, fields
 from typing import Any, Literal, get_args, get_type_hints
@@ -22,6 +20,7 @@ from typing import Any, Literal, get_args, get_type_hints
 from elastictrain import mesh
 from elastictrain.errors import ConfigError
 from elastictrain.runtime.signals import parse_signal
+from elastictrain.step_list import parse_steps
 from storage.hashing import DEFAULT_ALGORITHM
 
 DEFAULT_TASK = "elastictrain.toy:make_task"
@@ -175,6 +174,19 @@ class RunConfig:
     the last only. The global batch (samples per optimizer step) is unchanged."""
     clip_grad_norm: float | None = setting(None, metavar="X")
     """Clip the total gradient norm to X before each optimizer step; the norm is logged."""
+    skip_nonfinite: bool = True
+    """Before each optimizer step, check that the whole gradient is finite (docs/faults.md,
+    "Numerical faults"); when it is not, on any rank, no rank applies the step: its samples are
+    recorded as skipped (the ledger, a skip event) and training goes on with the next batch.
+    Under fp16 the GradScaler's own overflow skips do this instead."""
+    max_consecutive_skips: int = setting(3, metavar="N")
+    """Steps in a row skipped for a non-finite gradient before the job stops (exit 10), naming
+    the steps and their samples: a skipped step changes no state, so N batches in a row failing
+    on the same weights point at the weights, not the data."""
+    skip_steps: str | None = setting(None, metavar="STEPS")
+    """Global steps (0-based) whose batches are drawn and not trained, e.g. 120,130-135: each is
+    recorded as skipped, exactly as a step with a non-finite gradient is, so a run told the
+    steps another run skipped trains bitwise like it."""
     num_workers: int = setting(0, metavar="N")
     """DataLoader worker processes that load batches ahead of the loop; 0 loads in the training
     process. The data order is the same for any N."""
@@ -330,6 +342,11 @@ class RunConfig:
             )
         if not _positive(self.clip_grad_norm, optional=True):
             raise ConfigError(f"--clip-grad-norm must be > 0, got {self.clip_grad_norm!r}.")
+        if self.max_consecutive_skips < 0:
+            raise ConfigError(
+                f"--max-consecutive-skips must be 0 or more, got {self.max_consecutive_skips!r}."
+            )
+        parse_steps(self.skip_steps)
         if self.tensorboard and importlib.util.find_spec("tensorboard") is None:
             raise ConfigError(
                 f"--tensorboard {self.tensorboard} needs the tensorboard package: "
@@ -367,24 +384,6 @@ def _whole(value: Any, optional: bool = False) -> bool:
     if value is None:
         return optional
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
-
-
-@functools.cache
-def field_docs(cls: type) -> dict[str, str]:
-    """Each field's docstring (the string right below it), whitespace collapsed."""
-    import ast
-
-    body = ast.parse(inspect.getsource(cls)).body[0].body
-    docs = {}
-    for node, nxt in zip(body, body[1:], strict=False):
-        doc = (
-            nxt.value.value
-            if isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
-            else None
-        )
-        if isinstance(node, ast.AnnAssign) and isinstance(doc, str):
-            docs[node.target.id] = " ".join(doc.split())
-    return docs
 
 
 def settings(cls: type) -> list[str]:

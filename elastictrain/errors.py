@@ -32,6 +32,7 @@ EXIT_ORPHANED = 6  # the torchrun agent died; exiting so no zombie writer is lef
 EXIT_STORAGE = 7  # storage stayed unusable past --storage-retry-deadline
 EXIT_PEER_SILENT = 8  # a peer (or the job's store) sent no heartbeat for --silent-timeout
 EXIT_EVICTED = 9  # this rank's node was evicted as a straggler (--straggler-action evict)
+EXIT_NUMERICAL = 10  # the training state went or stayed non-finite: nothing non-finite committed
 EXIT_PREEMPTED = (
     75  # EX_TEMPFAIL: stopped on request with a checkpoint committed; relaunch to continue
 )
@@ -121,6 +122,16 @@ class DataLoadError(ElasticTrainError, RuntimeError):
     exit_code = EXIT_CRASH
 
 
+class NumericalFaultError(ElasticTrainError):
+    """The training computes non-finite values that skipping a step does not clear (more than
+    ``--max-consecutive-skips`` steps in a row), or a checkpoint would have held a non-finite
+    tensor: every rank stops, naming the steps, the samples or the tensors; the committed
+    checkpoints are all finite."""
+
+    exit_code = EXIT_NUMERICAL
+    traceback_helps = False
+
+
 class CheckpointFailedError(ElasticTrainError):
     """Rank 0 could not commit a checkpoint the run cannot go on without (all ranks raise it)."""
 
@@ -205,6 +216,13 @@ EXIT_CODES: dict[int, tuple[str, str]] = {
         "start (`NodeUnhealthyError`); the others went on without it. The node's torchrun agent "
         "is stopped (SIGTERM), and exits 1",
     ),
+    EXIT_NUMERICAL: (
+        "`FAILED (exit 10): NumericalFaultError: steps A-B had a non-finite gradient ...`",
+        "the loss or gradient stayed non-finite for more than `--max-consecutive-skips` steps "
+        "(the message lists the steps and sample ids: relaunch with `--skip-steps` to skip "
+        "them), or a checkpoint would have held a NaN or an infinity (named); nothing "
+        "non-finite was committed",
+    ),
     EXIT_CRASH: (
         "a traceback, or `FAILED (exit 1): NodesLeftOutError: ...`",
         "a crash, or (without `--replace-in-place`) another node failed its self-check and left; "
@@ -256,6 +274,7 @@ __all__ = [
     "NodeEvictedError",
     "NodeUnhealthyError",
     "NodesLeftOutError",
+    "NumericalFaultError",
     "NewerFormatError",
     "OrphanedError",
     "Preempted",

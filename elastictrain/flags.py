@@ -8,16 +8,36 @@ checks the file against this).
 from __future__ import annotations
 
 import argparse
+import functools
+import inspect
 import types
 import typing
 from dataclasses import fields
 from typing import Any, Literal, get_args, get_origin, get_type_hints
 
-from elastictrain.config import CheckpointConfig, RunConfig, field_docs, flag, settings
+from elastictrain.config import CheckpointConfig, RunConfig, flag, settings
 from storage.urls import parse_option
 
 # (title, config class) in --help order; the runner's defaults come from RunConfig().
 GROUPS = (("training", RunConfig), ("checkpoints", CheckpointConfig))
+
+
+@functools.cache
+def field_docs(cls: type) -> dict[str, str]:
+    """Each field's docstring (the string right below it), whitespace collapsed."""
+    import ast
+
+    body = ast.parse(inspect.getsource(cls)).body[0].body
+    docs = {}
+    for node, nxt in zip(body, body[1:], strict=False):
+        doc = (
+            nxt.value.value
+            if isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
+            else None
+        )
+        if isinstance(node, ast.AnnAssign) and isinstance(doc, str):
+            docs[node.target.id] = " ".join(doc.split())
+    return docs
 
 
 def option(name: str, kind: Any) -> str:

@@ -10,10 +10,13 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
+from elastictrain.step_list import parse_steps
+
 ROLE = "ELASTICTRAIN_ROLE"
 """Set by a rank's supervisor (``--replace-in-place``) on its children: ``worker`` (training from
 the start) or ``spare``."""
 UNHEALTHY = "ELASTICTRAIN_CHAOS_UNHEALTHY"
+NAN = "ELASTICTRAIN_CHAOS_NAN"
 AGENT_PID = "ELASTICTRAIN_AGENT_PID"
 """Set by a rank's supervisor on its children: the torchrun agent's pid (their parent is the
 supervisor, not the agent)."""
@@ -62,6 +65,17 @@ def unhealthy() -> str | None:
     if ranks and os.environ.get("RANK") not in ranks.split(","):
         return None
     return check or None
+
+
+def nan_steps() -> frozenset[int]:
+    """``ELASTICTRAIN_CHAOS_NAN=STEPS[:R,...]`` (``chaos --fault nan``): this process multiplies
+    its loss by NaN at those global steps (``120,130-132``), each time it trains them, so its
+    gradient goes NaN in the backward as a bad sample's would. ``:R,...``: only the processes of
+    torchrun ranks R, ...; empty for every other process."""
+    steps, _, ranks = os.environ.get(NAN, "").partition(":")
+    if ranks and os.environ.get("RANK") not in ranks.split(","):
+        return frozenset()
+    return parse_steps(steps, NAN)
 
 
 def role() -> str | None:

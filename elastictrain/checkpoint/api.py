@@ -50,6 +50,8 @@ class SaveOutcome(enum.IntEnum):
     COMMITTED = 0
     SKIPPED = 1
     FAILED = 2
+    NON_FINITE = 3
+    """A rank's copy held a NaN or an infinity: refused before any byte was written."""
 
 
 Corrupt = Callable[[int, "Exception | str", Tier], None]
@@ -121,6 +123,9 @@ class Snap(Protocol):
 
     def wait(self) -> None:
         """Until the device-to-host copies have landed (CUDA); at once on the CPU."""
+
+    def non_finite(self) -> list[str]:
+        """The paths of the copy's tensors holding a NaN or an infinity (after :meth:`wait`)."""
 
 
 @runtime_checkable

@@ -27,7 +27,7 @@ from elastictrain.checkpoint.write import node_check
 from elastictrain.checkpoint.write.persist import Existing, Persister
 from elastictrain.cluster.collectives import barrier, broadcast_int
 from elastictrain.config import CheckpointConfig
-from elastictrain.errors import CheckpointFailedError
+from elastictrain.errors import CheckpointFailedError, NumericalFaultError
 from elastictrain.observe.events import Event, EventLog
 
 logger = logging.getLogger(__name__)
@@ -295,6 +295,14 @@ class Checkpointer:
     def settle(self, step: int, reason: Reason, outcome: int, error: BaseException | None) -> bool:
         """Every rank acts on the agreed outcome of a foreground save."""
         outcome = SaveOutcome(outcome)
+        if outcome is SaveOutcome.NON_FINITE:
+            if isinstance(error, NumericalFaultError):
+                raise error
+            raise NumericalFaultError(
+                f"the {reason} checkpoint at step {step} was refused: another rank's copy held "
+                "a NaN or an infinity (its log names the tensors); every committed checkpoint "
+                "is finite"
+            )
         if outcome is SaveOutcome.FAILED:
             detail = f": {error}" if error else "; see rank 0's log for the storage error"
             raise CheckpointFailedError(
@@ -321,6 +329,8 @@ class Checkpointer:
             raise CheckpointFailedError(
                 "another rank's background checkpoint persist failed; see its log for the error"
             )
+        if isinstance(failure.error, NumericalFaultError):
+            raise failure.error
         raise CheckpointFailedError(
             f"the {failure.reason} checkpoint at step {failure.step} could not be committed in "
             f"the background: {type(failure.error).__name__}: {failure.error}"

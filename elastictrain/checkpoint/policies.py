@@ -74,7 +74,9 @@ class StopTheRun:
             )
             return SaveOutcome.SKIPPED
         # A bug in the background (not storage) gets its traceback: nothing else would show it.
-        trace = not isinstance(error, storage.StorageError)
+        trace = not isinstance(error, storage.StorageError) and getattr(
+            error, "traceback_helps", True
+        )
         logger.error(
             "CHECKPOINT FAILED at step %d (%s): %s",
             step,

@@ -35,6 +35,7 @@ class Event(Name):
     STRAGGLER = "straggler"  # a rank named persistently slow (slow) or recovered: host, ratio
     EVICTION = "eviction"  # a straggler's node evicted (evicted) or refused by a budget: evidence
     SELF_CHECK = "self_check"  # the nodes' self-check at a start: failed nodes, reasons, action
+    SKIP = "skip"  # a step skipped on every rank, never applied: reason, samples, in a row
     CHECKPOINT = (
         "checkpoint"  # a checkpoint committed: step, reason, bytes, blocked/persist seconds
     )
@@ -138,7 +139,9 @@ class SampleLog:
 
     Lines: ``step, micro, epoch, rank, world_size, generation, indices``, one per micro-batch
     (``--grad-accum-steps``). For each step the entries of the highest generation are the ones in
-    the committed history.
+    the committed history. A step skipped on every rank (``train.numerics``) adds one line per
+    rank after them: ``step, rank, world_size, generation, skipped`` (the reason): its samples
+    were drawn, and not trained.
     """
 
     def __init__(
@@ -162,6 +165,20 @@ class SampleLog:
                     "world_size": self.world_size,
                     "generation": self.generation,
                     "indices": share.indices.tolist(),
+                },
+            )
+
+    def skip(self, step: int, reason: str) -> None:
+        """``step``'s samples, recorded above, were not trained: a line of its own, after them."""
+        if self.path:
+            _append_line(
+                self.path,
+                {
+                    "step": step,
+                    "rank": self.rank,
+                    "world_size": self.world_size,
+                    "generation": self.generation,
+                    "skipped": reason,
                 },
             )
 

@@ -73,6 +73,8 @@ def _draw_attempt(a, colour: str, t0: float, steps, world, loss, evals) -> None:
     if a.losses:
         ls, lv = zip(*sorted(a.losses), strict=True)
         loss.plot(ls, lv, color=colour, marker=".", ms=3, label=label)
+    for i, e in enumerate(a.skipped_steps):  # a step no rank applied: its samples are listed
+        loss.axvline(e["step"], color="red", lw=0.8, alpha=0.5, label=None if i else "skipped step")
     if evals is not None:
         for i, name in enumerate(sorted({k for _, m in a.evals for k in m})):
             points = sorted((s, m[name]) for s, m in a.evals if name in m)
@@ -167,7 +169,7 @@ def _label_loss(timeline: Timeline, loss, evals) -> None:
     loss.set(
         xlabel="step",
         ylabel="loss (mean over ranks)",
-        title="loss across restarts (dashed: resume after a restart; dotted: in place)",
+        title="loss across restarts (dashed: resume after a restart; dotted: in place; red: a skipped step)",
     )
     if not any(a.losses for a in timeline.attempts):
         # Library mode logs checkpoints, not progress: say so rather than draw an empty frame.

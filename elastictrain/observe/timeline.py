@@ -58,6 +58,8 @@ class Attempt:
     """Optimizer steps fp16's GradScaler skipped (an overflow), from the progress events."""
     checkpoints: list[dict[str, Any]] = field(default_factory=list)
     skipped: list[dict[str, Any]] = field(default_factory=list)
+    skipped_steps: list[dict[str, Any]] = field(default_factory=list)
+    """The ``skip`` events: a step no rank applied (a non-finite gradient, ``--skip-steps``)."""
     last_words: dict[int, dict[str, Any]] = field(default_factory=dict)
     """The ``exit`` event of each rank that left one, by rank."""
     scores: list[tuple[float, list[float]]] = field(default_factory=list)
@@ -178,8 +180,8 @@ def _add_record(a: Attempt, kind: str | None, t: float, e: dict[str, Any]) -> No
         a.evals.append((step, dict(e.get("metrics", {}))))
     elif kind == Event.CHECKPOINT:
         a.checkpoints.append(e)
-    elif kind == Event.CHECKPOINT_SKIPPED:
-        a.skipped.append(e)
+    elif kind in (Event.CHECKPOINT_SKIPPED, Event.SKIP):
+        (a.skipped if kind == Event.CHECKPOINT_SKIPPED else a.skipped_steps).append(e)
     elif kind == Event.STRAGGLERS:
         ranks = e.get("ranks", [])
         if ranks and all("score" in r for r in ranks):  # logs before issue 46 have none
@@ -310,6 +312,8 @@ def summary(timeline: Timeline) -> str:
                 f"{e.get('step')})"
                 for e in named
             )
+        if a.skipped_steps:
+            extras += f", {len(a.skipped_steps)} step(s) skipped (listed below)"
         stall = f"; stall {a.stall_s:.2f}s" if a.stall_s is not None else ""
         lines.append(
             f"attempt {a.index} ({a.began}{stall}) at +{a.start - timeline.t0:.1f}s: "
@@ -319,6 +323,11 @@ def summary(timeline: Timeline) -> str:
             f", checkpoints {ckpts}{extras}; "
             f"ended: {a.outcome}{' (' + a.detail + ')' if a.detail else ''}"
         )
+        lines += [
+            f"  skipped step {e.get('step')} ({e.get('reason')}), "
+            f"{len(e.get('samples', []))} samples: {e.get('samples', [])}"
+            for e in a.skipped_steps
+        ]
     return "\n".join(lines)
 
 

@@ -20,6 +20,9 @@ Faults:
                product): it is left out if the job can go on without it, else every rank exits
                2. Given at launch, not timed; wrap one node's torchrun to rehearse a multi-node
                job losing that node
+  nan          rank --nan-rank's loss is NaN at step --nan-step, each time it trains that step
+               (a bad sample, a device that computes wrong): no rank applies the step, its
+               samples are recorded as skipped, training goes on. Given at launch
 """
 
 from __future__ import annotations
@@ -45,8 +48,9 @@ FAULTS = (
     "kill-node",
     "kill-agent",
     "unhealthy-node",
+    "nan",
 )
-AT_LAUNCH = ("unhealthy-node",)
+AT_LAUNCH = ("unhealthy-node", "nan")
 SLOW_PERIOD_S = 0.02  # shorter than a step: each step is stretched, not some stopped whole
 
 
@@ -162,8 +166,10 @@ class Chaos:
         log: IO[bytes],
         out: IO[str] = sys.stdout,
         slow_factor: float = 2.0,
+        nan_at: tuple[int, int] = (100, 0),
     ) -> None:
         self.command, self.faults, self.first_s, self.gap_s = command, faults, first_s, gap_s
+        self.nan_at = nan_at  # (step, torchrun rank)
         self.slow_factor, self.throttles = slow_factor, []
         self.timeout_s, self.seed, self.log, self.out = timeout_s, seed, log, out
         self.rng = random.Random(seed)
@@ -196,17 +202,23 @@ class Chaos:
         self._t0 = time.monotonic()
         at_launch = [f for f in AT_LAUNCH if f in self.faults]  # once, however often named
         timed = [f for f in self.faults if f not in AT_LAUNCH]
-        env = {**os.environ, knobs.UNHEALTHY: "compute"} if at_launch else None
+        step, rank = self.nan_at
+        given = {
+            "unhealthy-node": (
+                knobs.UNHEALTHY,
+                "compute",
+                "every rank it starts computes a wrong product in its self-check",
+            ),
+            "nan": (knobs.NAN, f"{step}:{rank}", f"rank {rank}'s loss is NaN at step {step}"),
+        }
+        env = {**os.environ, **{given[f][0]: given[f][1] for f in at_launch}} if at_launch else None
         job = subprocess.Popen(
             self.command, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True, env=env
         )
         self.say(f"launched pid {job.pid} (seed {self.seed}): {' '.join(self.command)}")
-        if at_launch:
-            self.injected.append((0.0, at_launch[0], job.pid))
-            self.say(
-                f"fault 1: unhealthy-node -> pid {job.pid}: every rank it starts computes a wrong "
-                "product in its self-check"
-            )
+        for fault in at_launch:
+            self.injected.append((0.0, fault, job.pid))
+            self.say(f"fault {len(self.injected)}: {fault} -> pid {job.pid}: {given[fault][2]}")
         seen: dict[int, str | None] = {}  # every descendant, so a dead agent's orphans are found
         stopped: list[int] = []
         due = self._t0 + self.first_s
@@ -281,6 +293,7 @@ def main(argv: list[str]) -> int:
             seed=seed,
             log=log,
             slow_factor=args.slow_factor,
+            nan_at=(args.nan_step, args.nan_rank),
         ).run()
     print(f"job output: {args.log}")
     return 0 if code == 0 else 1
@@ -326,6 +339,20 @@ def _parser() -> argparse.ArgumentParser:
         default=2.0,
         metavar="F",
         help="how many times slower slow-worker makes its worker (default 2; more than 1)",
+    )
+    p.add_argument(
+        "--nan-step",
+        type=int,
+        default=100,
+        metavar="S",
+        help="nan: the global step (0-based) whose loss goes NaN (default 100)",
+    )
+    p.add_argument(
+        "--nan-rank",
+        type=int,
+        default=0,
+        metavar="R",
+        help="nan: the torchrun rank whose loss goes NaN (default 0)",
     )
     p.add_argument("--seed", type=int, help="random seed, to replay a run")
     p.add_argument(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -10,12 +11,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from elastictrain import knobs
 from elastictrain.observe.metrics import RunningMeans, split_loss
 from elastictrain.observe.stragglers import StepTimer
 from elastictrain.task import Task
 from elastictrain.train import parallel
 from elastictrain.train.data import Share, seed_all, step_seed
 from elastictrain.train.loader import StepLoader
+from elastictrain.train.numerics import NAMED, NON_FINITE, GradientCheck
 from elastictrain.train.precision import Precision
 
 
@@ -65,6 +68,8 @@ class Trainer:
         clip_grad_norm: float | None = None,
         on_share: Callable[[int, int, Share], None] | None = None,
         before_update: Callable[[], None] | None = None,
+        check: GradientCheck | None = None,
+        skip_steps: frozenset[int] = frozenset(),
     ) -> None:
         self.task = task
         self.model = model
@@ -81,6 +86,15 @@ class Trainer:
         self.before_update = before_update
         """Called once every gradient is synced, before the optimizer changes anything: in-place
         recovery's gate, so a death mid-step leaves every rank's state at the same step."""
+        self.check = check
+        """Whether the step's whole gradient is finite (``numerics``); None: not checked (fp16's
+        GradScaler skips overflowed steps itself)."""
+        self.skip_steps = skip_steps
+        self.skipped: str | None = None
+        """Why the last step was not applied (``numerics.NON_FINITE`` or ``NAMED``), or None."""
+        self.shares: list[Share] = []
+        """The last step's shares of the global batch (this rank's samples)."""
+        self._nan_steps = knobs.nan_steps()  # chaos --fault nan: this rank's loss goes NaN there
         self.timer = StepTimer()
         self.means = RunningMeans(device)
         self.grad_norm: torch.Tensor | None = None
@@ -110,12 +124,47 @@ class Trainer:
             # Before the collective: if any rank finished this step, every rank recorded it.
             for micro, (share, _) in enumerate(pieces):
                 self.on_share(step, micro, share)
+        self.shares = [share for share, _ in pieces]
+        self.skipped = NAMED if step in self.skip_steps else None
+        if self.skipped:  # drawn, recorded, not trained: every rank alike, no collective
+            return torch.full((), math.nan)
         # Randomness inside a step depends only on (seed, step, rank): nothing to checkpoint.
         # Seeded after loading, so in-process loading draws from its own seed, as workers do.
         seed_all(step_seed(self.seed, step, self.rank))
         self.optimizer.zero_grad(set_to_none=True)
+        total, seen = self._backward(step, pieces, t0)
+        if self.clip_grad_norm is not None:
+            self.precision.unscale(self.optimizer)
+            self.grad_norm = parallel.full(
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip_grad_norm)
+            )
+        clipped = self.grad_norm if self.clip_grad_norm is not None else None
+        if self.check is not None and not self.check.finite(self.model, clipped):
+            self.skipped = NON_FINITE
+        if self.before_update is not None:
+            self.before_update()
+        if self.skipped:  # never applied: no optimizer, scheduler or after_step (numerics)
+            self.optimizer.zero_grad(set_to_none=True)
+            return total
+        for loss, metrics, n in seen:
+            self.means.add(loss, metrics, n)
+        self.precision.step(self.optimizer)
+        if self.scheduler is not None:
+            self.scheduler.step()
+        if self.task.after_step is not None:
+            self.task.after_step(step + 1, getattr(self.model, "module", self.model))
+        return total
+
+    def indices(self) -> list[int]:
+        """The dataset indices of this rank's samples in the last step."""
+        return [int(i) for share in self.shares for i in share.indices]
+
+    def _backward(self, step: int, pieces: list, t0: float) -> tuple[torch.Tensor, list]:
+        """Every micro-batch's forward and backward: (this rank's mean loss, each micro-batch's
+        (loss, metrics, samples), counted in the means once the step is applied)."""
         samples = sum(len(share.indices) for share, _ in pieces)
         total = torch.zeros((), device=self.device)
+        seen = []
         for micro, (share, batch) in enumerate(pieces):
             last = micro == len(pieces) - 1
             # Gradients are reduced in the backward of the last micro-batch only (DDP's all-reduce,
@@ -126,8 +175,10 @@ class Trainer:
                     loss, metrics = split_loss(
                         self.task.loss_fn(self.model, to_device(batch, self.device))
                     )
+                if last and step in self._nan_steps:
+                    loss = loss * math.nan
                 n = len(share.indices)
-                self.means.add(loss, metrics, n)
+                seen.append((loss.detach(), metrics, n))
                 total = total + loss.detach().float().to(self.device) * (n / samples)
                 if last:
                     # Work before the first synchronisation (the all-reduce inside the last
@@ -135,19 +186,7 @@ class Trainer:
                     self.timer.add(time.perf_counter() - t0)
                 # DDP averages gradients over ranks; the weight makes that the global-batch mean.
                 self.precision.backward(loss * share.weight if share.weight != 1.0 else loss)
-        if self.clip_grad_norm is not None:
-            self.precision.unscale(self.optimizer)
-            self.grad_norm = parallel.full(
-                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip_grad_norm)
-            )
-        if self.before_update is not None:
-            self.before_update()
-        self.precision.step(self.optimizer)
-        if self.scheduler is not None:
-            self.scheduler.step()
-        if self.task.after_step is not None:
-            self.task.after_step(step + 1, getattr(self.model, "module", self.model))
-        return total
+        return total, seen
 
     def summary(self, group: Any) -> tuple[dict[str, float], dict[str, Any]]:
         """Every rank, at an agreed report: (the loss and task metrics averaged over samples and

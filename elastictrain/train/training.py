@@ -21,6 +21,7 @@ from elastictrain.checkpoint.resume.live import Live
 from elastictrain.checkpoint.sharded import format as sharded
 from elastictrain.checkpoint.state import TrainState
 from elastictrain.checkpoint.state import train_state as tstate
+from elastictrain.config import RunConfig
 from elastictrain.errors import (
     NodeEvictedError,
     named_timeout,
@@ -34,7 +35,8 @@ from elastictrain.observe.logs import CONTEXT
 from elastictrain.observe.progress import Progress
 from elastictrain.observe.tensorboard import Scalars
 from elastictrain.observe.terminal import live_terminal
-from elastictrain.train import health
+from elastictrain.step_list import parse_steps
+from elastictrain.train import health, numerics
 from elastictrain.train.attempt import Attempt
 from elastictrain.train.loop import Trainer
 from elastictrain.train.precision import Precision
@@ -93,6 +95,17 @@ def train(attempt: Attempt, live: Live | None, driver: EpochDriver) -> int:
         clip_grad_norm=cfg.clip_grad_norm,
         on_share=sample_log.record,
         before_update=_update_gate(attempt, state, driver),
+        check=_gradient_check(cfg, state, precision),
+        skip_steps=parse_steps(cfg.skip_steps),
+    )
+    skips = numerics.Skips(
+        limit=cfg.max_consecutive_skips,
+        events=attempt.events,
+        sample_log=sample_log,
+        group=attempt.groups.control,
+        data_rank=data.rank,
+        rank=env.rank,
+        committed=lambda: session.last_committed,
     )
     if replica is not None and replica.alone:
         left = resumed.step < cfg.max_steps
@@ -103,7 +116,9 @@ def train(attempt: Attempt, live: Live | None, driver: EpochDriver) -> int:
         connections.learn(attempt.groups.control)
     # DDP's buckets primed with every rank, unless the epoch's wrapper came primed (in place).
     primes = attempt.parallelism.primes_buckets and replica is None
-    run = _Run(attempt, state, trainer, resumed, scalars, driver, primes, at_start=live is None)
+    run = _Run(
+        attempt, state, trainer, resumed, scalars, driver, primes, skips, at_start=live is None
+    )
     try:
         return run.loop(startup)
     except PeerLost:
@@ -117,6 +132,15 @@ def train(attempt: Attempt, live: Live | None, driver: EpochDriver) -> int:
     finally:
         loader.close()
         scalars.close()
+
+
+def _gradient_check(
+    cfg: RunConfig, state: TrainState, precision: Precision
+) -> numerics.GradientCheck | None:
+    """``--skip-nonfinite``, unless fp16's GradScaler skips overflowed steps itself."""
+    if not cfg.skip_nonfinite or precision.scaler is not None:
+        return None
+    return numerics.GradientCheck(sharded=sharded.is_sharded(state.model))
 
 
 def _update_gate(attempt: Attempt, state: TrainState, driver: EpochDriver):
@@ -144,6 +168,7 @@ class _Run:
     scalars: Scalars
     driver: EpochDriver
     collective_prime: bool
+    skips: numerics.Skips
     at_start: bool = False
     """Not an in-place epoch: the nodes check themselves before they train."""
 
@@ -215,6 +240,10 @@ class _Run:
                 "--collective-timeout", cfg.collective_timeout, f"training step {step}"
             ):
                 self.loss = trainer.step(step)
+                if trainer.skipped:
+                    self.skips.record(step, trainer.skipped, trainer.indices(), self.loss)
+                else:
+                    self.skips.applied()
                 done = self.completed = step + 1
                 CONTEXT.step = done
                 if self.progress.live:

@@ -38,17 +38,36 @@ def node_args(
 
 
 def committed_history(entries: list[dict[str, Any]]) -> dict[int, list[dict[str, Any]]]:
-    """For each step, the ledger entries of the highest generation that trained it."""
+    """For each step, the ledger entries of the highest generation that drew it (a skipped
+    step's ``skipped`` lines are in :func:`skipped_steps`, not here)."""
     by_step: dict[int, dict[int, list[dict[str, Any]]]] = defaultdict(lambda: defaultdict(list))
     for e in entries:
-        by_step[e["step"]][e["generation"]].append(e)
+        if "skipped" not in e:
+            by_step[e["step"]][e["generation"]].append(e)
     return {step: gens[max(gens)] for step, gens in by_step.items()}
+
+
+def skipped_steps(entries: list[dict[str, Any]]) -> dict[int, str]:
+    """The steps whose samples the committed history drew and did not train: step -> reason.
+    Every rank of the step's generation recorded the skip (the verdict is every rank's)."""
+    history = committed_history(entries)
+    skips: dict[int, dict[int, str]] = defaultdict(dict)
+    for e in entries:
+        drew = history.get(e["step"])
+        if "skipped" in e and drew and e["generation"] == drew[0]["generation"]:
+            skips[e["step"]][e["rank"]] = e["skipped"]
+    for step, by_rank in skips.items():
+        world = history[step][0]["world_size"]
+        assert sorted(by_rank) == list(range(world)), f"step {step}: skipped by {sorted(by_rank)}"
+        assert len(set(by_rank.values())) == 1, f"step {step}: reasons {by_rank}"
+    return {step: next(iter(by_rank.values())) for step, by_rank in skips.items()}
 
 
 def assert_exactly_once(
     entries: list[dict[str, Any]], *, dataset_size: int, batch_size: int, max_steps: int
 ) -> dict:
-    """Every step's global batch trained once; every full epoch covers its samples exactly once."""
+    """Every step's global batch drawn once (trained, or recorded as skipped on every rank:
+    :func:`skipped_steps`); every full epoch covers its samples exactly once."""
     history = committed_history(entries)
     assert sorted(history) == list(range(max_steps)), "some steps are missing from the ledger"
     steps_per_epoch = dataset_size // batch_size

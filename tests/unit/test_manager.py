@@ -15,7 +15,7 @@ from torch import nn
 
 from elastictrain import CheckpointManager, Preempted, load_checkpoint
 from elastictrain.checkpoint.api import Tier
-from elastictrain.errors import CheckpointMismatchError, ConfigError
+from elastictrain.errors import CheckpointMismatchError, ConfigError, NumericalFaultError
 from elastictrain.observe.events import Event, read_events
 from tests.helpers.launcher import job_env
 from tests.helpers.one_process import build, train_step
@@ -130,6 +130,43 @@ def test_a_checkpoint_of_another_model_is_refused_and_kept(tmp_path):
     with pytest.raises(CheckpointMismatchError, match="shape mismatch"):
         CheckpointManager(url).resume(model, opt, sched)
     assert load_checkpoint(url)["progress"]["step"] == 4  # untouched
+
+
+@pytest.mark.parametrize("async_save", [True, False])
+def test_a_state_holding_a_nan_is_never_committed_and_every_tier_keeps_its_finite_copies(
+    tmp_path, async_save
+):
+    """The commit path reads the copy it would write: a NaN in a weight (a buffer or a device
+    gone bad; the runner never applies a non-finite gradient) stops the save with
+    NumericalFaultError naming the tensor, in the background too, and nothing of that step is
+    committed on either tier."""
+    import storage
+
+    url = str(tmp_path / "c")
+    model, opt, sched = build()
+    local = str(tmp_path / "local")
+    with (
+        pytest.raises(
+            NumericalFaultError, match=r"step 8 would hold non-finite .* in model\.2\.bias"
+        ),
+        CheckpointManager(
+            url,
+            checkpoint_every_steps=4,
+            async_checkpoint=async_save,
+            local_checkpoint_dir=local,
+            local_every_steps=2,
+        ) as ckpt,
+    ):
+        ckpt.resume(model, opt, sched)
+        for step in range(12):
+            train_step(model, opt, sched, step)
+            if step + 1 == 8:
+                with torch.no_grad():
+                    model[2].bias.fill_(float("nan"))
+            ckpt.step(step + 1, model, opt, sched)
+    assert storage.open_store(url).committed_steps() == [4]
+    assert torch.isfinite(load_checkpoint(url)["model"]["2.bias"]).all()
+    assert max(storage.open_store(local).committed_steps()) == 6
 
 
 def test_misuse_gets_errors_that_name_the_fix(tmp_path):

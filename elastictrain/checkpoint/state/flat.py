@@ -36,8 +36,9 @@ def is_flat(data: bytes | bytearray | memoryview) -> bool:
     return len(data) >= _TRAILER.size and bytes(data[-len(MAGIC) :]) == MAGIC
 
 
-def _flatten(tree: Any, tensors: list[torch.Tensor]) -> Any:
-    """``tree`` with each tensor replaced by a marker holding its index in ``tensors``."""
+def _flatten(tree: Any, tensors: list[torch.Tensor], names: list[str], path: str = "") -> Any:
+    """``tree`` with each tensor replaced by a marker holding its index in ``tensors``; each
+    tensor's path in the tree (``model.net1.weight``) goes to ``names``, for errors."""
     if isinstance(tree, torch.Tensor):
         if tree.layout != torch.strided or tree.is_quantized:
             raise TypeError(
@@ -45,11 +46,13 @@ def _flatten(tree: Any, tensors: list[torch.Tensor]) -> Any:
                 "supported (convert it in your task's state_dict)"
             )
         tensors.append(tree.detach())
+        names.append(path)
         return {MARKER: len(tensors) - 1}
+    prefix = f"{path}." if path else ""
     if isinstance(tree, dict):
-        return type(tree)((k, _flatten(v, tensors)) for k, v in tree.items())
+        return type(tree)((k, _flatten(v, tensors, names, f"{prefix}{k}")) for k, v in tree.items())
     if isinstance(tree, (list, tuple)):
-        return type(tree)(_flatten(v, tensors) for v in tree)
+        return type(tree)(_flatten(v, tensors, names, f"{prefix}{i}") for i, v in enumerate(tree))
     return tree
 
 
@@ -78,12 +81,30 @@ class Snapshot:
     placement: list[tuple[int, int]] | None = None
     """(byte offset, byte length) of each tensor in the file, in the order they were found."""
     owner: torch.Tensor | None = None  # keeps the memory behind ``data`` alive
+    tensors: list[tuple[str, str]] | None = None
+    """(path in the state, dtype name) of each tensor, in the order of ``placement``."""
 
     def wait(self) -> None:
         """Block until the device-to-host copies have landed (no-op on CPU)."""
         for event in self.copy_done or ():
             event.synchronize()
         self.copy_done = None
+
+    def non_finite(self) -> list[str]:
+        """The paths of the floating-point tensors in this copy that hold a NaN or an infinity.
+        Read from the copy itself, the bytes a checkpoint writes, after :meth:`wait`: a state
+        that went bad after the copy was taken does not count, one that was bad in it does."""
+        bad = []
+        for (path, dtype), (offset, nbytes) in zip(
+            self.tensors or (), self.placement or (), strict=True
+        ):
+            kind = getattr(torch, dtype)
+            if not kind.is_floating_point or kind.itemsize == 1 or not nbytes:
+                continue  # integers are always finite; float8 has no isfinite kernel on the CPU
+            values = self.owner[offset : offset + nbytes].view(kind)
+            if not bool(torch.isfinite(values).all()):
+                bad.append(path)
+        return bad
 
 
 class Staging:
@@ -114,7 +135,8 @@ class Staging:
         that first waits for the current one, and the current stream then waits for them.
         """
         tensors: list[torch.Tensor] = []
-        skeleton = _flatten(state, tensors)
+        names: list[str] = []
+        skeleton = _flatten(state, tensors, names)
         buf = io.BytesIO()
         torch.save(skeleton, buf)
         skeleton_bytes = buf.getvalue()
@@ -147,6 +169,7 @@ class Staging:
             copy_done=copy_done,
             placement=[(off, nbytes) for _, _, off, nbytes in entries],
             owner=buffer,
+            tensors=[(name, entry[0]) for name, entry in zip(names, entries, strict=True)],
         )
 
     def _copy_on_side_streams(self, tensors, entries, buffer) -> list[Any]:

@@ -38,6 +38,7 @@ from elastictrain.checkpoint.state import train_state as tstate
 from elastictrain.checkpoint.write.layouts import FlatLayout
 from elastictrain.checkpoint.write.persist import Persister
 from elastictrain.config import CheckpointConfig
+from elastictrain.errors import NumericalFaultError
 from elastictrain.observe.events import Event, EventLog
 from storage.manifest import MANIFEST_NAME
 from storage.urls import is_local, redact_url
@@ -230,13 +231,21 @@ class LocalTier:
         return None
 
     def _off(self, why: str) -> None:
+        failure = self.record.failure
+        # A copy refused for NaNs is the state's fault, not the folder's: no folder fixes it.
+        state_is_bad = failure is not None and isinstance(failure.error, NumericalFaultError)
+        fix = (
+            ""
+            if state_is_bad
+            else "; set --local-checkpoint-dir to a node-local folder with room, or "
+            "--no-local-checkpoint to silence this"
+        )
         # INFO on rank 0 (shown there by default); other nodes' writers show only warnings.
         logger.log(
             logging.INFO if self.rank == 0 else logging.WARNING,
-            "local checkpoint tier off: %s. The durable tier (--checkpoint-dir) is unaffected; "
-            "set --local-checkpoint-dir to a node-local folder with room, or --no-local-checkpoint "
-            "to silence this.",
+            "local checkpoint tier off: %s. The durable tier (--checkpoint-dir) is unaffected%s.",
             why,
+            fix,
         )
         self.events.emit(Event.LOCAL_TIER, enabled=False, dir=self.dir, why=why)
         self.writes, self.writer = False, None

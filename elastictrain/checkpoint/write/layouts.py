@@ -78,6 +78,9 @@ class ShardSnap:
         if self.common is not None:
             self.common.wait()
 
+    def non_finite(self) -> list[str]:
+        return self.shards.non_finite() + (self.common.non_finite() if self.common else [])
+
 
 class ShardSnapshots:
     """A rank's sharded snapshots: its shards into one reused buffer, and on rank 0 the unsharded

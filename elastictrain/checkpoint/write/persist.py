@@ -34,7 +34,7 @@ from elastictrain.checkpoint.api import Layout, Reason, SaveOutcome, Snap
 from elastictrain.checkpoint.policies import FailurePolicy
 from elastictrain.checkpoint.record import Failure, SaveRecord
 from elastictrain.config import CheckpointConfig
-from elastictrain.errors import OrphanedError
+from elastictrain.errors import NumericalFaultError, OrphanedError
 from elastictrain.observe.events import EventLog
 from elastictrain.version import __version__
 
@@ -158,7 +158,7 @@ class Persister:
 
         def run() -> None:
             outcome, error = self._persist(job)
-            if outcome is SaveOutcome.FAILED:
+            if outcome in (SaveOutcome.FAILED, SaveOutcome.NON_FINITE):
                 self.record.failed(Failure(step, reason, error))
             elif outcome is SaveOutcome.SKIPPED:
                 self.record.gave_up(step)
@@ -179,6 +179,9 @@ class Persister:
         try:
             self._commit(job, write)
             return SaveOutcome.COMMITTED, None
+        except NumericalFaultError as e:  # every rank learns it from the outcome: all stop alike
+            self.policy.failed(job.step, job.reason, e, self.record)
+            return SaveOutcome.NON_FINITE, e
         except storage.StorageError as e:
             return self.policy.failed(job.step, job.reason, e, self.record), e
         except Exception as e:
@@ -196,6 +199,7 @@ class Persister:
         self._check_attached(step)  # before writing anything, and again right before the commit
         generation = self.generation()
         if write:
+            _refuse_non_finite(job.snap, step, self.policy.label)
             self.layout.write_own(self.store, step, job.snap, generation)
         if not (self.is_committer and job.commit):
             return
@@ -291,3 +295,18 @@ class Persister:
             },
             "saved_at": time.time(),
         }
+
+
+def _refuse_non_finite(snap: Snap, step: int, label: str) -> None:
+    """No checkpoint holds a NaN or an infinity: a run resumed from one could never recover.
+    Checked on the copy in host memory, off the training thread, before any byte is written."""
+    bad = snap.non_finite()
+    if bad:
+        shown = ", ".join(bad[:8]) + (f" and {len(bad) - 8} more" if len(bad) > 8 else "")
+        raise NumericalFaultError(
+            f"the {label} at step {step} would hold non-finite values (NaN or infinity) in "
+            f"{shown}; it was not written, and every committed checkpoint is finite. The state "
+            "went bad outside a gradient (a step with a non-finite gradient is never applied): "
+            "a buffer such as BatchNorm's statistics, Task.state, or a device that computes "
+            "wrong. Resume from the last committed checkpoint, and look for the cause there."
+        )

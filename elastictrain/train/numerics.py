@@ -1,0 +1,142 @@
+"""Numerical faults in the loop: a step whose gradient is not finite is skipped on every rank and
+never applied; the steps ``--skip-steps`` names are skipped the same way. Every skip is recorded
+(the sample ledger, a ``skip`` event); more than ``--max-consecutive-skips`` non-finite steps in a
+row stop the job, naming the steps and the samples.
+
+Why the gradient decides, and under DDP with no collective of its own: a non-finite loss puts
+non-finite values into its rank's gradient (the backward runs through them), and DDP's all-reduce
+sums every rank's gradient into every rank's, where a NaN or an infinity stays one. So every rank
+reads the same verdict from its own reduced gradient. Sharded gradients (FSDP, HSDP, tensor
+parallel) carry a rank's NaN into some shards only: their verdict is the clipped norm's, which is
+already the whole gradient's (``--clip-grad-norm``), or one all-reduce of one number per step.
+
+A skipped step changes no state: no optimizer or scheduler step, no ``Task.after_step``. So a run
+that skipped step s is bitwise the run told ``--skip-steps s``, and N skips in a row mean N
+batches failed on the same weights: the weights, not the data, are then the likely cause.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from elastictrain.cluster.collectives import all_gather_object
+from elastictrain.errors import NumericalFaultError
+from elastictrain.observe.events import Event, EventLog, SampleLog
+from elastictrain.step_list import format_steps
+
+logger = logging.getLogger(__name__)
+
+NON_FINITE = "non-finite gradient"
+NAMED = "--skip-steps"
+
+
+class GradientCheck:
+    """Whether the step's whole gradient is finite, the same answer on every rank."""
+
+    def __init__(self, *, sharded: bool, group: Any = None) -> None:
+        self.sharded = sharded and dist.is_initialized() and dist.get_world_size(group) > 1
+        self.group = group
+
+    def finite(self, model: nn.Module, grad_norm: torch.Tensor | None) -> bool:
+        """``grad_norm``: the whole gradient's norm when clipping computed it (one host sync)."""
+        if grad_norm is not None:
+            return bool(torch.isfinite(grad_norm))
+        grads = [_local(p.grad) for p in model.parameters() if p.grad is not None]
+        # The 2-norm, as clip_grad_norm_ takes it: fused kernels, 10x faster on the CPU than the
+        # largest magnitude. An element past 1e19 overflows it, and is non-finite to clipping too.
+        worst = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+        if not self.sharded:
+            return bool(torch.isfinite(worst))
+        bad = (~torch.isfinite(worst)).to(torch.float32).reshape(1)
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=self.group)
+        return not bool(bad.item())
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+class Skips:
+    """Every rank: records each skipped step (the ledger, a ``skip`` event from rank 0), counts
+    the non-finite ones in a row, and stops the job past ``limit``."""
+
+    def __init__(
+        self,
+        *,
+        limit: int,
+        events: EventLog,
+        sample_log: SampleLog,
+        group: Any,
+        data_rank: int,
+        rank: int,
+        committed: Any = lambda: None,
+    ) -> None:
+        self.limit = limit
+        self.events, self.sample_log = events, sample_log
+        self.group, self.data_rank, self.rank = group, data_rank, rank
+        self.committed = committed
+        self.in_a_row: list[tuple[int, list[int]]] = []
+        """The non-finite steps since the last applied one: (step, its samples)."""
+        self.total = 0
+
+    def applied(self) -> None:
+        self.in_a_row.clear()
+
+    def record(self, step: int, reason: str, indices: Sequence[int], loss: torch.Tensor) -> None:
+        """Every rank, at the same step (the verdict is every rank's); ``loss``: this rank's."""
+        self.sample_log.skip(step, reason)
+        loss_finite = reason != NON_FINITE or bool(torch.isfinite(loss))
+        mine = (self.rank, self.data_rank, loss_finite, list(indices))
+        every = all_gather_object(mine, self.group) if self.group is not None else [mine]
+        by_share = {data_rank: idx for _, data_rank, _, idx in every}  # one per tensor group
+        samples = sorted(i for idx in by_share.values() for i in idx)
+        bad_loss = sorted(rank for rank, _, ok, _ in every if not ok)
+        self.total += 1
+        if reason == NON_FINITE:
+            self.in_a_row.append((step, samples))
+        self.events.emit(
+            Event.SKIP,
+            step=step,
+            reason=reason,
+            loss_not_finite_on=bad_loss,
+            in_a_row=len(self.in_a_row),
+            samples=samples,
+        )
+        if reason == NON_FINITE and self.rank == 0:
+            logger.warning(
+                "step %d skipped on every rank: the gradient is not finite (%s); no state "
+                "changed, its %d samples are recorded as skipped (%d in a row, at most %d)",
+                step,
+                f"non-finite loss on rank(s) {bad_loss}" if bad_loss else "every loss finite",
+                len(samples),
+                len(self.in_a_row),
+                self.limit,
+            )
+        if len(self.in_a_row) > self.limit:
+            raise NumericalFaultError(self._stop_message())
+
+    def _stop_message(self) -> str:
+        steps = [s for s, _ in self.in_a_row]
+        shown = "; ".join(f"step {s}: {_some(samples)}" for s, samples in self.in_a_row[:4]) + (
+            "; ..." if len(self.in_a_row) > 4 else ""
+        )
+        return (
+            f"steps {format_steps(steps)} had a non-finite loss or gradient, {len(steps)} in a "
+            f"row, more than --max-consecutive-skips {self.limit}: skipped steps change no "
+            "state, so the same weights failed on every one of these batches. Nothing "
+            f"non-finite was applied or committed (newest committed step: {self.committed()}). "
+            f"Their samples ({shown}; all of them in the event log's skip events). If the data "
+            f"is the cause, relaunch with --skip-steps {format_steps(steps)}; if the weights "
+            "are, resume from an earlier checkpoint with a lower learning rate."
+        )
+
+
+def _some(samples: list[int], n: int = 16) -> str:
+    head = ", ".join(map(str, samples[:n]))
+    return f"[{head}{', ...' if len(samples) > n else ''}] ({len(samples)})"
