@@ -180,9 +180,13 @@ class RunConfig:
     recorded as skipped (the ledger, a skip event) and training goes on with the next batch.
     Under fp16 the GradScaler's own overflow skips do this instead."""
     max_consecutive_skips: int = setting(3, metavar="N")
-    """Steps in a row skipped for a non-finite gradient before the job stops (exit 10), naming
-    the steps and their samples: a skipped step changes no state, so N batches in a row failing
-    on the same weights point at the weights, not the data."""
+    """Steps in a row skipped for a non-finite gradient before the job rolls back to the newest
+    copy before them (node memory first) and skips them; if the next batch fails again, it
+    stops (exit 10), naming the steps and their samples."""
+    loss_spike_mads: float | None = setting(None, metavar="K")
+    """Roll back a loss spike: a rank's loss above the median of its last 100 by K times their
+    deviation (MAD) rolls every rank back to the newest copy at or before it and skips the
+    batches from there through it (docs/faults.md, "Loss spikes"); unset: off. 10 is cautious."""
     skip_steps: str | None = setting(None, metavar="STEPS")
     """Global steps (0-based) whose batches are drawn and not trained, e.g. 120,130-135: each is
     recorded as skipped, exactly as a step with a non-finite gradient is, so a run told the
@@ -342,6 +346,8 @@ class RunConfig:
             )
         if not _positive(self.clip_grad_norm, optional=True):
             raise ConfigError(f"--clip-grad-norm must be > 0, got {self.clip_grad_norm!r}.")
+        if not _positive(self.loss_spike_mads, optional=True):
+            raise ConfigError(f"--loss-spike-mads must be > 0, got {self.loss_spike_mads!r}.")
         if self.max_consecutive_skips < 0:
             raise ConfigError(
                 f"--max-consecutive-skips must be 0 or more, got {self.max_consecutive_skips!r}."

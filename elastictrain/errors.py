@@ -123,10 +123,10 @@ class DataLoadError(ElasticTrainError, RuntimeError):
 
 
 class NumericalFaultError(ElasticTrainError):
-    """The training computes non-finite values that skipping a step does not clear (more than
-    ``--max-consecutive-skips`` steps in a row), or a checkpoint would have held a non-finite
-    tensor: every rank stops, naming the steps, the samples or the tensors; the committed
-    checkpoints are all finite."""
+    """A numerical fault a rollback did not clear (non-finite steps, or a loss spike, straight
+    back after it), with no copy to roll back to, or a checkpoint that would have held a
+    non-finite tensor: every rank stops, naming the steps, the samples or the tensors; the
+    committed checkpoints are all finite."""
 
     exit_code = EXIT_NUMERICAL
     traceback_helps = False
@@ -217,11 +217,12 @@ EXIT_CODES: dict[int, tuple[str, str]] = {
         "is stopped (SIGTERM), and exits 1",
     ),
     EXIT_NUMERICAL: (
-        "`FAILED (exit 10): NumericalFaultError: steps A-B had a non-finite gradient ...`",
-        "the loss or gradient stayed non-finite for more than `--max-consecutive-skips` steps "
-        "(the message lists the steps and sample ids: relaunch with `--skip-steps` to skip "
-        "them), or a checkpoint would have held a NaN or an infinity (named); nothing "
-        "non-finite was committed",
+        "`FAILED (exit 10): NumericalFaultError: steps A-B had a non-finite loss or gradient ...`",
+        "a numerical fault came straight back after a rollback (more than "
+        "`--max-consecutive-skips` non-finite steps in a row, or a loss spike), no copy was "
+        "left to roll back to, or a checkpoint would have held a NaN or an infinity (named). "
+        "The message lists the steps and sample ids: relaunch with `--skip-steps` to skip them. "
+        "Nothing non-finite was committed",
     ),
     EXIT_CRASH: (
         "a traceback, or `FAILED (exit 1): NodesLeftOutError: ...`",

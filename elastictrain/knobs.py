@@ -17,6 +17,7 @@ ROLE = "ELASTICTRAIN_ROLE"
 the start) or ``spare``."""
 UNHEALTHY = "ELASTICTRAIN_CHAOS_UNHEALTHY"
 NAN = "ELASTICTRAIN_CHAOS_NAN"
+SPIKE = "ELASTICTRAIN_CHAOS_SPIKE"
 AGENT_PID = "ELASTICTRAIN_AGENT_PID"
 """Set by a rank's supervisor on its children: the torchrun agent's pid (their parent is the
 supervisor, not the agent)."""
@@ -72,10 +73,24 @@ def nan_steps() -> frozenset[int]:
     its loss by NaN at those global steps (``120,130-132``), each time it trains them, so its
     gradient goes NaN in the backward as a bad sample's would. ``:R,...``: only the processes of
     torchrun ranks R, ...; empty for every other process."""
-    steps, _, ranks = os.environ.get(NAN, "").partition(":")
+    return _chaos_steps(NAN)
+
+
+def spike_steps() -> frozenset[int]:
+    """``ELASTICTRAIN_CHAOS_SPIKE=STEPS[:R,...]`` (``chaos --fault spike``): as the NaN knob, the
+    loss multiplied by ``SPIKE_FACTOR`` instead: a batch that blows the loss up, and the step's
+    update with it."""
+    return _chaos_steps(SPIKE)
+
+
+SPIKE_FACTOR = 30.0
+
+
+def _chaos_steps(name: str) -> frozenset[int]:
+    steps, _, ranks = os.environ.get(name, "").partition(":")
     if ranks and os.environ.get("RANK") not in ranks.split(","):
         return frozenset()
-    return parse_steps(steps, NAN)
+    return parse_steps(steps, name)
 
 
 def role() -> str | None:

@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 import storage
 from elastictrain import knobs
+from elastictrain.checkpoint import rollback
 from elastictrain.checkpoint.api import Reason
 from elastictrain.checkpoint.checkpointer import Checkpointer, Resumed
 from elastictrain.checkpoint.resume.live import Live
@@ -73,6 +74,9 @@ class StepOutcome(NamedTuple):
     """Every rank agreed that a progress report is due (rank 0's clock)."""
     saved: bool
     """A checkpoint of this step was taken (False: none due, or skipped under ``warn``)."""
+    spike_step: int | None = None
+    """The earliest step some rank found a loss spike at (``train.numerics``): no copy of this
+    step was taken, and the caller rolls back (:meth:`CheckpointSession.roll_back`)."""
 
 
 class CheckpointSession:
@@ -249,8 +253,25 @@ class CheckpointSession:
             self._ckpt.claim()
         return resumed
 
+    def agrees_at(self, done: int) -> bool:
+        """Whether :meth:`step` agrees at ``done`` (its all-reduce runs at intervals)."""
+        return self._agreement.due(done)
+
+    def roll_back(self, state: TrainState, device: torch.device, not_after: int):
+        """Every rank: ``state`` back to the newest copy at or before ``not_after``, the newer
+        ones retracted, a new generation claimed (``checkpoint.rollback``); (Resumed, the
+        durable steps retracted)."""
+        with self.gate("resume", f"the rollback to step {not_after} or before"):
+            return rollback.roll_back(self._ckpt, state, device, not_after)
+
     def step(
-        self, done: int, state: TrainState, *, report: bool = False, may_save: bool = True
+        self,
+        done: int,
+        state: TrainState,
+        *,
+        report: bool = False,
+        may_save: bool = True,
+        spike_step: int | None = None,
     ) -> StepOutcome:
         """After every optimizer step, on every rank: agree on what one rank knows (a stop
         signal, rank 0's clock, a failed background persist), then act on it together. Raises
@@ -264,11 +285,14 @@ class CheckpointSession:
             report=report,
             persist_failed=self._ckpt.failure is not None,
             abandoned_step=self._ckpt.skipped_step,
+            spike_step=spike_step,
         )
         if decided.persist_failed:
             self._ckpt.raise_failure()
         if decided.abandoned_step is not None:
             self._ckpt.abandon(decided.abandoned_step)
+        if decided.spike_step is not None:  # this state is rolled back: never a copy of it
+            return StepOutcome(report=decided.report, saved=False, spike_step=decided.spike_step)
         if decided.stop:
             self.preempt(done, state)
         saved = False

@@ -36,6 +36,7 @@ class Event(Name):
     EVICTION = "eviction"  # a straggler's node evicted (evicted) or refused by a budget: evidence
     SELF_CHECK = "self_check"  # the nodes' self-check at a start: failed nodes, reasons, action
     SKIP = "skip"  # a step skipped on every rank, never applied: reason, samples, in a row
+    ROLLBACK = "rollback"  # every rank back to an earlier copy, in place: why, window, retracted
     CHECKPOINT = (
         "checkpoint"  # a checkpoint committed: step, reason, bytes, blocked/persist seconds
     )
@@ -70,6 +71,7 @@ FLUSHES = frozenset(
         Event.CORRUPT,
         Event.CHECKPOINT_SKIPPED,
         Event.CHECKPOINT_FAILED,
+        Event.ROLLBACK,
         Event.PREEMPTED,
         Event.END,
     }
@@ -167,6 +169,13 @@ class SampleLog:
                     "indices": share.indices.tolist(),
                 },
             )
+
+    def at(self, generation: int) -> SampleLog:
+        """The same ledger from a new generation on (a rollback's: its steps are trained again)."""
+        directory = os.path.dirname(self.path) if self.path else None
+        return SampleLog(
+            directory, rank=self.rank, world_size=self.world_size, generation=generation
+        )
 
     def skip(self, step: int, reason: str) -> None:
         """``step``'s samples, recorded above, were not trained: a line of its own, after them."""

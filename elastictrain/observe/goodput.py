@@ -14,6 +14,8 @@ From the attempts ``timeline`` builds (each ``start`` event begins one):
   is its own record's (``detected_s``), and its start-up includes the state from a survivor;
 - **redone steps**: steps the next attempt trained again (from its resume step to the highest step
   the failed one reported), at the failed attempt's own step time;
+- **rolled back**: a rollback in place (``train.numerics``: a loss spike, a fault that did not
+  clear): the steps it undid, at the attempt's step time, and its own seconds;
 - **checkpoint blocking**: the training time each committed checkpoint held the loop
   (``blocked_s``);
 - **stragglers**: while a rank is a named straggler (from the report its streak of slow reports
@@ -41,6 +43,7 @@ CAUSES = (
     "replacement",
     "restart",
     "redone steps",
+    "rolled back",
     "checkpoint blocking",
     "stragglers",
 )
@@ -89,6 +92,9 @@ def goodput(timeline: Timeline, until: float | None = None) -> Goodput:
             lost["start-up"] += a.trained_at - a.start
         lost["checkpoint blocking"] += sum(float(c.get("blocked_s") or 0) for c in a.checkpoints)
         lost["stragglers"] += _straggler_s(a)
+        for r in a.rollbacks:
+            undone = max(0, int(r.get("at_step") or 0) - int(r.get("step") or 0))
+            lost["rolled back"] += undone * _step_s(a) + float(r.get("seconds") or 0.0)
     for a, nxt in timeline.restarts:
         redone = a.last_step - nxt.resumed_step if nxt.resumed else 0
         lost["redone steps"] += max(0, redone) * _step_s(a)

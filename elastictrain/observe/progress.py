@@ -64,6 +64,10 @@ class Progress:
         self._drawn_t, self._drawn_step, self._rate = self._last_t, start_step, 0.0
         self._shown: tuple[int, float] | None = None
 
+    def rolled_back(self, step: int) -> None:
+        """Training goes on from an earlier ``step`` (``train.numerics``): rates count from it."""
+        self._last_step = self._drawn_step = step
+
     def due(self) -> bool:
         """Rank 0's clock says a report is due; the loop makes it everyone's decision."""
         return self.enabled and self._clock() - self._last_t >= self.every_s

@@ -73,6 +73,8 @@ def _draw_attempt(a, colour: str, t0: float, steps, world, loss, evals) -> None:
     if a.losses:
         ls, lv = zip(*sorted(a.losses), strict=True)
         loss.plot(ls, lv, color=colour, marker=".", ms=3, label=label)
+    for r in a.rollbacks:  # back from the step it was decided at to the copy it loaded
+        loss.axvspan(r["step"], r["at_step"], color="purple", alpha=0.15, lw=0)
     for i, e in enumerate(a.skipped_steps):  # a step no rank applied: its samples are listed
         loss.axvline(e["step"], color="red", lw=0.8, alpha=0.5, label=None if i else "skipped step")
     if evals is not None:
@@ -169,7 +171,7 @@ def _label_loss(timeline: Timeline, loss, evals) -> None:
     loss.set(
         xlabel="step",
         ylabel="loss (mean over ranks)",
-        title="loss across restarts (dashed: resume after a restart; dotted: in place; red: a skipped step)",
+        title="loss across restarts (dashed: resume after a restart; dotted: in place; red: a skipped step; purple: steps a rollback undid)",
     )
     if not any(a.losses for a in timeline.attempts):
         # Library mode logs checkpoints, not progress: say so rather than draw an empty frame.

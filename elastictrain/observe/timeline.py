@@ -60,6 +60,8 @@ class Attempt:
     skipped: list[dict[str, Any]] = field(default_factory=list)
     skipped_steps: list[dict[str, Any]] = field(default_factory=list)
     """The ``skip`` events: a step no rank applied (a non-finite gradient, ``--skip-steps``)."""
+    rollbacks: list[dict[str, Any]] = field(default_factory=list)
+    """The ``rollback`` events: every rank back at an earlier copy, in the same processes."""
     last_words: dict[int, dict[str, Any]] = field(default_factory=dict)
     """The ``exit`` event of each rank that left one, by rank."""
     scores: list[tuple[float, list[float]]] = field(default_factory=list)
@@ -159,7 +161,9 @@ def _add(a: Attempt, e: dict[str, Any]) -> None:
                 a.points.append((t, step))
         return
     a.end = t
-    if kind == Event.RESUME:
+    if kind == Event.RESUME and a.resumed:  # a rollback's load, in the same attempt
+        a.points.append((t, int(step or 0)))
+    elif kind == Event.RESUME:
         a.resumed, a.resumed_step = True, int(step or 0)
         a.resumed_from = _resumed_from(e)
         a.points.append((t, a.resumed_step))
@@ -180,8 +184,9 @@ def _add_record(a: Attempt, kind: str | None, t: float, e: dict[str, Any]) -> No
         a.evals.append((step, dict(e.get("metrics", {}))))
     elif kind == Event.CHECKPOINT:
         a.checkpoints.append(e)
-    elif kind in (Event.CHECKPOINT_SKIPPED, Event.SKIP):
-        (a.skipped if kind == Event.CHECKPOINT_SKIPPED else a.skipped_steps).append(e)
+    elif kind in (Event.CHECKPOINT_SKIPPED, Event.SKIP, Event.ROLLBACK):
+        kept = {Event.CHECKPOINT_SKIPPED: a.skipped, Event.SKIP: a.skipped_steps}
+        kept.get(kind, a.rollbacks).append(e)
     elif kind == Event.STRAGGLERS:
         ranks = e.get("ranks", [])
         if ranks and all("score" in r for r in ranks):  # logs before issue 46 have none
@@ -314,6 +319,11 @@ def summary(timeline: Timeline) -> str:
             )
         if a.skipped_steps:
             extras += f", {len(a.skipped_steps)} step(s) skipped (listed below)"
+        for r in a.rollbacks:
+            extras += (
+                f", rolled back at step {r.get('at_step')} ({r.get('reason')}) to step "
+                f"{r.get('step')}, skipping {r.get('skipped')}"
+            )
         stall = f"; stall {a.stall_s:.2f}s" if a.stall_s is not None else ""
         lines.append(
             f"attempt {a.index} ({a.began}{stall}) at +{a.start - timeline.t0:.1f}s: "

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+_NO_SPIKE = -(2**31)
+
 
 @dataclass(frozen=True)
 class Decisions:
@@ -31,6 +33,8 @@ class Decisions:
     persist_failed: bool = False
     abandoned_step: int | None = None
     """The newest step some rank gave up writing in the background (sharded checkpoints)."""
+    spike_step: int | None = None
+    """The earliest step some rank found a loss spike at (``train.numerics``)."""
 
 
 class Control:
@@ -65,11 +69,12 @@ class Control:
         report: bool,
         persist_failed: bool,
         abandoned_step: int | None = None,
+        spike_step: int | None = None,
     ) -> Decisions:
         """Called by every rank after every step; collective only at agreed steps."""
         if self.alone:  # no collective to amortise: the opinions are the decisions, every step
-            return Decisions(stop, by_time, report, persist_failed, abandoned_step)
-        if done < self._next:
+            return Decisions(stop, by_time, report, persist_failed, abandoned_step, spike_step)
+        if not self.due(done):
             return Decisions()
         proposal = 1
         now = self.clock()
@@ -78,10 +83,20 @@ class Control:
             proposal = min(max(math.ceil(self.interval_s / max(per_step, 1e-6)), 1), 1000)
         self._last = (done, now)
         abandoned = -1 if abandoned_step is None else abandoned_step
+        # The earliest spike wins: MAX of the negated step (none: the least int32).
+        spike = _NO_SPIKE if spike_step is None else -spike_step
         values = [int(stop), int(by_time), int(report), int(persist_failed), proposal, abandoned]
-        t = torch.tensor(values, dtype=torch.int32, device=self.device)
+        t = torch.tensor([*values, spike], dtype=torch.int32, device=self.device)
         if not self.alone:
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         agreed = t.tolist()
         self._next = done + agreed[4]
-        return Decisions(*(bool(v) for v in agreed[:4]), agreed[5] if agreed[5] >= 0 else None)
+        return Decisions(
+            *(bool(v) for v in agreed[:4]),
+            agreed[5] if agreed[5] >= 0 else None,
+            -agreed[6] if agreed[6] != _NO_SPIKE else None,
+        )
+
+    def due(self, done: int) -> bool:
+        """Whether :meth:`agree` all-reduces at ``done`` (every step when alone)."""
+        return self.alone or done >= self._next

@@ -20,9 +20,11 @@ Faults:
                product): it is left out if the job can go on without it, else every rank exits
                2. Given at launch, not timed; wrap one node's torchrun to rehearse a multi-node
                job losing that node
-  nan          rank --nan-rank's loss is NaN at step --nan-step, each time it trains that step
-               (a bad sample, a device that computes wrong): no rank applies the step, its
-               samples are recorded as skipped, training goes on. Given at launch
+  nan          torchrun rank --fault-rank's loss is NaN at step --fault-step, each time it
+               trains that step (a bad sample, a device that computes wrong): no rank applies
+               the step, its samples are recorded as skipped, training goes on. Given at launch
+  spike        the same rank's loss is 30x at that step, its update with it (a batch that throws
+               the weights off): with --loss-spike-mads every rank rolls back and skips it
 """
 
 from __future__ import annotations
@@ -49,8 +51,9 @@ FAULTS = (
     "kill-agent",
     "unhealthy-node",
     "nan",
+    "spike",
 )
-AT_LAUNCH = ("unhealthy-node", "nan")
+AT_LAUNCH = ("unhealthy-node", "nan", "spike")
 SLOW_PERIOD_S = 0.02  # shorter than a step: each step is stretched, not some stopped whole
 
 
@@ -166,10 +169,10 @@ class Chaos:
         log: IO[bytes],
         out: IO[str] = sys.stdout,
         slow_factor: float = 2.0,
-        nan_at: tuple[int, int] = (100, 0),
+        fault_at: tuple[int, int] = (100, 0),
     ) -> None:
         self.command, self.faults, self.first_s, self.gap_s = command, faults, first_s, gap_s
-        self.nan_at = nan_at  # (step, torchrun rank)
+        self.fault_at = fault_at  # nan, spike: (step, torchrun rank)
         self.slow_factor, self.throttles = slow_factor, []
         self.timeout_s, self.seed, self.log, self.out = timeout_s, seed, log, out
         self.rng = random.Random(seed)
@@ -202,7 +205,7 @@ class Chaos:
         self._t0 = time.monotonic()
         at_launch = [f for f in AT_LAUNCH if f in self.faults]  # once, however often named
         timed = [f for f in self.faults if f not in AT_LAUNCH]
-        step, rank = self.nan_at
+        step, rank = self.fault_at
         given = {
             "unhealthy-node": (
                 knobs.UNHEALTHY,
@@ -210,6 +213,7 @@ class Chaos:
                 "every rank it starts computes a wrong product in its self-check",
             ),
             "nan": (knobs.NAN, f"{step}:{rank}", f"rank {rank}'s loss is NaN at step {step}"),
+            "spike": (knobs.SPIKE, f"{step}:{rank}", f"rank {rank}'s loss is 30x at step {step}"),
         }
         env = {**os.environ, **{given[f][0]: given[f][1] for f in at_launch}} if at_launch else None
         job = subprocess.Popen(
@@ -293,7 +297,7 @@ def main(argv: list[str]) -> int:
             seed=seed,
             log=log,
             slow_factor=args.slow_factor,
-            nan_at=(args.nan_step, args.nan_rank),
+            fault_at=(args.fault_step, args.fault_rank),
         ).run()
     print(f"job output: {args.log}")
     return 0 if code == 0 else 1
@@ -341,18 +345,18 @@ def _parser() -> argparse.ArgumentParser:
         help="how many times slower slow-worker makes its worker (default 2; more than 1)",
     )
     p.add_argument(
-        "--nan-step",
+        "--fault-step",
         type=int,
         default=100,
         metavar="S",
-        help="nan: the global step (0-based) whose loss goes NaN (default 100)",
+        help="nan, spike: the global step (0-based) whose loss goes bad (default 100)",
     )
     p.add_argument(
-        "--nan-rank",
+        "--fault-rank",
         type=int,
         default=0,
         metavar="R",
-        help="nan: the torchrun rank whose loss goes NaN (default 0)",
+        help="nan, spike: the torchrun rank whose loss goes bad (default 0)",
     )
     p.add_argument("--seed", type=int, help="random seed, to replay a run")
     p.add_argument(

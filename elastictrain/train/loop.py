@@ -18,7 +18,7 @@ from elastictrain.task import Task
 from elastictrain.train import parallel
 from elastictrain.train.data import Share, seed_all, step_seed
 from elastictrain.train.loader import StepLoader
-from elastictrain.train.numerics import NAMED, NON_FINITE, GradientCheck
+from elastictrain.train.numerics import NON_FINITE, GradientCheck
 from elastictrain.train.precision import Precision
 
 
@@ -69,7 +69,7 @@ class Trainer:
         on_share: Callable[[int, int, Share], None] | None = None,
         before_update: Callable[[], None] | None = None,
         check: GradientCheck | None = None,
-        skip_steps: frozenset[int] = frozenset(),
+        skip_steps: dict[int, str] | None = None,
     ) -> None:
         self.task = task
         self.model = model
@@ -89,12 +89,14 @@ class Trainer:
         self.check = check
         """Whether the step's whole gradient is finite (``numerics``); None: not checked (fp16's
         GradScaler skips overflowed steps itself)."""
-        self.skip_steps = skip_steps
+        self.skip_steps = dict(skip_steps or {})
+        """Steps drawn and not trained (``--skip-steps``, a rollback's window): step -> why."""
         self.skipped: str | None = None
         """Why the last step was not applied (``numerics.NON_FINITE`` or ``NAMED``), or None."""
         self.shares: list[Share] = []
         """The last step's shares of the global batch (this rank's samples)."""
-        self._nan_steps = knobs.nan_steps()  # chaos --fault nan: this rank's loss goes NaN there
+        # chaos --fault nan|spike: this rank's loss goes NaN, or 30x, at those steps.
+        self._nan_steps, self._spike_steps = knobs.nan_steps(), knobs.spike_steps()
         self.timer = StepTimer()
         self.means = RunningMeans(device)
         self.grad_norm: torch.Tensor | None = None
@@ -125,7 +127,7 @@ class Trainer:
             for micro, (share, _) in enumerate(pieces):
                 self.on_share(step, micro, share)
         self.shares = [share for share, _ in pieces]
-        self.skipped = NAMED if step in self.skip_steps else None
+        self.skipped = self.skip_steps.get(step)
         if self.skipped:  # drawn, recorded, not trained: every rank alike, no collective
             return torch.full((), math.nan)
         # Randomness inside a step depends only on (seed, step, rank): nothing to checkpoint.
@@ -177,6 +179,8 @@ class Trainer:
                     )
                 if last and step in self._nan_steps:
                     loss = loss * math.nan
+                if last and step in self._spike_steps:
+                    loss = loss * knobs.SPIKE_FACTOR
                 n = len(share.indices)
                 seen.append((loss.detach(), metrics, n))
                 total = total + loss.detach().float().to(self.device) * (n / samples)

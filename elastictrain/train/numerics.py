@@ -18,7 +18,10 @@ batches failed on the same weights: the weights, not the data, are then the like
 from __future__ import annotations
 
 import logging
+import math
+from collections import deque
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -34,6 +37,11 @@ logger = logging.getLogger(__name__)
 
 NON_FINITE = "non-finite gradient"
 NAMED = "--skip-steps"
+SPIKE = "loss spike"
+SPIKE_WINDOW = 100
+"""Applied steps' losses a spike is judged against (this rank's, the newest)."""
+SPIKE_MIN = 20
+"""Losses needed before anything is judged a spike: the first steps of a run fall fast."""
 
 
 class GradientCheck:
@@ -62,9 +70,24 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+@dataclass(frozen=True)
+class Rollback:
+    """Every rank goes back to the newest copy at or before ``not_after`` and skips ``window``
+    (None: every step from that copy through ``not_after``)."""
+
+    not_after: int
+    window: list[int] | None
+    reason: str
+    """Why: ``NON_FINITE`` (more than the limit in a row) or ``SPIKE``."""
+
+    def skip_reason(self) -> str:
+        return f"rolled back: {self.reason}"
+
+
 class Skips:
     """Every rank: records each skipped step (the ledger, a ``skip`` event from rank 0), counts
-    the non-finite ones in a row, and stops the job past ``limit``."""
+    the non-finite ones in a row, and past ``limit`` asks for a rollback, or stops the job when
+    the fault came straight back after one."""
 
     def __init__(
         self,
@@ -83,12 +106,17 @@ class Skips:
         self.committed = committed
         self.in_a_row: list[tuple[int, list[int]]] = []
         """The non-finite steps since the last applied one: (step, its samples)."""
+        self.rolled_back: list[tuple[int, list[int]]] = []
+        """The run of non-finite steps the last rollback skipped: one straight after it is the
+        same fault, back."""
         self.total = 0
 
     def applied(self) -> None:
         self.in_a_row.clear()
 
-    def record(self, step: int, reason: str, indices: Sequence[int], loss: torch.Tensor) -> None:
+    def record(
+        self, step: int, reason: str, indices: Sequence[int], loss: torch.Tensor
+    ) -> Rollback | None:
         """Every rank, at the same step (the verdict is every rank's); ``loss``: this rank's."""
         self.sample_log.skip(step, reason)
         loss_finite = reason != NON_FINITE or bool(torch.isfinite(loss))
@@ -118,18 +146,27 @@ class Skips:
                 len(self.in_a_row),
                 self.limit,
             )
-        if len(self.in_a_row) > self.limit:
+        if len(self.in_a_row) <= self.limit:
+            return None
+        first = self.in_a_row[0][0]
+        if self.rolled_back and first == self.rolled_back[-1][0] + 1:
             raise NumericalFaultError(self._stop_message())
+        steps = [s for s, _ in self.in_a_row]
+        self.rolled_back, self.in_a_row = list(self.in_a_row), []
+        return Rollback(not_after=first, window=steps, reason=NON_FINITE)
 
     def _stop_message(self) -> str:
-        steps = [s for s, _ in self.in_a_row]
-        shown = "; ".join(f"step {s}: {_some(samples)}" for s, samples in self.in_a_row[:4]) + (
-            "; ..." if len(self.in_a_row) > 4 else ""
+        runs = self.rolled_back + self.in_a_row
+        steps = [s for s, _ in runs]
+        shown = "; ".join(f"step {s}: {_some(samples)}" for s, samples in runs[:4]) + (
+            "; ..." if len(runs) > 4 else ""
         )
         return (
             f"steps {format_steps(steps)} had a non-finite loss or gradient, {len(steps)} in a "
-            f"row, more than --max-consecutive-skips {self.limit}: skipped steps change no "
-            "state, so the same weights failed on every one of these batches. Nothing "
+            f"row with a rollback between (more than --max-consecutive-skips {self.limit} "
+            f"twice): the run went back to a copy before step {steps[0]}, skipped steps "
+            f"{format_steps(s for s, _ in self.rolled_back)}, and the very next batches failed "
+            "again, so the fault is in the weights or the data, not a passing one. Nothing "
             f"non-finite was applied or committed (newest committed step: {self.committed()}). "
             f"Their samples ({shown}; all of them in the event log's skip events). If the data "
             f"is the cause, relaunch with --skip-steps {format_steps(steps)}; if the weights "
@@ -140,3 +177,50 @@ class Skips:
 def _some(samples: list[int], n: int = 16) -> str:
     head = ", ".join(map(str, samples[:n]))
     return f"[{head}{', ...' if len(samples) > n else ''}] ({len(samples)})"
+
+
+class SpikeDetector:
+    """This rank's loss, judged against the median and the median absolute deviation (MAD) of
+    its last ``SPIKE_WINDOW`` applied steps: a loss above median + ``mads`` x 1.4826 x MAD (the
+    MAD scaled to a normal's standard deviation; at least 0.1% of the median) is a spike. Robust:
+    one outlier moves neither statistic, and a loss that falls as a run learns never looks
+    high. The losses stay on the device until an agreement reads them, one host sync each (not
+    one a step); the agreement makes the earliest spike every rank's decision."""
+
+    def __init__(self, mads: float | None) -> None:
+        self.mads = mads
+        self.history: deque[tuple[int, float]] = deque(maxlen=SPIKE_WINDOW)
+        self._pending: list[tuple[int, torch.Tensor]] = []
+
+    def add(self, step: int, loss: torch.Tensor) -> None:
+        """An applied step's loss (a skipped step has none to judge)."""
+        if self.mads is not None:
+            self._pending.append((step, loss.detach()))
+
+    def scan(self) -> int | None:
+        """The first pending step whose loss is a spike, or None; the pending losses before it
+        join the history."""
+        if not self._pending:
+            return None
+        values = torch.stack([v.float().reshape(()).cpu() for _, v in self._pending]).tolist()
+        steps = [s for s, _ in self._pending]
+        self._pending.clear()
+        for step, value in zip(steps, values, strict=True):
+            judged = len(self.history) >= SPIKE_MIN and math.isfinite(value)
+            if judged and value > self.threshold():
+                return step
+            self.history.append((step, value))
+        return None
+
+    def threshold(self) -> float:
+        ordered = sorted(v for _, v in self.history)
+        median = ordered[len(ordered) // 2]
+        mad = sorted(abs(v - median) for v in ordered)[len(ordered) // 2]
+        return median + self.mads * max(1.4826 * mad, 1e-3 * abs(median))
+
+    def rolled_back(self, to_step: int) -> None:
+        """The losses of the steps the rollback undid are no one's history."""
+        kept = [(s, v) for s, v in self.history if s < to_step]
+        self.history.clear()
+        self.history.extend(kept)
+        self._pending.clear()

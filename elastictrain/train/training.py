@@ -36,7 +36,7 @@ from elastictrain.observe.progress import Progress
 from elastictrain.observe.tensorboard import Scalars
 from elastictrain.observe.terminal import live_terminal
 from elastictrain.step_list import parse_steps
-from elastictrain.train import health, numerics
+from elastictrain.train import health, numerics, rollback
 from elastictrain.train.attempt import Attempt
 from elastictrain.train.loop import Trainer
 from elastictrain.train.precision import Precision
@@ -96,7 +96,7 @@ def train(attempt: Attempt, live: Live | None, driver: EpochDriver) -> int:
         on_share=sample_log.record,
         before_update=_update_gate(attempt, state, driver),
         check=_gradient_check(cfg, state, precision),
-        skip_steps=parse_steps(cfg.skip_steps),
+        skip_steps=dict.fromkeys(parse_steps(cfg.skip_steps), numerics.NAMED),
     )
     skips = numerics.Skips(
         limit=cfg.max_consecutive_skips,
@@ -116,8 +116,18 @@ def train(attempt: Attempt, live: Live | None, driver: EpochDriver) -> int:
         connections.learn(attempt.groups.control)
     # DDP's buckets primed with every rank, unless the epoch's wrapper came primed (in place).
     primes = attempt.parallelism.primes_buckets and replica is None
+    spikes = numerics.SpikeDetector(cfg.loss_spike_mads)
     run = _Run(
-        attempt, state, trainer, resumed, scalars, driver, primes, skips, at_start=live is None
+        attempt,
+        state,
+        trainer,
+        resumed,
+        scalars,
+        driver,
+        primes,
+        skips,
+        spikes,
+        at_start=live is None,
     )
     try:
         return run.loop(startup)
@@ -130,7 +140,7 @@ def train(attempt: Attempt, live: Live | None, driver: EpochDriver) -> int:
             raise
         raise PeerLost(run.carry(), e) from e
     finally:
-        loader.close()
+        trainer.loader.close()
         scalars.close()
 
 
@@ -169,6 +179,7 @@ class _Run:
     driver: EpochDriver
     collective_prime: bool
     skips: numerics.Skips
+    spikes: numerics.SpikeDetector
     at_start: bool = False
     """Not an in-place epoch: the nodes check themselves before they train."""
 
@@ -193,6 +204,9 @@ class _Run:
         """Rank 0: stragglers named and not recovered (``--straggler-action evict|replace``)."""
         self.refused: dict[int, str] = {}
         """Rank 0: each standing straggler's last refusal, recorded once while it holds."""
+        self._first_done = False
+        self.rolled_back_at: int | None = None
+        """The step the last rollback was decided at (``rollback``)."""
 
     def carry(self) -> LiveState:
         """This rank's state for the next membership epoch (its live tensors, not copied)."""
@@ -221,7 +235,7 @@ class _Run:
 
     def loop(self, startup: dict[str, float]) -> int:
         attempt, trainer, resumed = self.attempt, self.trainer, self.resumed
-        cfg, env, session = attempt.cfg, attempt.env, attempt.session
+        cfg = attempt.cfg
         if self.at_start and cfg.self_check and resumed.step < cfg.max_steps:
             health.check_nodes(self)  # before any step: a failing node leaves now
         if resumed.step < cfg.max_steps and self.collective_prime:
@@ -233,44 +247,62 @@ class _Run:
                 attempt.replica.kept(trainer.model)
         t_loop = time.monotonic()
         startup["ddp_s"] += t_loop
-        t_first = t_done = t_loop
-        for step in range(resumed.step, cfg.max_steps):
-            CONTEXT.step = step
-            with named_timeout(
-                "--collective-timeout", cfg.collective_timeout, f"training step {step}"
-            ):
-                self.loss = trainer.step(step)
-                if trainer.skipped:
-                    self.skips.record(step, trainer.skipped, trainer.indices(), self.loss)
-                else:
-                    self.skips.applied()
-                done = self.completed = step + 1
-                CONTEXT.step = done
-                if self.progress.live:
-                    self._checkpoints_shown()
-                    self.progress.tick(done, self.loss)
-                t_done = time.monotonic()
-                if step == resumed.step:  # how long a (re)start took to get back to training
-                    t_first = t_done
-                    startup["step_s"] = t_done - t_loop
-                    attempt.events.emit(
-                        Event.FIRST_STEP,
-                        step=done,
-                        loss=float(self.loss.item()) if env.is_rank0 else None,
-                        **{k: round(v, 4) for k, v in startup.items()},
-                    )
-                if attempt.eval_due(done):
-                    attempt.evaluate(done, trainer.model, trainer.precision, self.scalars)
-                outcome = session.step(
-                    done, self.state, report=self.progress.due(), may_save=done < cfg.max_steps
+        self._startup, self._t_loop = startup, t_loop
+        self._t_first = self._t_done = t_loop
+        step = resumed.step
+        while step < cfg.max_steps:
+            back = self._step(step)
+            step = step + 1 if back is None else rollback.roll_back(self, back, step)
+        return self._finish(t_loop, self._t_first, self._t_done)
+
+    def _step(self, step: int) -> numerics.Rollback | None:
+        """Train ``step``, then what every rank agrees after it; a rollback when one is due."""
+        attempt, trainer, session = self.attempt, self.trainer, self.attempt.session
+        cfg, env = attempt.cfg, attempt.env
+        CONTEXT.step = step
+        with named_timeout("--collective-timeout", cfg.collective_timeout, f"training step {step}"):
+            self.loss = trainer.step(step)
+            if trainer.skipped:
+                back = self.skips.record(step, trainer.skipped, trainer.indices(), self.loss)
+                if back is not None:
+                    return back
+            else:
+                self.skips.applied()
+                self.spikes.add(step, self.loss)
+            done = self.completed = step + 1
+            CONTEXT.step = done
+            if self.progress.live:
+                self._checkpoints_shown()
+                self.progress.tick(done, self.loss)
+            self._t_done = time.monotonic()
+            if not self._first_done:  # how long a (re)start took to get back to training
+                self._first_done, self._t_first = True, self._t_done
+                self._startup["step_s"] = self._t_done - self._t_loop
+                attempt.events.emit(
+                    Event.FIRST_STEP,
+                    step=done,
+                    loss=float(self.loss.item()) if env.is_rank0 else None,
+                    **{k: round(v, 4) for k, v in self._startup.items()},
                 )
-                # The last step's report comes after the final checkpoint, once: a report agreed
-                # at the last step too would record the final step twice.
-                if outcome.report and done < cfg.max_steps:
-                    self._checkpoints_shown()
-                    slow = stragglers.gather(trainer.timer, attempt.groups.control)
-                    health.evict_if_decided(self, done, self.report(done, slow))
-        return self._finish(t_loop, t_first, t_done)
+            if attempt.eval_due(done):
+                attempt.evaluate(done, trainer.model, trainer.precision, self.scalars)
+            spike = self.spikes.scan() if session.agrees_at(done) else None
+            outcome = session.step(
+                done,
+                self.state,
+                report=self.progress.due(),
+                may_save=done < cfg.max_steps,
+                spike_step=spike,
+            )
+            if outcome.spike_step is not None:
+                return numerics.Rollback(outcome.spike_step, None, numerics.SPIKE)
+            # The last step's report comes after the final checkpoint, once: a report agreed
+            # at the last step too would record the final step twice.
+            if outcome.report and done < cfg.max_steps:
+                self._checkpoints_shown()
+                slow = stragglers.gather(trainer.timer, attempt.groups.control)
+                health.evict_if_decided(self, done, self.report(done, slow))
+        return None
 
     def _finish(self, t_loop: float, t_first: float, t_done: float) -> int:
         """The final checkpoint, the last report and evaluation, the end of the attempt."""

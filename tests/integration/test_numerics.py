@@ -22,8 +22,8 @@ STEPS = 120
 BATCH = 64
 
 
-def _args(tmp_path, name: str, *extra: str) -> list[str]:
-    args = toy_args(str(tmp_path / name), str(tmp_path / f"{name}.jsonl"), max_steps=STEPS)
+def _args(tmp_path, name: str, *extra: str, steps: int = STEPS) -> list[str]:
+    args = toy_args(str(tmp_path / name), str(tmp_path / f"{name}.jsonl"), max_steps=steps)
     return [
         *args,
         "--checkpoint-every-steps",
@@ -38,14 +38,11 @@ def _skips(tmp_path, name: str) -> list[dict]:
     return [e for e in read_events(str(tmp_path / f"{name}.jsonl")) if e["event"] == Event.SKIP]
 
 
-@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
-def test_a_nan_on_one_rank_is_skipped_on_every_rank_bitwise_as_a_run_told_to_skip(
-    launch, tmp_path, parallel
-):
+def test_a_nan_on_one_rank_is_skipped_on_every_rank_bitwise_as_a_run_told_to_skip(launch, tmp_path):
     """Rank 1's loss is NaN at step 60 (its gradient, then every rank's reduced one): no rank
     applies the step, its 64 samples are recorded as skipped, and the run ends bitwise equal to
-    one told --skip-steps 60. FSDP reads the verdict from every rank's shards."""
-    layout = ("--parallel", parallel)
+    one told --skip-steps 60 (FSDP's verdict, from every rank's shards: the rollback test)."""
+    layout = ("--parallel", "ddp")
     faulted = launch(
         _args(tmp_path, "faulted", *layout),
         env=job_env(ELASTICTRAIN_CHAOS_NAN="60:1"),
@@ -77,32 +74,113 @@ def test_a_nan_on_one_rank_is_skipped_on_every_rank_bitwise_as_a_run_told_to_ski
     assert listed in summary(build_timeline(lines)).splitlines()
 
 
-def test_nans_in_a_row_past_the_limit_stop_the_job_naming_them_with_nothing_non_finite_committed(
+def _rollbacks(tmp_path, name: str) -> list[dict]:
+    events = read_events(str(tmp_path / f"{name}.jsonl"))
+    return [e for e in events if e["event"] == Event.ROLLBACK]
+
+
+def _assert_finite_checkpoints(url: str) -> None:
+    for step in storage.open_store(url).committed_steps():
+        for name, t in load_checkpoint(url, step=step)["model"].items():
+            assert torch.isfinite(t).all(), (step, name)
+
+
+LIMIT = ("--max-consecutive-skips", "3", "--local-every-steps", "5")
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_nans_in_a_row_roll_back_skip_the_window_and_end_bitwise_as_a_run_told_to_skip_it(
+    launch, tmp_path, parallel
+):
+    """Steps 40-43 NaN, more than --max-consecutive-skips 3 in a row: every rank goes back to
+    node memory's copy of step 40 in place (FSDP: each rank's shards), skips 40-43 and trains
+    on: bitwise a run told --skip-steps 40-43, every sample trained once or recorded as
+    skipped."""
+    layout = ("--parallel", parallel)
+    faulted = launch(
+        _args(tmp_path, "faulted", *LIMIT, *layout),
+        env=job_env(ELASTICTRAIN_CHAOS_NAN="40-43:0"),
+        name="faulted",
+        plain=True,
+    )
+    told = launch(
+        _args(tmp_path, "told", *LIMIT, *layout, "--skip-steps", "40-43"), name="told", plain=True
+    )
+    assert faulted.wait(120) == 0, faulted.log()[-3000:]
+    assert told.wait(120) == 0, told.log()[-3000:]
+    [back] = _rollbacks(tmp_path, "faulted")
+    assert (back["reason"], back["at_step"], back["step"], back["skipped"]) == (
+        "non-finite gradient",
+        43,
+        40,
+        "40-43",
+    )
+    ledger = read_sample_log(str(tmp_path / "faulted-s"))
+    assert skipped_steps(ledger) == dict.fromkeys(range(40, 44), "rolled back: non-finite gradient")
+    assert_exactly_once(ledger, dataset_size=4096, batch_size=BATCH, max_steps=STEPS)
+    assert_bitwise_equal(
+        final_state(str(tmp_path / "faulted")), final_state(str(tmp_path / "told"))
+    )
+
+
+def test_nans_straight_back_after_a_rollback_stop_the_job_naming_them_nothing_non_finite_committed(
     launch, tmp_path
 ):
-    """Steps 40-43 all NaN with --max-consecutive-skips 3: the fourth stops every rank with
-    exit 10, the message names the steps, samples and the --skip-steps that would skip them;
-    every committed checkpoint is finite."""
+    """Steps 40-47 NaN: the rollback skips 40-43, and 44 fails at once: the same fault, so
+    every rank stops with exit 10, the message names the steps, samples and the --skip-steps
+    that would skip them; every committed checkpoint is finite."""
     job = launch(
-        _args(tmp_path, "run", "--max-consecutive-skips", "3"),
-        env=job_env(ELASTICTRAIN_CHAOS_NAN="40-43:0"),
-        plain=True,
+        _args(tmp_path, "run", *LIMIT), env=job_env(ELASTICTRAIN_CHAOS_NAN="40-47:0"), plain=True
     )
     assert job.wait(120) == EXIT_NUMERICAL, job.log()[-3000:]
     log = job.log()
-    assert "NumericalFaultError: steps 40-43 had a non-finite loss or gradient, 4 in a row" in log
-    assert "relaunch with --skip-steps 40-43" in log
-    skips = _skips(tmp_path, "run")
-    assert [(s["step"], s["in_a_row"]) for s in skips] == [(40, 1), (41, 2), (42, 3), (43, 4)]
+    assert "NumericalFaultError: steps 40-47 had a non-finite loss or gradient, 8 in a row" in log
+    assert "relaunch with --skip-steps 40-47" in log
+    skips = [s for s in _skips(tmp_path, "run") if s["reason"] == "non-finite gradient"]
+    assert [s["step"] for s in skips] == [40, 41, 42, 43, 44, 45, 46, 47]
     assert f"step 40: [{', '.join(map(str, skips[0]['samples'][:16]))}, ...] (64)" in log
+    assert len(_rollbacks(tmp_path, "run")) == 1
     url = str(tmp_path / "run")
     assert storage.open_store(url).committed_steps() == [25]
-    for step in storage.open_store(url).committed_steps():
-        state = load_checkpoint(url, step=step)
-        for name, t in state["model"].items():
-            assert torch.isfinite(t).all(), (step, name)
+    _assert_finite_checkpoints(url)
     assert not any(
         math.isnan(e.get("loss") or 0.0)
         for e in read_events(str(tmp_path / "run.jsonl"))
         if e["event"] == Event.PROGRESS
+    )
+
+
+def test_a_loss_spike_is_rolled_back_in_place_and_skipped_bitwise_as_a_run_told_to_skip_it(
+    launch, tmp_path
+):
+    """Rank 1's loss 30x at step 150 (its update with it): found at the next agreement, every
+    rank goes back to the newest copy at or before 150 in the same processes, the copies of the
+    undone steps retracted, and skips the batches from that copy through 150. The run told to
+    skip those steps ends bitwise equal, and its own spike detector never fires."""
+    spike = ("--loss-spike-mads", "10", "--local-every-steps", "5")
+    faulted = launch(
+        _args(tmp_path, "faulted", *spike, steps=300),
+        # Agreements 0.5 s of steps apart: steps past the spike are undone, copies retracted.
+        env=job_env(ELASTICTRAIN_CHAOS_SPIKE="150:1", ELASTICTRAIN_CONTROL_INTERVAL_S="0.5"),
+        name="faulted",
+        plain=True,
+    )
+    assert faulted.wait(120) == 0, faulted.log()[-3000:]
+    [back] = _rollbacks(tmp_path, "faulted")
+    assert back["reason"] == "loss spike" and back["step"] <= 150 <= back["at_step"]
+    assert back["seconds"] < 1.0
+    assert "rollback: retracted step(s)" in faulted.log() or back["at_step"] < 155
+    told = launch(
+        _args(tmp_path, "told", *spike, "--skip-steps", back["skipped"], steps=300),
+        name="told",
+        plain=True,
+    )
+    assert told.wait(120) == 0, told.log()[-3000:]
+    assert not _rollbacks(tmp_path, "told")  # no false positive over 300 steps
+    ledger = read_sample_log(str(tmp_path / "faulted-s"))
+    window = range(back["step"], 151)
+    assert skipped_steps(ledger) == dict.fromkeys(window, "rolled back: loss spike")
+    assert_exactly_once(ledger, dataset_size=4096, batch_size=BATCH, max_steps=300)
+    assert_bitwise_equal(
+        final_state(str(tmp_path / "faulted")), final_state(str(tmp_path / "told"))
     )

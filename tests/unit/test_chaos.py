@@ -60,23 +60,23 @@ def test_unhealthy_node_is_given_at_launch_and_the_timed_faults_still_follow(tmp
     assert code == -9  # the "agent" (the shell) was SIGKILLed by the timed fault
 
 
-def test_nan_is_given_at_launch_to_the_named_rank_and_step(tmp_path):
-    """``nan`` sets the loop's knob in the launched command's environment: the step and the
+def test_nan_and_spike_are_given_at_launch_to_the_named_rank_and_step(tmp_path):
+    """``nan`` and ``spike`` set the loop's knobs in the launched command's environment: the step and the
     torchrun rank whose loss goes NaN (``knobs.nan_steps`` reads it back)."""
     out = tmp_path / "env.txt"
-    command = ["sh", "-c", f'echo "$ELASTICTRAIN_CHAOS_NAN" > {out}']
+    command = ["sh", "-c", f'echo "$ELASTICTRAIN_CHAOS_NAN $ELASTICTRAIN_CHAOS_SPIKE" > {out}']
     with open(tmp_path / "job.log", "wb") as log, open(tmp_path / "timeline.txt", "w") as said:
         chaos = Chaos(
             command,
-            faults=["nan"],
+            faults=["nan", "spike"],
             first_s=0.5,
             gap_s=(0.1, 0.1),
             timeout_s=20,
             seed=1,
             log=log,
             out=said,
-            nan_at=(37, 1),
+            fault_at=(37, 1),
         )
         code = chaos.run()
-    assert code == 0 and out.read_text().strip() == "37:1"
+    assert code == 0 and out.read_text().strip() == "37:1 37:1"
     assert "fault 1: nan -> pid" in (tmp_path / "timeline.txt").read_text()

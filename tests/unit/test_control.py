@@ -34,3 +34,13 @@ def test_cadence_follows_step_time_and_a_late_flag_is_still_seen(one_rank_group)
     assert decided.stop and 150 <= done <= 150 + 60  # ...and is acted on at the next one
     gaps = [b - a for a, b in zip(agreed_at[1:], agreed_at[2:], strict=False)]
     assert gaps and 5 <= sorted(gaps)[len(gaps) // 2] <= 40  # not every step, not never
+
+
+def test_a_spike_step_is_agreed_as_the_earliest_and_none_stays_none(one_rank_group):
+    """The spike rides the same all-reduce (MAX of the negated step): a rank's spike at step 0
+    is still a spike, and no spike reads back as None, not as a step."""
+    control = Control(torch.device("cpu"), is_rank0=True, interval_s=0.0)
+    flags = {"stop": False, "by_time": False, "report": False, "persist_failed": False}
+    assert control.due(1) and control.agree(1, **flags).spike_step is None
+    assert control.agree(2, **flags, spike_step=0).spike_step == 0
+    assert control.agree(3, **flags, spike_step=123_456).spike_step == 123_456
