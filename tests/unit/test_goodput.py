@@ -40,6 +40,7 @@ def test_lost_time_by_cause_and_the_effective_ratio_from_one_kill_and_restart():
             "replacement": 0.0,  # no in-place epoch
             "restart": 2.5,  # to the next start event
             "redone steps": 1.0,  # steps 21-30 again, at attempt 0's 0.1 s a step
+            "rolled back": 0.0,  # no rollback
             "checkpoint blocking": 0.3,
             "stragglers": 0.0,  # no rank named
         }
@@ -47,6 +48,44 @@ def test_lost_time_by_cause_and_the_effective_ratio_from_one_kill_and_restart():
     assert g.ratio == pytest.approx((20 - 7.3) / 20)
     assert g.fields()["effective_training_ratio"] == pytest.approx(0.635)
     assert "effective training time 63.5% of 20.0s wall" in g.line()
+
+
+def test_a_rollback_costs_the_steps_it_undid_at_the_step_time_and_its_own_seconds():
+    """Steps 50-70 trained at 0.1 s a step, a spike rolled back at 70 to the copy of step 60:
+    ten steps undone (1.0 s) and the rollback's 0.3 s, in the same attempt; its load's resume
+    event does not make the attempt look resumed from 60."""
+    history = [
+        {"event": Event.START, "time": 0.0, "world_size": 2},
+        {"event": Event.RESUME, "time": 1.0, "step": 0, "fresh": True},
+        {"event": Event.FIRST_STEP, "time": 2.0, "step": 1},
+        {"event": Event.PROGRESS, "time": 6.9, "step": 50},
+        {"event": Event.PROGRESS, "time": 8.9, "step": 70},
+        {"event": Event.RESUME, "time": 9.1, "step": 60, "tier": "local"},
+        {
+            "event": Event.ROLLBACK,
+            "time": 9.2,
+            "step": 60,
+            "at_step": 70,
+            "reason": "loss spike",
+            "skipped": "60-65",
+            "retracted": [],
+            "seconds": 0.3,
+        },  # fmt: skip
+        {
+            "event": Event.SKIP,
+            "time": 9.3,
+            "step": 60,
+            "reason": "rolled back: loss spike",
+            "samples": [1, 2],
+        },  # fmt: skip
+        {"event": Event.END, "time": 20.0, "step": 100},
+    ]
+    timeline = build_timeline(history)
+    g = goodput(timeline)
+    assert g.lost_s["rolled back"] == pytest.approx(10 * 0.1 + 0.3)
+    text = summary(timeline)
+    assert "steps 0->100" in text and "rolled back at step 70 (loss spike) to step 60" in text
+    assert "  skipped step 60 (rolled back: loss spike), 2 samples: [1, 2]" in text.splitlines()
 
 
 def test_an_uninterrupted_run_loses_only_its_start_up_and_checkpoints():
