@@ -175,10 +175,9 @@ class RunConfig:
     clip_grad_norm: float | None = setting(None, metavar="X")
     """Clip the total gradient norm to X before each optimizer step; the norm is logged."""
     skip_nonfinite: bool = True
-    """Before each optimizer step, check that the whole gradient is finite (docs/faults.md,
-    "Numerical faults"); when it is not, on any rank, no rank applies the step: its samples are
-    recorded as skipped (the ledger, a skip event) and training goes on with the next batch.
-    Under fp16 the GradScaler's own overflow skips do this instead."""
+    """Check the whole gradient is finite before each optimizer step (docs/faults.md, "Numerical
+    faults"); when not, no rank applies it: its samples are recorded as skipped and training goes
+    on. Under fp16 the GradScaler's own overflow skips do this instead."""
     max_consecutive_skips: int = setting(3, metavar="N")
     """Steps in a row skipped for a non-finite gradient before the job rolls back to the newest
     copy before them (node memory first) and skips them; if the next batch fails again, it
@@ -187,10 +186,13 @@ class RunConfig:
     """Roll back a loss spike: a rank's loss above the median of its last 100 by K times their
     deviation (MAD) rolls every rank back to the newest copy at or before it and skips the
     batches from there through it (docs/faults.md, "Loss spikes"); unset: off. 10 is cautious."""
+    compare_replicas_every: int | None = setting(100, metavar="K")
+    """Every K steps compare a digest of each data-parallel replica's parameters (DDP ranks,
+    HSDP's twins); a replica that differs (silent data corruption) rolls every rank back to the
+    newest copy where they agreed. 0: off."""
     skip_steps: str | None = setting(None, metavar="STEPS")
-    """Global steps (0-based) whose batches are drawn and not trained, e.g. 120,130-135: each is
-    recorded as skipped, exactly as a step with a non-finite gradient is, so a run told the
-    steps another run skipped trains bitwise like it."""
+    """Global steps (0-based) whose batches are drawn, recorded as skipped and not trained, e.g.
+    120,130-135: a run told the steps another run skipped trains bitwise like it."""
     num_workers: int = setting(0, metavar="N")
     """DataLoader worker processes that load batches ahead of the loop; 0 loads in the training
     process. The data order is the same for any N."""
@@ -348,10 +350,9 @@ class RunConfig:
             raise ConfigError(f"--clip-grad-norm must be > 0, got {self.clip_grad_norm!r}.")
         if not _positive(self.loss_spike_mads, optional=True):
             raise ConfigError(f"--loss-spike-mads must be > 0, got {self.loss_spike_mads!r}.")
-        if self.max_consecutive_skips < 0:
-            raise ConfigError(
-                f"--max-consecutive-skips must be 0 or more, got {self.max_consecutive_skips!r}."
-            )
+        for name in ("compare_replicas_every", "max_consecutive_skips"):
+            if (getattr(self, name) or 0) < 0:
+                raise ConfigError(f"{flag(name)} must be 0 or more, got {getattr(self, name)!r}.")
         parse_steps(self.skip_steps)
         if self.tensorboard and importlib.util.find_spec("tensorboard") is None:
             raise ConfigError(

@@ -18,6 +18,7 @@ the start) or ``spare``."""
 UNHEALTHY = "ELASTICTRAIN_CHAOS_UNHEALTHY"
 NAN = "ELASTICTRAIN_CHAOS_NAN"
 SPIKE = "ELASTICTRAIN_CHAOS_SPIKE"
+BITFLIP = "ELASTICTRAIN_CHAOS_BITFLIP"
 AGENT_PID = "ELASTICTRAIN_AGENT_PID"
 """Set by a rank's supervisor on its children: the torchrun agent's pid (their parent is the
 supervisor, not the agent)."""
@@ -84,6 +85,13 @@ def spike_steps() -> frozenset[int]:
 
 
 SPIKE_FACTOR = 30.0
+
+
+def bitflip_steps() -> frozenset[int]:
+    """``ELASTICTRAIN_CHAOS_BITFLIP=STEP[:R,...]`` (``chaos --fault bitflip``): after its
+    optimizer step at STEP, this process flips one bit of one parameter, once in its life: a
+    device that corrupts memory silently, once (a replay of the step is clean)."""
+    return _chaos_steps(BITFLIP)
 
 
 def _chaos_steps(name: str) -> frozenset[int]:

@@ -37,6 +37,7 @@ class Event(Name):
     SELF_CHECK = "self_check"  # the nodes' self-check at a start: failed nodes, reasons, action
     SKIP = "skip"  # a step skipped on every rank, never applied: reason, samples, in a row
     ROLLBACK = "rollback"  # every rank back to an earlier copy, in place: why, window, retracted
+    REPLICAS = "replicas_differ"  # twins' parameter digests differed: suspects, last agreed step
     CHECKPOINT = (
         "checkpoint"  # a checkpoint committed: step, reason, bytes, blocked/persist seconds
     )

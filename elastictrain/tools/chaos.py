@@ -25,6 +25,8 @@ Faults:
                the step, its samples are recorded as skipped, training goes on. Given at launch
   spike        the same rank's loss is 30x at that step, its update with it (a batch that throws
                the weights off): with --loss-spike-mads every rank rolls back and skips it
+  bitflip      the same rank flips one bit of one parameter after that step, once (silent data
+               corruption): the replicas' digests differ, every rank rolls back and trains again
 """
 
 from __future__ import annotations
@@ -52,8 +54,9 @@ FAULTS = (
     "unhealthy-node",
     "nan",
     "spike",
+    "bitflip",
 )
-AT_LAUNCH = ("unhealthy-node", "nan", "spike")
+AT_LAUNCH = ("unhealthy-node", "nan", "spike", "bitflip")
 SLOW_PERIOD_S = 0.02  # shorter than a step: each step is stretched, not some stopped whole
 
 
@@ -214,6 +217,7 @@ class Chaos:
             ),
             "nan": (knobs.NAN, f"{step}:{rank}", f"rank {rank}'s loss is NaN at step {step}"),
             "spike": (knobs.SPIKE, f"{step}:{rank}", f"rank {rank}'s loss is 30x at step {step}"),
+            "bitflip": (knobs.BITFLIP, f"{step}:{rank}", f"rank {rank} flips a bit after {step}"),
         }
         env = {**os.environ, **{given[f][0]: given[f][1] for f in at_launch}} if at_launch else None
         job = subprocess.Popen(
@@ -349,14 +353,14 @@ def _parser() -> argparse.ArgumentParser:
         type=int,
         default=100,
         metavar="S",
-        help="nan, spike: the global step (0-based) whose loss goes bad (default 100)",
+        help="nan, spike, bitflip: the global step (0-based) it hits (default 100)",
     )
     p.add_argument(
         "--fault-rank",
         type=int,
         default=0,
         metavar="R",
-        help="nan, spike: the torchrun rank whose loss goes bad (default 0)",
+        help="nan, spike, bitflip: the torchrun rank it hits (default 0)",
     )
     p.add_argument("--seed", type=int, help="random seed, to replay a run")
     p.add_argument(

@@ -51,6 +51,7 @@ class Attempt:
         self.cfg, self.env, self.task, self.sampler, self.device = cfg, env, task, sampler, device
         self.groups, self.session, self.events = groups, session, session.events
         self.watchdog = watchdog
+        self.shape = shape
         self.parallelism = parallel.for_setting(cfg.parallel, shape)
         self.replica = replica
         self.data = data_ranks(shape, env.rank, env.world_size)

@@ -97,6 +97,7 @@ class Trainer:
         """The last step's shares of the global batch (this rank's samples)."""
         # chaos --fault nan|spike: this rank's loss goes NaN, or 30x, at those steps.
         self._nan_steps, self._spike_steps = knobs.nan_steps(), knobs.spike_steps()
+        self._flip_steps = knobs.bitflip_steps()  # chaos --fault bitflip: once in a process
         self.timer = StepTimer()
         self.means = RunningMeans(device)
         self.grad_norm: torch.Tensor | None = None
@@ -155,6 +156,9 @@ class Trainer:
             self.scheduler.step()
         if self.task.after_step is not None:
             self.task.after_step(step + 1, getattr(self.model, "module", self.model))
+        if step in self._flip_steps:
+            self._flip_steps = frozenset()
+            _flip_a_bit(self.model)
         return total
 
     def indices(self) -> list[int]:
@@ -204,3 +208,15 @@ class Trainer:
             fields["overflow_skips"] = self.precision.take_skips()
             self.overflow_skips += fields["overflow_skips"]
         return means, fields
+
+
+@torch.no_grad()
+def _flip_a_bit(model: nn.Module) -> None:
+    """One bit of the first parameter's first element, a quarter into its word (float32: bit 8
+    of the mantissa): a silent corruption that keeps the value finite (``chaos --fault
+    bitflip``)."""
+    first = next(p for p in model.parameters())
+    local = first.to_local() if hasattr(first, "to_local") else first
+    size = local.element_size()
+    words = {8: torch.int64, 4: torch.int32, 2: torch.int16}[size]
+    local.view(-1)[:1].view(words).bitwise_xor_(1 << (2 * size))

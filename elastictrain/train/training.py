@@ -7,6 +7,7 @@ what every rank agrees on after each step (stop, save, report) is the checkpoint
 from __future__ import annotations
 
 import logging
+import socket
 import sys
 import time
 from dataclasses import dataclass
@@ -36,7 +37,7 @@ from elastictrain.observe.progress import Progress
 from elastictrain.observe.tensorboard import Scalars
 from elastictrain.observe.terminal import live_terminal
 from elastictrain.step_list import parse_steps
-from elastictrain.train import health, numerics, rollback
+from elastictrain.train import health, numerics, replicas, rollback
 from elastictrain.train.attempt import Attempt
 from elastictrain.train.loop import Trainer
 from elastictrain.train.precision import Precision
@@ -117,6 +118,16 @@ def train(attempt: Attempt, live: Live | None, driver: EpochDriver) -> int:
     # DDP's buckets primed with every rank, unless the epoch's wrapper came primed (in place).
     primes = attempt.parallelism.primes_buckets and replica is None
     spikes = numerics.SpikeDetector(cfg.loss_spike_mads)
+    twins = replicas.ReplicaCheck(
+        cfg.compare_replicas_every or None,
+        shape=attempt.shape,
+        rank=env.rank,
+        world_size=env.world_size,
+        group=attempt.groups.control,
+        events=attempt.events,
+        host=socket.gethostname(),
+        start=resumed.step,
+    )
     run = _Run(
         attempt,
         state,
@@ -127,6 +138,7 @@ def train(attempt: Attempt, live: Live | None, driver: EpochDriver) -> int:
         primes,
         skips,
         spikes,
+        twins,
         at_start=live is None,
     )
     try:
@@ -180,6 +192,7 @@ class _Run:
     collective_prime: bool
     skips: numerics.Skips
     spikes: numerics.SpikeDetector
+    replicas: replicas.ReplicaCheck
     at_start: bool = False
     """Not an in-place epoch: the nodes check themselves before they train."""
 
@@ -271,6 +284,10 @@ class _Run:
                 self.spikes.add(step, self.loss)
             done = self.completed = step + 1
             CONTEXT.step = done
+            if self.replicas.due(done):  # before any copy of this step is taken
+                differ = self.replicas.compare(done, trainer.model)
+                if differ is not None:
+                    return numerics.Rollback(differ.agreed_at, [], replicas.DIFFER)
             if self.progress.live:
                 self._checkpoints_shown()
                 self.progress.tick(done, self.loss)

@@ -184,3 +184,43 @@ def test_a_loss_spike_is_rolled_back_in_place_and_skipped_bitwise_as_a_run_told_
     assert_bitwise_equal(
         final_state(str(tmp_path / "faulted")), final_state(str(tmp_path / "told"))
     )
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [("ddp", 3, ()), ("hsdp", 4, ("--mesh", "dp_replicate=2,dp_shard=2"))],
+    ids=["ddp-3-replicas", "hsdp-2-twins"],
+)
+def test_a_flipped_bit_is_found_within_k_steps_rolled_back_and_the_run_ends_bitwise_clean(
+    launch, tmp_path, layout
+):
+    """One bit of one parameter flipped on the last rank after step 45: the digests compared
+    every 10 steps differ at step 50, every rank goes back to the newest copy at or before step
+    40 (where they agreed) and trains again, skipping nothing: the final state is bitwise the
+    clean run's. Three DDP replicas name the flipped one (the minority); HSDP's two twins of
+    each shard have no majority, and the replay is what clears it."""
+    parallel, nproc, mesh = layout
+    common = ("--parallel", parallel, *mesh, "--compare-replicas-every", "10")
+    common += ("--local-every-steps", "5")
+    faulted = launch(
+        _args(tmp_path, "faulted", *common),
+        env=job_env(ELASTICTRAIN_CHAOS_BITFLIP=f"45:{nproc - 1}"),
+        nproc=nproc,
+        name="faulted",
+        plain=True,
+    )
+    clean = launch(_args(tmp_path, "clean", *common), nproc=nproc, name="clean", plain=True)
+    assert faulted.wait(120) == 0, faulted.log()[-3000:]
+    assert clean.wait(120) == 0, clean.log()[-3000:]
+    events = read_events(str(tmp_path / "faulted.jsonl"))
+    [differ] = [e for e in events if e["event"] == Event.REPLICAS]
+    assert (differ["step"], differ["agreed_at"]) == (50, 40)
+    assert differ["suspects"] == ([nproc - 1] if parallel == "ddp" else [])
+    [back] = _rollbacks(tmp_path, "faulted")
+    assert back["reason"] == "replicas differ" and back["step"] <= 40 and back["skipped"] == ""
+    assert not [
+        e for e in read_events(str(tmp_path / "clean.jsonl")) if e["event"] == Event.REPLICAS
+    ]
+    assert_bitwise_equal(
+        final_state(str(tmp_path / "faulted")), final_state(str(tmp_path / "clean"))
+    )
