@@ -262,7 +262,9 @@ class CheckpointSession:
         ones retracted, a new generation claimed (``checkpoint.rollback``); (Resumed, the
         durable steps retracted)."""
         with self.gate("resume", f"the rollback to step {not_after} or before"):
-            return rollback.roll_back(self._ckpt, state, device, not_after)
+            resumed, retracted = rollback.roll_back(self._ckpt, state, device, not_after)
+        self._agreement.restart_at(resumed.step + 1)
+        return resumed, retracted
 
     def step(
         self,

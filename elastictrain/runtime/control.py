@@ -97,6 +97,11 @@ class Control:
             -agreed[6] if agreed[6] != _NO_SPIKE else None,
         )
 
+    def restart_at(self, done: int) -> None:
+        """Every rank, after a rollback to ``done``: the next agreement is at once (the cadence
+        counted on from steps the rollback undid), and the step time is measured anew."""
+        self._next, self._last = done, None
+
     def due(self, done: int) -> bool:
         """Whether :meth:`agree` all-reduces at ``done`` (every step when alone)."""
         return self.alone or done >= self._next

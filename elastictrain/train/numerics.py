@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -118,6 +119,7 @@ class Skips:
         self, step: int, reason: str, indices: Sequence[int], loss: torch.Tensor
     ) -> Rollback | None:
         """Every rank, at the same step (the verdict is every rank's); ``loss``: this rank's."""
+        t0 = time.perf_counter()
         self.sample_log.skip(step, reason)
         loss_finite = reason != NON_FINITE or bool(torch.isfinite(loss))
         mine = (self.rank, self.data_rank, loss_finite, list(indices))
@@ -135,6 +137,7 @@ class Skips:
             loss_not_finite_on=bad_loss,
             in_a_row=len(self.in_a_row),
             samples=samples,
+            seconds=round(time.perf_counter() - t0, 4),  # what the skip added to the step
         )
         if reason == NON_FINITE and self.rank == 0:
             logger.warning(
@@ -202,7 +205,8 @@ class SpikeDetector:
         join the history."""
         if not self._pending:
             return None
-        values = torch.stack([v.float().reshape(()).cpu() for _, v in self._pending]).tolist()
+        # One host sync for them all (the losses sit on one device).
+        values = torch.stack([v.float().reshape(()) for _, v in self._pending]).tolist()
         steps = [s for s, _ in self._pending]
         self._pending.clear()
         for step, value in zip(steps, values, strict=True):

@@ -49,7 +49,13 @@ def digest(model: nn.Module) -> int:
     tensors = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
     if any(t.is_cuda for t in tensors):
         sums = [_word_sum(t) for t in tensors]
-        total = torch.stack(sums).cpu().tolist() if sums else []
+        by_device: dict[torch.device, list[int]] = {}  # one host copy per device
+        for i, s in enumerate(sums):
+            by_device.setdefault(s.device, []).append(i)
+        total = [0] * len(sums)
+        for indices in by_device.values():
+            for i, v in zip(indices, torch.stack([sums[i] for i in indices]).tolist(), strict=True):
+                total[i] = v
         return sum((i + 1) * v for i, v in enumerate(total)) % (1 << 64)
     h = xxhash.xxh3_64()
     for t in tensors:

@@ -38,42 +38,6 @@ def _skips(tmp_path, name: str) -> list[dict]:
     return [e for e in read_events(str(tmp_path / f"{name}.jsonl")) if e["event"] == Event.SKIP]
 
 
-def test_a_nan_on_one_rank_is_skipped_on_every_rank_bitwise_as_a_run_told_to_skip(launch, tmp_path):
-    """Rank 1's loss is NaN at step 60 (its gradient, then every rank's reduced one): no rank
-    applies the step, its 64 samples are recorded as skipped, and the run ends bitwise equal to
-    one told --skip-steps 60 (FSDP's verdict, from every rank's shards: the rollback test)."""
-    layout = ("--parallel", "ddp")
-    faulted = launch(
-        _args(tmp_path, "faulted", *layout),
-        env=job_env(ELASTICTRAIN_CHAOS_NAN="60:1"),
-        name="faulted",
-        plain=True,
-    )
-    told = launch(_args(tmp_path, "told", *layout, "--skip-steps", "60"), name="told", plain=True)
-    assert faulted.wait(120) == 0, faulted.log()[-3000:]
-    assert told.wait(120) == 0, told.log()[-3000:]
-
-    [skip] = _skips(tmp_path, "faulted")
-    assert (skip["step"], skip["reason"], skip["loss_not_finite_on"]) == (
-        60,
-        "non-finite gradient",
-        [1],
-    )
-    [named] = _skips(tmp_path, "told")
-    assert (named["step"], named["reason"], named["loss_not_finite_on"]) == (60, "--skip-steps", [])
-    assert skip["samples"] == named["samples"] and len(skip["samples"]) == BATCH
-    ledger = read_sample_log(str(tmp_path / "faulted-s"))
-    assert skipped_steps(ledger) == {60: "non-finite gradient"}
-    assert_exactly_once(ledger, dataset_size=4096, batch_size=BATCH, max_steps=STEPS)
-    assert_bitwise_equal(
-        final_state(str(tmp_path / "faulted")), final_state(str(tmp_path / "told"))
-    )
-    # The report lists the skipped samples (and the loss plot marks the step).
-    lines = merge_lines([(tmp_path / "faulted.jsonl").read_text()])
-    listed = f"  skipped step 60 (non-finite gradient), 64 samples: {skip['samples']}"
-    assert listed in summary(build_timeline(lines)).splitlines()
-
-
 def _rollbacks(tmp_path, name: str) -> list[dict]:
     events = read_events(str(tmp_path / f"{name}.jsonl"))
     return [e for e in events if e["event"] == Event.ROLLBACK]
@@ -89,22 +53,26 @@ LIMIT = ("--max-consecutive-skips", "3", "--local-every-steps", "5")
 
 
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
-def test_nans_in_a_row_roll_back_skip_the_window_and_end_bitwise_as_a_run_told_to_skip_it(
+def test_nans_are_skipped_on_every_rank_in_a_row_rolled_back_and_end_bitwise_as_told_to_skip(
     launch, tmp_path, parallel
 ):
-    """Steps 40-43 NaN, more than --max-consecutive-skips 3 in a row: every rank goes back to
-    node memory's copy of step 40 in place (FSDP: each rank's shards), skips 40-43 and trains
-    on: bitwise a run told --skip-steps 40-43, every sample trained once or recorded as
-    skipped."""
+    """Rank 1's loss is NaN at steps 40-43 and 60 (its gradient, then every rank's reduced one;
+    FSDP: the verdict from every rank's shards). Step 60 alone: no rank applies it, its samples
+    are recorded as skipped, no rollback. 40-43, more than --max-consecutive-skips 3 in a row:
+    every rank goes back in place to node memory's copy of step 40 (FSDP: each rank's shards),
+    skips 40-43 and trains on. The run ends bitwise equal to one told --skip-steps 40-43,60,
+    every sample trained once or recorded as skipped, and the report lists the samples."""
     layout = ("--parallel", parallel)
     faulted = launch(
         _args(tmp_path, "faulted", *LIMIT, *layout),
-        env=job_env(ELASTICTRAIN_CHAOS_NAN="40-43:0"),
+        env=job_env(ELASTICTRAIN_CHAOS_NAN="40-43,60:1"),
         name="faulted",
         plain=True,
     )
     told = launch(
-        _args(tmp_path, "told", *LIMIT, *layout, "--skip-steps", "40-43"), name="told", plain=True
+        _args(tmp_path, "told", *LIMIT, *layout, "--skip-steps", "40-43,60"),
+        name="told",
+        plain=True,
     )
     assert faulted.wait(120) == 0, faulted.log()[-3000:]
     assert told.wait(120) == 0, told.log()[-3000:]
@@ -115,12 +83,28 @@ def test_nans_in_a_row_roll_back_skip_the_window_and_end_bitwise_as_a_run_told_t
         40,
         "40-43",
     )
+    skips = [(e["step"], e["reason"], e["loss_not_finite_on"]) for e in _skips(tmp_path, "faulted")]
+    rolled = "rolled back: non-finite gradient"
+    assert skips == [(s, "non-finite gradient", [1]) for s in range(40, 44)] + [
+        (s, rolled, []) for s in range(40, 44)
+    ] + [(60, "non-finite gradient", [1])]
+    named = {e["step"]: e for e in _skips(tmp_path, "told")}
+    assert sorted(named) == [40, 41, 42, 43, 60] and named[60]["reason"] == "--skip-steps"
+    [skip] = [e for e in _skips(tmp_path, "faulted") if e["step"] == 60]
+    assert skip["samples"] == named[60]["samples"] and len(skip["samples"]) == BATCH
     ledger = read_sample_log(str(tmp_path / "faulted-s"))
-    assert skipped_steps(ledger) == dict.fromkeys(range(40, 44), "rolled back: non-finite gradient")
+    assert skipped_steps(ledger) == {
+        **dict.fromkeys(range(40, 44), rolled),
+        60: "non-finite gradient",
+    }
     assert_exactly_once(ledger, dataset_size=4096, batch_size=BATCH, max_steps=STEPS)
     assert_bitwise_equal(
         final_state(str(tmp_path / "faulted")), final_state(str(tmp_path / "told"))
     )
+    # The report lists the skipped samples (and the loss plot marks the steps).
+    lines = merge_lines([(tmp_path / "faulted.jsonl").read_text()])
+    listed = f"  skipped step 60 (non-finite gradient), 64 samples: {skip['samples']}"
+    assert listed in summary(build_timeline(lines)).splitlines()
 
 
 def test_nans_straight_back_after_a_rollback_stop_the_job_naming_them_nothing_non_finite_committed(

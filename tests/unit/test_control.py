@@ -44,3 +44,16 @@ def test_a_spike_step_is_agreed_as_the_earliest_and_none_stays_none(one_rank_gro
     assert control.due(1) and control.agree(1, **flags).spike_step is None
     assert control.agree(2, **flags, spike_step=0).spike_step == 0
     assert control.agree(3, **flags, spike_step=123_456).spike_step == 123_456
+
+
+def test_after_a_rollback_the_next_agreement_is_at_once(one_rank_group):
+    """A rollback sends the steps back below the agreed cadence's next step: without
+    restart_at, a stop signal would wait until the run passed the undone steps again."""
+    control = Control(torch.device("cpu"), is_rank0=True, interval_s=60.0)
+    flags = {"stop": False, "by_time": False, "report": False, "persist_failed": False}
+    control.agree(1, **flags)
+    time.sleep(0.01)
+    control.agree(2, **flags)  # 10 ms steps: the next agreement is thousands of steps away
+    assert not control.due(500)
+    control.restart_at(40)
+    assert control.due(40)
