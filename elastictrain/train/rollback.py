@@ -81,7 +81,7 @@ def roll_back(run: RollingRun, back: numerics.Rollback, at: int) -> int:
             at,
             start,
             seconds,
-            format_steps(window),
+            format_steps(window) or "none",
             retracted or "none",
         )
     return start

@@ -57,6 +57,20 @@ def test_a_spike_is_found_at_its_step_and_a_falling_noisy_loss_never_is():
     assert max(s for s, _ in spiky.history) == 39 and spiky.scan() is None
 
 
+def test_a_heavy_tail_far_above_the_median_but_not_past_the_record_is_no_spike():
+    """A small batch's loss has a heavy right tail: many MADs above the median, yet below 2.5x
+    the window's highest, it is noise (the toy reached 15 MADs, and 1.93x its window's high)."""
+    base = [1.0 + 0.01 * (i % 5) for i in range(49)] + [2.0, 1.0]
+    tail, spike = numerics.SpikeDetector(10.0), numerics.SpikeDetector(10.0)
+    for detector in (tail, spike):
+        _losses(detector, base)
+        assert detector.scan() is None  # 2.0: about 90 MADs above, and the new high
+    _losses(tail, [4.9], first_step=51)
+    assert tail.scan() is None  # below 2.5 x 2.0
+    _losses(spike, [5.1], first_step=51)
+    assert spike.scan() == 51
+
+
 def test_too_few_losses_are_never_judged_and_off_is_off():
     early = numerics.SpikeDetector(10.0)
     _losses(early, [1.0] * (numerics.SPIKE_MIN - 1) + [100.0])
