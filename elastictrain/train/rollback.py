@@ -76,7 +76,7 @@ def roll_back(run: RollingRun, back: numerics.Rollback, at: int) -> int:
     if attempt.env.is_rank0:
         logger.warning(
             "ROLLED BACK (%s at step %d): every rank is back at step %d in %.2fs, in place; "
-            "steps %s are skipped; retracted durable checkpoint(s): %s",
+            "skipped: %s; retracted durable checkpoint(s): %s",
             back.reason,
             at,
             start,
