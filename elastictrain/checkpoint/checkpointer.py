@@ -322,9 +322,24 @@ class Checkpointer:
         if self.writer:
             self.writer.abandoned.add(step)
 
-    def raise_failure(self) -> None:
-        """Every rank, once the loop agreed that a background persist failed."""
+    @property
+    def failure_code(self) -> int:
+        """What this rank tells the agreement of :attr:`failure`: 0 none, 1 a failure, 2 a copy
+        refused for holding a NaN or an infinity (then every rank stops with exit 10)."""
         failure = self.failure
+        if failure is None:
+            return 0
+        return 2 if isinstance(failure.error, NumericalFaultError) else 1
+
+    def raise_failure(self, code: int = 1) -> None:
+        """Every rank, once the loop agreed that a background persist failed (``code``: the
+        agreed :attr:`failure_code`)."""
+        failure = self.failure
+        if failure is None and code == 2:
+            raise NumericalFaultError(
+                "another rank's background checkpoint copy held a NaN or an infinity (its log "
+                "names the tensors); it was not written, and every committed checkpoint is finite"
+            )
         if failure is None:
             raise CheckpointFailedError(
                 "another rank's background checkpoint persist failed; see its log for the error"

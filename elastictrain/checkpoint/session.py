@@ -285,12 +285,12 @@ class CheckpointSession:
             stop=self._signals is not None and self._signals.requested,
             by_time=self.is_rank0 and self.schedule.due_by_time(),
             report=report,
-            persist_failed=self._ckpt.failure is not None,
+            persist_failed=self._ckpt.failure_code,
             abandoned_step=self._ckpt.skipped_step,
             spike_step=spike_step,
         )
         if decided.persist_failed:
-            self._ckpt.raise_failure()
+            self._ckpt.raise_failure(decided.persist_failed)
         if decided.abandoned_step is not None:
             self._ckpt.abandon(decided.abandoned_step)
         if decided.spike_step is not None:  # this state is rolled back: never a copy of it

@@ -30,7 +30,8 @@ class Decisions:
     stop: bool = False
     checkpoint_by_time: bool = False
     report: bool = False
-    persist_failed: bool = False
+    persist_failed: int = 0
+    """Some rank's background persist failed for good: 1; its copy held a NaN or an infinity: 2."""
     abandoned_step: int | None = None
     """The newest step some rank gave up writing in the background (sharded checkpoints)."""
     spike_step: int | None = None
@@ -67,7 +68,7 @@ class Control:
         stop: bool,
         by_time: bool,
         report: bool,
-        persist_failed: bool,
+        persist_failed: int,
         abandoned_step: int | None = None,
         spike_step: int | None = None,
     ) -> Decisions:
@@ -92,7 +93,8 @@ class Control:
         agreed = t.tolist()
         self._next = done + agreed[4]
         return Decisions(
-            *(bool(v) for v in agreed[:4]),
+            *(bool(v) for v in agreed[:3]),
+            agreed[3],
             agreed[5] if agreed[5] >= 0 else None,
             -agreed[6] if agreed[6] != _NO_SPIKE else None,
         )

@@ -159,3 +159,50 @@ def test_a_step_saved_again_in_one_session_is_skipped_and_its_node_copy_taken_on
     assert ckpt.save(5, s, Reason.FINAL) and saves == [5]
     assert ckpt.store.read(5).manifest.step == 5
     ckpt.finish()
+
+
+def test_a_rollback_retracts_the_newer_copies_on_both_tiers_and_loads_the_newest_kept_one(
+    tmp_path, gloo_world
+):
+    """``checkpoint.rollback``: durable 4 and 8, node memory's 8 and 10 (2 kept). Back to 5 or
+    before: 8 and 10 retracted on both tiers, 4 loaded, a new generation claimed. Back to 3 or
+    before: nothing holds one, so it refuses with nothing retracted."""
+    import copy
+
+    from elastictrain.checkpoint.rollback import roll_back
+    from elastictrain.errors import NumericalFaultError
+
+    url, local = memory_url(), str(tmp_path / "local")
+    ckpt = checkpointer(
+        tmp_path, gloo_world, checkpoint_dir=url, local_checkpoint=True,
+        local_checkpoint_dir=local, local_every_steps=2,
+    )  # fmt: skip
+    s = state()
+    ckpt.resume(s, CPU)
+    ckpt.claim()
+    at = {}
+    for done in range(1, 11):
+        train(s, done - 1)
+        durable = done % 4 == 0 and ckpt.save(done, s, Reason.STEPS)
+        ckpt.after_step(done, s, durable_saved=durable)
+        at[done] = copy.deepcopy(s.model.state_dict())
+    ckpt.writer.wait()
+    ckpt.local.writer.wait()
+    assert storage.open_store(url).committed_steps() == [4, 8]
+    assert storage.open_store(local).committed_steps() == [8, 10]
+    generation = ckpt.generation
+
+    resumed, retracted = roll_back(ckpt, s, CPU, not_after=5)
+    assert (resumed.step, retracted) == (4, [8])
+    assert storage.open_store(url).committed_steps() == [4]
+    assert storage.open_store(local).committed_steps() == []
+    assert ckpt.generation > generation and storage.open_store(url).read_fence() == ckpt.generation
+    assert all(v.equal(at[4][k]) for k, v in s.model.state_dict().items())
+
+    with pytest.raises(NumericalFaultError, match="no tier holds a copy at or before step 3"):
+        roll_back(ckpt, s, CPU, not_after=3)
+    assert storage.open_store(url).committed_steps() == [4]
+    # A rank whose own copies were fine stops on another's NaN copy with the same exit code.
+    with pytest.raises(NumericalFaultError, match="another rank's background checkpoint copy"):
+        ckpt.raise_failure(2)
+    ckpt.finish()

@@ -44,6 +44,8 @@ def test_a_spike_step_is_agreed_as_the_earliest_and_none_stays_none(one_rank_gro
     assert control.due(1) and control.agree(1, **flags).spike_step is None
     assert control.agree(2, **flags, spike_step=0).spike_step == 0
     assert control.agree(3, **flags, spike_step=123_456).spike_step == 123_456
+    # A background copy refused for a NaN (2) rides it too, so every rank stops with exit 10.
+    assert control.agree(4, **{**flags, "persist_failed": 2}).persist_failed == 2
 
 
 def test_after_a_rollback_the_next_agreement_is_at_once(one_rank_group):
