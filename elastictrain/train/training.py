@@ -211,6 +211,9 @@ class _Run:
         )
         self.progress.last_checkpoint = self.resumed.checkpoint_step
         self.loss = torch.zeros(())
+        self.applied_loss = self.loss
+        """The last applied step's loss: a report with no applied step since the last (all
+        skipped, or a rollback's fresh means) shows it, never a skipped step's NaN."""
         self.completed = self.resumed.step
         """Steps whose optimizer step ran: what this rank's state holds if a peer dies now."""
         self.standing: dict[int, stragglers.Straggler] = {}
@@ -236,7 +239,7 @@ class _Run:
         stragglers newly named (or recovered)."""
         means, fields = self.trainer.summary(dist.group.WORLD)
         metrics = {k: v for k, v in means.items() if k != "loss"}
-        loss = means.get("loss", self.loss)
+        loss = means.get("loss", self.applied_loss)
         named = self.progress.report(step, loss, slow, metrics=metrics, **fields)
         self.scalars.write(step, "train", {**means, **fields})
         return named
@@ -282,6 +285,7 @@ class _Run:
             else:
                 self.skips.applied()
                 self.spikes.add(step, self.loss)
+                self.applied_loss = self.loss
             done = self.completed = step + 1
             CONTEXT.step = done
             if self.replicas.due(done):  # before any copy of this step is taken
