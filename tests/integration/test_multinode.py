@@ -43,7 +43,9 @@ def test_node_local_checkpoint_dirs_stop_the_job_with_exit_2_naming_the_host(lau
         home = tmp_path / f"host{node}"
         shutil.copytree(seed, home / "ckpt")  # each "host" has a committed checkpoint of its own
         before[node] = checkpoint_files(str(home / "ckpt"))
-        env = node_env(node, port, run_id, "./ckpt", MAX_RESTARTS="0")
+        # 2:2: both nodes or none. Under load the recipe's 1:2 once let one node start alone
+        # (its rendezvous's last call passed first) and commit step 6 on SIGTERM.
+        env = node_env(node, port, run_id, "./ckpt", MAX_RESTARTS="0", NNODES="2:2")
         args = ["--max-steps", "400", "--checkpoint-every-steps", "1000"]
         nodes.append(launch(args, script=SCRIPT, env=env, cwd=str(home), name=f"node{node}"))
     for job in nodes:
