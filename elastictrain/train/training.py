@@ -99,15 +99,6 @@ def train(attempt: Attempt, live: Live | None, driver: EpochDriver) -> int:
         check=_gradient_check(cfg, state, precision),
         skip_steps=dict.fromkeys(parse_steps(cfg.skip_steps), numerics.NAMED),
     )
-    skips = numerics.Skips(
-        limit=cfg.max_consecutive_skips,
-        events=attempt.events,
-        sample_log=sample_log,
-        group=attempt.groups.control,
-        data_rank=data.rank,
-        rank=env.rank,
-        committed=lambda: session.last_committed,
-    )
     if replica is not None and replica.alone:
         left = resumed.step < cfg.max_steps
         replica.prime_alone((lambda _: trainer.prime_buckets(resumed.step)) if left else None)
@@ -117,17 +108,7 @@ def train(attempt: Attempt, live: Live | None, driver: EpochDriver) -> int:
         connections.learn(attempt.groups.control)
     # DDP's buckets primed with every rank, unless the epoch's wrapper came primed (in place).
     primes = attempt.parallelism.primes_buckets and replica is None
-    spikes = numerics.SpikeDetector(cfg.loss_spike_mads)
-    twins = replicas.ReplicaCheck(
-        cfg.compare_replicas_every or None,
-        shape=attempt.shape,
-        rank=env.rank,
-        world_size=env.world_size,
-        group=attempt.groups.control,
-        events=attempt.events,
-        host=socket.gethostname(),
-        start=resumed.step,
-    )
+    skips, spikes, twins = _guards(attempt, sample_log, resumed.step)
     run = _Run(
         attempt,
         state,
@@ -154,6 +135,33 @@ def train(attempt: Attempt, live: Live | None, driver: EpochDriver) -> int:
     finally:
         trainer.loader.close()
         scalars.close()
+
+
+def _guards(
+    attempt: Attempt, sample_log: SampleLog, start: int
+) -> tuple[numerics.Skips, numerics.SpikeDetector, replicas.ReplicaCheck]:
+    """The loop's numerical guards (``numerics``, ``replicas``): skips, spikes, twins."""
+    cfg, env, session = attempt.cfg, attempt.env, attempt.session
+    skips = numerics.Skips(
+        limit=cfg.max_consecutive_skips,
+        events=attempt.events,
+        sample_log=sample_log,
+        group=attempt.groups.control,
+        data_rank=attempt.data.rank,
+        rank=env.rank,
+        committed=lambda: session.last_committed,
+    )
+    twins = replicas.ReplicaCheck(
+        cfg.compare_replicas_every or None,
+        shape=attempt.shape,
+        rank=env.rank,
+        world_size=env.world_size,
+        group=attempt.groups.control,
+        events=attempt.events,
+        host=socket.gethostname(),
+        start=start,
+    )
+    return skips, numerics.SpikeDetector(cfg.loss_spike_mads), twins
 
 
 def _gradient_check(

@@ -80,15 +80,19 @@ def test_too_few_losses_are_never_judged_and_off_is_off():
     assert off.scan() is None
 
 
-def test_past_the_limit_a_rollback_then_the_same_fault_straight_after_it_stops(tmp_path):
-    skips = numerics.Skips(
-        limit=2,
+def _skips(limit: int) -> numerics.Skips:
+    return numerics.Skips(
+        limit=limit,
         events=EventLog(None, enabled=False),
         sample_log=SampleLog(None, rank=0, world_size=1, generation=1),
         group=None,
         data_rank=0,
         rank=0,
     )
+
+
+def test_past_the_limit_a_rollback_then_the_same_fault_straight_after_it_stops(tmp_path):
+    skips = _skips(2)
     nan = torch.tensor(math.nan)
     assert skips.record(10, numerics.NON_FINITE, [1, 2], nan) is None
     assert skips.record(11, numerics.NON_FINITE, [3], nan) is None
@@ -100,14 +104,7 @@ def test_past_the_limit_a_rollback_then_the_same_fault_straight_after_it_stops(t
     with pytest.raises(NumericalFaultError, match=r"steps 10-15 .* --skip-steps 10-15"):
         skips.record(15, numerics.NON_FINITE, [7], nan)
     # An applied step between them makes a later run a new fault, not the same one.
-    again = numerics.Skips(
-        limit=0,
-        events=EventLog(None, enabled=False),
-        sample_log=SampleLog(None, rank=0, world_size=1, generation=1),
-        group=None,
-        data_rank=0,
-        rank=0,
-    )
+    again = _skips(0)
     assert again.record(20, numerics.NON_FINITE, [1], nan).not_after == 20
     again.applied()
     assert again.record(30, numerics.NON_FINITE, [1], nan).not_after == 30
