@@ -21,6 +21,7 @@ import torch
 from elastictrain.observe.events import read_events
 from elastictrain.tools.chaos import descendants
 from storage.manifest import MANIFEST_NAME, parse_step_dir, step_dir_name
+from tests.helpers import stacks
 from tests.helpers.paths import REPO_ROOT
 
 
@@ -191,9 +192,11 @@ class Job:
         try:
             return self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
+            where = stacks.dump(self.proc.pid)  # before the kill: where each process hangs
             self.kill()
             raise AssertionError(
                 f"torchrun did not finish within {timeout}s; log tail:\n{self.log()[-4000:]}"
+                f"\nstacks:\n{where}"
             ) from None
         finally:
             self._log.close()
