@@ -317,9 +317,26 @@ class CheckpointSession:
         self.schedule.mark_saved()
         return committed
 
-    def preempt(self, step: int, state: TrainState) -> None:
+    def stop_if_told(self, step: int, state: TrainState) -> None:
+        """Every rank, before an epoch's first step: a stop signal that came while the epoch
+        formed and loaded ends it before it trains (torchrun stopping the group in the middle of
+        an in-place recovery: a replacement was seen to form an epoch alone, train a step at
+        world size 1 and commit it on the signal). One agreement, as after a step; ``step`` is
+        committed first only when it is newer than the durable tier's newest."""
+        decided = self._agreement.agree(
+            step,
+            stop=self._signals is not None and self._signals.requested,
+            by_time=False,
+            report=False,
+            persist_failed=0,
+        )
+        if decided.stop:
+            self.preempt(step, state, save=step > (self.last_committed or 0))
+
+    def preempt(self, step: int, state: TrainState, *, save: bool = True) -> None:
         t0 = time.monotonic()
-        self.save(step, state, Reason.PREEMPT)
+        if save:
+            self.save(step, state, Reason.PREEMPT)
         # Without handlers of our own, a peer's signal stopped us: StopSignals([]) says so.
         name = (self._signals or StopSignals([], interrupt=False)).announce(self.events, step, t0)
         self._flush_history()

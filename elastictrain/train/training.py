@@ -260,6 +260,8 @@ class _Run:
     def loop(self, startup: dict[str, float]) -> int:
         attempt, trainer, resumed = self.attempt, self.trainer, self.resumed
         cfg = attempt.cfg
+        if resumed.step < cfg.max_steps:  # a stop told while this epoch formed: before a step
+            attempt.session.stop_if_told(resumed.step, self.state)
         if self.at_start and cfg.self_check and resumed.step < cfg.max_steps:
             health.check_nodes(self)  # before any step: a failing node leaves now
         if resumed.step < cfg.max_steps and self.collective_prime:

@@ -126,6 +126,10 @@ def test_killed_training_processes_are_replaced_in_place_bitwise(launch, tmp_pat
     assert [p - 1 for p in progress[1:4]] == [e["step"] for e in resumes[1:4]]
     assert torn not in storage.open_store(run_dir).committed_steps()
     assert events[-1]["event"] == Event.END and events[-1]["step"] == STEPS
+    # What each epoch began from, for a failure below (seen once in CI, not reproduced alone).
+    print([(e["event"], e.get("began"), e.get("step"), e.get("tier")) for e in starts + resumes])
+    faults = [e for e in events if e["event"] in (Event.SKIP, Event.ROLLBACK, Event.REPLICAS)]
+    assert not faults, faults  # a clean run: no numerical fault is found in it
     assert_bitwise_equal(final_state(run_dir), final_state(ref_dir))
 
 

@@ -66,6 +66,35 @@ def test_a_stop_signal_commits_the_current_step_then_raises_preempted(tmp_path, 
     assert kinds[-2:] == [Event.CHECKPOINT, Event.PREEMPTED]
 
 
+def test_a_stop_told_before_the_first_step_ends_the_epoch_before_it_trains(tmp_path, gloo_world):
+    """``stop_if_told``: a stop that came while an epoch formed and loaded ends it before a step
+    (an in-place replacement, stopped by torchrun mid-recovery, once trained a step at world
+    size 1 and committed it). The resumed step is committed again only when newer than the
+    durable tier's newest; untold, nothing happens."""
+    url, s = memory_url(), state()
+    for told_at, resumed, committed in [(None, 0, None), (1, 1, 1), (1, 2, 2)]:
+        signals = StopSignals([signal.SIGUSR1], interrupt=False)
+        ses = session(tmp_path, gloo_world, signals=signals, checkpoint_dir=url)
+        try:
+            ses.resume(s, CPU)
+            if told_at is None:
+                ses.stop_if_told(0, s)  # untold: it goes on
+                train(s, 0)
+                ses.save(1, s, Reason.FINAL)
+                continue
+            if resumed == 2:
+                train(s, 1)  # a state newer than the committed one: a survivor's
+            os.kill(os.getpid(), signal.SIGUSR1)
+            with pytest.raises(Preempted) as stopped:
+                ses.stop_if_told(resumed, s)
+            assert stopped.value.step == resumed and ses.last_committed == committed
+        finally:
+            ses.close()
+    assert storage.open_store(url).committed_steps() == [1, 2]
+    kinds = [e["event"] for e in read_events(str(tmp_path / "events.jsonl"))]
+    assert kinds.count(Event.PREEMPTED) == 2
+
+
 def test_close_raises_when_the_last_background_persist_failed(tmp_path, gloo_world):
     s, where = state(), tmp_path / "ckpt"
     ses = session(
