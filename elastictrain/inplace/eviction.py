@@ -1,5 +1,7 @@
 """Health decides who is in the job: a straggler's node evicted in place (``--straggler-action
-evict``), or its ranks handed to a spare node (``replace``: ``inplace.spares``).
+evict``), or its ranks handed to a spare node (``replace``: ``inplace.spares``); a node whose
+replica computed wrong the same way (``train.replicas``: evicted, or replaced where a spare
+stands by), after the rollback that undid its fault.
 
 Rank 0 names stragglers at its progress reports (``observe.stragglers.StragglerWatch``). Under
 ``evict`` it then decides here whether the straggler's node leaves (:class:`EvictionPolicy`), and
@@ -28,7 +30,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from elastictrain.observe.events import Event
 
@@ -36,7 +38,6 @@ if TYPE_CHECKING:
     import torch.distributed as dist
 
     from elastictrain.observe.events import EventLog
-    from elastictrain.observe.stragglers import Straggler
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +49,18 @@ def history_key(run_id: str) -> str:
     return f"elastictrain/{run_id}/evictions"
 
 
+class Candidate(Protocol):
+    """A rank whose node may be evicted: a straggler (``observe.stragglers.Straggler``) or a
+    replica that computed wrong (``train.replicas.Suspect``)."""
+
+    rank: int
+
+    def as_event(self) -> dict: ...
+
+    def cause(self) -> str | None:
+        """Why its node leaves ("is a straggler: ..."); None: not a cause (it recovered)."""
+
+
 @dataclass(frozen=True)
 class Eviction:
     """A node leaving the job: its ranks, by torchrun rank, and why."""
@@ -57,20 +70,21 @@ class Eviction:
     hosts: list[str]
     step: int
     evidence: dict[str, Any]
-    """The straggler it was judged on (``Straggler.as_event``: rank, ratio, medians, reports)."""
+    """What it was judged on (``Candidate.as_event``: a straggler's ratio, a suspect's step)."""
+    cause: str
+    """``Candidate.cause``: "is a straggler: ...", "computed wrong: ..."."""
     action: str = "evict"
     """``--straggler-action``: ``replace`` was decided only with a spare node standing by."""
     spares: int = 0
     """Spare nodes standing by when it was decided: one takes the node's ranks."""
+    decided_by: str = "--straggler-action"
 
     def describe(self) -> str:
-        s = self.evidence
         after = "a spare node takes its ranks" if self.spares else "the others go on without it"
         return (
             f"node {self.node} (ranks {self.ranks}, host {', '.join(sorted(set(self.hosts)))}) "
-            f"is a straggler: rank {s['rank']} took {s['ratio']:.2f}x the others' work before "
-            f"each step's first synchronisation for {s['reports']} reports in a row; evicted at "
-            f"step {self.step} (--straggler-action {self.action}), {after}"
+            f"{self.cause}; evicted at step {self.step} ({self.decided_by} {self.action}), "
+            f"{after}"
         )
 
 
@@ -98,7 +112,7 @@ class EvictionPolicy:
 
     def decide(
         self,
-        named: list[Straggler],
+        named: list[Candidate],
         *,
         step: int,
         members: list[int],
@@ -108,36 +122,43 @@ class EvictionPolicy:
         movable: bool = True,
         store_nodes: list[int] = (),
         said: dict[int, str] | None = None,
+        decided_by: str = "--straggler-action",
     ) -> Eviction | None:
         """``named``: the stragglers standing (named slow and not recovered: a refusal is
-        decided again at each report, since a spare, or the hour's budget, may free up);
+        decided again at each report, since a spare, or the hour's budget, may free up), or the
+        replicas that computed wrong (``decided_by``: what named them, for the message);
         ``members``, ``nodes``, ``hosts``: the epoch's, by its rank (torchrun rank, node, host).
         ``movable``: the state can move in place (a stream's per-rank position cannot).
         ``store_nodes``: the nodes serving the job's store, never evicted. Each refusal and the
         eviction are recorded in ``events``; ``said``: each rank's last refusal, not recorded
         again while its reason stays the same (updated here)."""
         said = {} if said is None else said
-        for straggler in (s for s in named if s.slow):
-            node = nodes[straggler.rank]
+        for candidate in named:
+            cause = candidate.cause()
+            if cause is None:
+                continue
+            node = nodes[candidate.rank]
             on_node = [r for r, n in enumerate(nodes) if n == node]
             eviction = Eviction(
                 node=node,
                 ranks=[members[r] for r in on_node],
                 hosts=[hosts[r] for r in on_node],
                 step=step,
-                evidence=straggler.as_event(),
+                evidence=candidate.as_event(),
+                cause=cause,
                 action=self.action,
                 spares=self.spares,
+                decided_by=decided_by,
             )
             refused = self._refusal(nodes, movable, node in store_nodes)
             fields = {**asdict(eviction), "evicted": refused is None}
             if refused is not None:
-                if said.get(straggler.rank) != refused:
+                if said.get(candidate.rank) != refused:
                     logger.warning(
-                        "not evicting node %d (rank %d): %s", node, straggler.rank, refused
+                        "not evicting node %d (rank %d): %s", node, candidate.rank, refused
                     )
                     events.emit(Event.EVICTION, **fields, refused=refused)
-                    said[straggler.rank] = refused
+                    said[candidate.rank] = refused
                 continue
             self._record()
             logger.error("EVICTED: %s", eviction.describe())

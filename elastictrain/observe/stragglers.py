@@ -123,6 +123,15 @@ class Straggler:
             "reports": self.reports,
         }
 
+    def cause(self) -> str | None:
+        """Why its node would be evicted (``inplace.eviction``); None once it recovered."""
+        if not self.slow:
+            return None
+        return (
+            f"is a straggler: rank {self.rank} took {self.ratio:.2f}x the others' work before "
+            f"each step's first synchronisation for {self.reports} reports in a row"
+        )
+
     def describe(self) -> str:
         where = f"rank {self.rank}" + (f" on host {self.host}" if self.host else "")
         if not self.slow:

@@ -30,6 +30,7 @@ from elastictrain.inplace import eviction, spares
 from elastictrain.inplace.members import PeerLost
 from elastictrain.observe import stragglers
 from elastictrain.observe.events import Event
+from elastictrain.train import replicas
 
 if TYPE_CHECKING:
     from elastictrain.checkpoint.state import TrainState
@@ -73,18 +74,7 @@ def evict_if_decided(run: TrainingRun, step: int, named: list[stragglers.Straggl
             run.standing.pop(s.rank, None)
             run.refused.pop(s.rank, None)
     stragglers_now = list(run.standing.values())
-    policy = None
-    if attempt.env.is_rank0 and stragglers_now:  # else nothing to decide
-        store, spare_nodes = driver.epoch.groups.store, driver.spare_nodes
-        ready = spares.standing_by(store, spare_nodes) if spare_nodes and store else 0
-        policy = eviction.EvictionPolicy(
-            min_nodes=node_floor(run),
-            per_hour=attempt.cfg.max_evictions_per_hour,
-            store=store,
-            run_id=driver.env.run_id,
-            action=action,
-            spares=ready,
-        )
+    policy = _policy(run, action) if attempt.env.is_rank0 and stragglers_now else None
     decided = eviction.agree(
         policy,
         lambda p: p.decide(
@@ -100,10 +90,70 @@ def evict_if_decided(run: TrainingRun, step: int, named: list[stragglers.Straggl
         ),
         attempt.groups.control,
     )
-    if decided is None:
+    if decided is not None:
+        _leave(run, step, decided)
+
+
+def leave_out_suspects(run: TrainingRun, step: int, suspects: list[replicas.Suspect]) -> None:
+    """Every rank, once a replica mismatch was rolled back to ``step`` (``train.replicas``):
+    under ``--replace-in-place`` the suspects' nodes leave as an evicted straggler's does, a
+    spare node standing by taking their ranks (within ``--min-nodes`` and
+    ``--max-evictions-per-hour``). Without suspects (two twins: no majority) every node runs its
+    exact compute check, and one whose device computes wrong now leaves (``check_nodes``)."""
+    attempt = run.attempt
+    if not attempt.cfg.replace_in_place or attempt.env.world_size == 1:
+        return  # named only: the same suspect again stops the job (``replicas``)
+    if not suspects:  # --no-self-check skips the start's check, not this one
+        check_nodes(run, compute_only=True)
         return
+    policy = None
+    if attempt.env.is_rank0:
+        policy = _policy(run, "replace" if _spares_ready(run) else "evict")
+    decided = eviction.agree(
+        policy,
+        lambda p: p.decide(
+            suspects,
+            step=step,
+            members=run.driver.epoch.members,
+            nodes=attempt.session.nodes,
+            hosts=attempt.session.hosts,
+            events=attempt.events,
+            movable=not run.state.per_rank,
+            store_nodes=attempt.session.store_nodes,
+            decided_by="replicas compared,",
+        ),
+        attempt.groups.control,
+    )
+    if decided is not None:
+        _leave(run, step, decided)
+
+
+def _spares_ready(run: TrainingRun) -> int:
+    """Rank 0: the spare nodes standing by now."""
+    driver = run.driver
+    store, spare_nodes = driver.epoch.groups.store, driver.spare_nodes
+    return spares.standing_by(store, spare_nodes) if spare_nodes and store else 0
+
+
+def _policy(run: TrainingRun, action: str) -> eviction.EvictionPolicy:
+    """Rank 0's eviction budgets (``inplace.eviction``), with the spares standing by now."""
+    driver = run.driver
+    return eviction.EvictionPolicy(
+        min_nodes=node_floor(run),
+        per_hour=run.attempt.cfg.max_evictions_per_hour,
+        store=driver.epoch.groups.store,
+        run_id=driver.env.run_id,
+        action=action,
+        spares=_spares_ready(run),
+    )
+
+
+def _leave(run: TrainingRun, step: int, decided: eviction.Eviction) -> None:
+    """Every rank, on an eviction: the evicted node's ranks raise ``NodeEvictedError`` (exit
+    9); the others leave the epoch with their state at ``step``, the evicted ranks not waited
+    for, as after a lost node (a spare node standing by takes their places)."""
     _all_heard(run, step, decided.ranks)
-    if driver.env.rank in decided.ranks:
+    if run.driver.env.rank in decided.ranks:
         raise NodeEvictedError(decided.describe())
     carry = run.carry()
     carry.silent = decided.ranks
@@ -138,21 +188,23 @@ def node_floor(run: TrainingRun) -> int:
     return run.attempt.cfg.min_nodes or max(1, floor or 1)
 
 
-def check_nodes(run: TrainingRun) -> None:
+def check_nodes(run: TrainingRun, *, compute_only: bool = False) -> None:
     """At a start: every node's self-check (``cluster.self_check``). A failing node leaves
     (its ranks raise ``NodeUnhealthyError``, exit 9) and the others go on without it: in
     place as after an eviction, else through torchrun's re-rendezvous; or every rank stops
-    (exit 2) when the job cannot go on without it."""
+    (exit 2) when the job cannot go on without it. ``compute_only``: the exact compute check
+    alone, after two twins differed (``leave_out_suspects``): mid-run, the store's round trip
+    and the tier's room (its own copies fill it) say nothing about who computed wrong."""
     attempt, driver, env = run.attempt, run.driver, run.attempt.env
-    node_rank0 = env.local_rank == 0
+    node_rank0 = env.local_rank == 0 and not compute_only
     mine = self_check.examine(
         attempt.device,
         rank=env.rank,
         node=env.node_rank,
         host=socket.gethostname(),
-        serves_store=node_rank0 and hosts_the_store(driver.env),
+        serves_store=env.local_rank == 0 and hosts_the_store(driver.env),
         store=driver.epoch.groups.store if node_rank0 else None,
-        room=lambda: attempt.session.tier_room(run.state, run.completed),
+        room=None if compute_only else lambda: attempt.session.tier_room(run.state, run.completed),
     )
     findings = all_gather_object(mine, attempt.groups.control)
     failed = self_check.judge(findings, rtt_limit_s=attempt.cfg.heartbeat_seconds)

@@ -81,7 +81,10 @@ class Rollback:
     not_after: int
     window: list[int] | None
     reason: str
-    """Why: ``NON_FINITE`` (more than the limit in a row) or ``SPIKE``."""
+    """Why: ``NON_FINITE`` (more than the limit in a row), ``SPIKE`` or ``replicas.DIFFER``."""
+    suspects: list | None = None
+    """Replicas differed: the ``replicas.Suspect`` ranks, whose nodes leave after the rollback
+    (``health.leave_out_suspects``); None for the other reasons."""
 
     def skip_reason(self) -> str:
         return f"rolled back: {self.reason}"

@@ -11,10 +11,15 @@ digest in one small all-gather, and all judge them alike:
   (``train.rollback``), skipping nothing (the data is not at fault), and trains the steps again:
   a fault that passed (a flipped bit) is gone, and the replay is bitwise the run it should have
   been. With three or more twins, the ones outside a strict majority are the suspects, named in
-  the event; the same rank a suspect twice stops the job (exit 10) naming its host.
+  the event, and under ``--replace-in-place`` their nodes leave the job after the rollback
+  (``train.health``: a spare node standing by takes their ranks). Where a suspect's node cannot
+  leave, the same rank a suspect twice stops the job (exit 10) naming its host.
 - two twins have no majority, and a replay cannot name one either: the flipped replica's wrong
   values reach every replica's gradient at the next all-reduce, so both first tries differ from
-  the replay. A mismatch that comes back after the replay stops the job (the rollback's rule).
+  the replay. After the rollback every node runs its exact compute check (``cluster.self_check``)
+  and a node whose device computes wrong now fails it and leaves; a fault that passed (one flip)
+  leaves no trace to name, and a mismatch that comes back after the replay stops the job (the
+  rollback's rule).
 
 FSDP without replicas has no twin to compare with: the check is off there, and says so once.
 Buffers are not compared: DDP broadcasts them before each forward, and the forward updates them
@@ -25,7 +30,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -77,12 +82,35 @@ def twin_key(shape: MeshShape | None, rank: int) -> int | None:
 
 
 @dataclass(frozen=True)
+class Suspect:
+    """A rank whose parameters differed from a strict majority of its twins: the evidence its
+    node is evicted on (``train.health``, ``inplace.eviction``)."""
+
+    rank: int
+    host: str
+    step: int
+    agreed_at: int
+    twins: int
+    """How many ranks hold the same parameters as it should (itself included)."""
+
+    def as_event(self) -> dict:
+        return asdict(self)
+
+    def cause(self) -> str:
+        return (
+            f"computed wrong: rank {self.rank}'s parameters differed from a strict majority of "
+            f"its {self.twins} twins at step {self.step} (all agreed at step {self.agreed_at})"
+        )
+
+
+@dataclass(frozen=True)
 class Mismatch:
     step: int
     agreed_at: int
     """The newest step every group of twins agreed at: the rollback's bound."""
-    suspects: list[int]
-    """Ranks outside a strict majority of their twins (empty: no majority; the replay says)."""
+    suspects: list[Suspect]
+    """Ranks outside a strict majority of their twins (empty: no majority; the nodes' exact
+    compute check decides, ``train.health``)."""
 
 
 class ReplicaCheck:
@@ -130,12 +158,15 @@ class ReplicaCheck:
         if not differing:
             self.agreed_at = done
             return None
-        suspects = sorted(r for g in differing for r in _outside_majority(g))
+        ranks = sorted(r for g in differing for r in _outside_majority(g))
+        hosts = {rank: host for rank, _, _, host in every}
+        twins = {r: len(g) for g in differing for r, _ in g}
+        suspects = [Suspect(r, hosts[r], done, self.agreed_at, twins[r]) for r in ranks]
         self.events.emit(
             Event.REPLICAS,
             step=done,
             agreed_at=self.agreed_at,
-            suspects=suspects,
+            suspects=ranks,
             digests={str(r): f"{d:016x}" for g in differing for r, d in g},
         )
         if self.rank == 0:
@@ -143,14 +174,15 @@ class ReplicaCheck:
                 "REPLICAS DIFFER at step %d: twins hold different parameters (suspect rank(s) "
                 "%s; %s); rolling back to the newest copy at or before step %d, where they agreed",
                 done,
-                suspects or "unknown",
-                "a strict majority agreed" if suspects else "no majority: the replay decides",
+                ranks or "unknown",
+                "a strict majority agreed"
+                if ranks
+                else "no majority: the nodes' compute check decides",
                 self.agreed_at,
             )
-        again = [r for r in suspects if r in self._suspected]
-        self._suspected.update(suspects)
-        if again:  # its device keeps computing wrong
-            hosts = {rank: host for rank, _, _, host in every}
+        again = [r for r in ranks if r in self._suspected]
+        self._suspected.update(ranks)
+        if again:  # its device keeps computing wrong, and its node could not be evicted
             raise NumericalFaultError(
                 f"{', '.join(f'rank {r} on {hosts[r]}' for r in again)} computed wrong a second "
                 f"time (at step {done}, outside a strict majority of its twins): its device "

@@ -278,7 +278,12 @@ class _Run:
         step = resumed.step
         while step < cfg.max_steps:
             back = self._step(step)
-            step = step + 1 if back is None else rollback.roll_back(self, back, step)
+            if back is None:
+                step += 1
+                continue
+            step = rollback.roll_back(self, back, step)
+            if back.suspects is not None:  # who computed wrong leaves, with the agreed state
+                health.leave_out_suspects(self, step, back.suspects)
         return self._finish(t_loop, self._t_first, self._t_done)
 
     def _step(self, step: int) -> numerics.Rollback | None:
@@ -301,7 +306,7 @@ class _Run:
             if self.replicas.due(done):  # before any copy of this step is taken
                 differ = self.replicas.compare(done, trainer.model)
                 if differ is not None:
-                    return numerics.Rollback(differ.agreed_at, [], replicas.DIFFER)
+                    return numerics.Rollback(differ.agreed_at, [], replicas.DIFFER, differ.suspects)
             if self.progress.live:
                 self._checkpoints_shown()
                 self.progress.tick(done, self.loss)

@@ -5,6 +5,7 @@ naming the steps and samples, with nothing non-finite committed."""
 from __future__ import annotations
 
 import math
+import uuid
 
 import pytest
 import torch
@@ -16,7 +17,16 @@ from elastictrain.observe.events import Event, read_events, read_sample_log
 from elastictrain.observe.history import merge_lines
 from elastictrain.observe.timeline import build_timeline, summary
 from tests.helpers.elastic import assert_exactly_once, skipped_steps
-from tests.helpers.launcher import assert_bitwise_equal, final_state, job_env, toy_args
+from tests.helpers.launcher import (
+    assert_bitwise_equal,
+    final_state,
+    job_env,
+    off_node_agent,
+    store_server,
+    toy_args,
+    wait_for_event,
+)
+from tests.helpers.net import free_port
 
 STEPS = 120
 BATCH = 64
@@ -214,3 +224,70 @@ def test_a_flipped_bit_is_found_within_k_steps_rolled_back_and_the_run_ends_bitw
     assert_bitwise_equal(
         final_state(str(tmp_path / "faulted")), final_state(str(tmp_path / "clean"))
     )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("replicas", [3, 2], ids=["3-replicas", "2-replicas"])
+def test_a_replica_that_computed_wrong_is_rolled_back_its_node_replaced_by_a_spare_bitwise(
+    launch, tmp_path, replicas
+):
+    """Simulated nodes of one rank, --spare-nodes 1: torchrun ranks below ``replicas`` train
+    (DDP replicas), the last stands by. The last training rank flips a bit after step 125; the
+    digests compared every 10 steps differ at 130 and every rank goes back to step 120, where
+    they agreed. Then the flipped rank's node leaves through the membership path and the spare
+    takes its place in one epoch change, torchrun restarting nothing, the world size kept:
+    - three replicas: it is outside the majority, and evicted on that evidence;
+    - two have no majority: every node runs the exact compute check, which it fails (its device
+      computes wrong from then on: ``ELASTICTRAIN_CHAOS_UNHEALTHY``, with ``--no-self-check``
+      so that the start's check passes it).
+    The final state is bitwise that of a clean run. (Seen failing with the suspects not acted
+    on: every node exited 0, no eviction.)"""
+    steps, port, run_id = 180, free_port(), f"sdc-{uuid.uuid4().hex[:6]}"
+    ckpt, ev, ref_dir = str(tmp_path / "shared"), str(tmp_path / "ev.jsonl"), str(tmp_path / "ref")
+    common = ["--compare-replicas-every", "10"]
+    ref_args = toy_args(ref_dir, str(tmp_path / "ref.jsonl"), max_steps=steps, every=1000)
+    ref = launch([*ref_args, *common, "--task-option", "step_time=0"], nproc=replicas, plain=True)
+    run = toy_args(ckpt, ev, max_steps=steps, every=20, step_time=0.05)[2:]
+    run += [*common, "--replace-in-place", "--max-replacements", "0", "--spare-nodes", "1"]
+    flipped = replicas - 1
+    env = job_env(ELASTICTRAIN_CHAOS_BITFLIP=f"125:{flipped}")
+    if replicas == 2:
+        env["ELASTICTRAIN_CHAOS_UNHEALTHY"] = f"compute:{flipped}"
+        run.append("--no-self-check")
+    env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)  # torch's default: the shared store
+    with store_server(port):
+        nodes = []
+        for node in range(replicas + 1):
+            home = tmp_path / f"host{node}"
+            home.mkdir()
+            targs = off_node_agent(str(replicas + 1), port, run_id)
+            args = ["--checkpoint-dir", ckpt, *run]
+            nodes.append(launch(args, torchrun_args=targs, env=env, cwd=str(home), name=f"n{node}"))
+        wait_for_event(ev, lambda e: e["event"] == Event.END, 150)
+        codes = [node.wait(60) for node in nodes]
+        # The flipped rank's node's torchrun exits 1 on the SIGTERM its rank sent; the others 0.
+        assert sorted(codes) == [0] * replicas + [1], (codes, [n.log()[-2000:] for n in nodes])
+    assert ref.wait(120) == 0, ref.log()[-3000:]
+
+    events = read_events(ev)
+    [differ] = [e for e in events if e["event"] == Event.REPLICAS]
+    suspects = [flipped] if replicas >= 3 else []
+    assert (differ["step"], differ["agreed_at"], differ["suspects"]) == (130, 120, suspects)
+    [back] = [e for e in events if e["event"] == Event.ROLLBACK]
+    assert back["step"] == 120 and back["skipped"] == ""
+    if replicas >= 3:
+        [decision] = [e for e in events if e["event"] == Event.EVICTION]
+        assert (decision["evicted"], decision["action"]) == (True, "replace")
+        assert decision["ranks"] == [flipped], decision
+        assert decision["cause"].startswith(f"computed wrong: rank {flipped}'s parameters differ")
+    else:
+        [decision] = [e for e in events if e["event"] == Event.SELF_CHECK]
+        assert (decision["action"], decision["ranks"]) == ("in place", [flipped]), decision
+    starts = [e for e in events if e["event"] == Event.START]
+    assert [(e["world_size"], e["restart_count"], e.get("took_over")) for e in starts] == [
+        (replicas, 0, None),
+        (replicas, 0, [[flipped, replicas]]),  # the spare in its place: its position, its data
+    ], starts
+    resumes = [e for e in events if e["event"] == Event.RESUME]
+    assert (resumes[-1]["tier"], resumes[-1]["step"]) == ("live", 120), resumes
+    assert_bitwise_equal(final_state(ckpt), final_state(ref_dir))

@@ -8,6 +8,7 @@ import torch.distributed as dist
 
 from elastictrain.inplace.eviction import EvictionPolicy
 from elastictrain.observe.stragglers import Straggler
+from elastictrain.train.replicas import Suspect
 
 
 class Events:
@@ -138,3 +139,24 @@ def test_a_refused_straggler_is_decided_again_each_report_and_its_refusal_record
     )
     assert _decide(ready, [_slow(0)], events, said=said).ranks == [0, 1]
     assert [e["evicted"] for e in events.emitted] == [False, True]
+
+
+def test_a_replica_that_computed_wrong_takes_its_node_out_on_the_same_budgets():
+    """``train.replicas.Suspect``: the node of a rank outside a strict majority of its twins
+    leaves as a straggler's would, and the message says why; below --min-nodes it is refused."""
+    events = Events()
+    suspect = Suspect(rank=3, host="b", step=50, agreed_at=40, twins=6)
+    policy = EvictionPolicy(min_nodes=1, per_hour=1, store=dist.HashStore(), run_id="r")
+    eviction = _decide(policy, [suspect], events, decided_by="replicas compared,")
+    assert (eviction.node, eviction.ranks, eviction.evidence) == (1, [2, 3], suspect.as_event())
+    assert eviction.describe().startswith(
+        "node 1 (ranks [2, 3], host b) computed wrong: rank 3's parameters differed from a "
+        "strict majority of its 6 twins at step 50 (all agreed at step 40); evicted at step 40 "
+        "(replicas compared, evict)"
+    )
+    assert (
+        events.emitted[-1]["cause"].startswith("computed wrong") and events.emitted[-1]["evicted"]
+    )
+    full = EvictionPolicy(min_nodes=3, per_hour=1, store=dist.HashStore(), run_id="r")
+    assert _decide(full, [suspect], events) is None
+    assert "below --min-nodes 3" in events.emitted[-1]["refused"]
