@@ -260,9 +260,12 @@ def _in_place_fields(start: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def _began(before: Attempt, a: Attempt) -> str:
-    # A node taken out on purpose (a straggler's, one that failed its self-check) is not a
-    # failure: said apart.
-    why = "a straggler's node evicted, " if before.evictions else ""
+    # A node taken out on purpose (a straggler's, a replica's that computed wrong, one that
+    # failed its self-check) is not a failure: said apart.
+    why = ""
+    if before.evictions:
+        wrong = str(before.evictions[-1].get("cause", "")).startswith("computed wrong")
+        why = "a node that computed wrong evicted, " if wrong else "a straggler's node evicted, "
     why += "a node that failed its self-check left out, " if before.left_out else ""
     if a.in_place is not None:
         ranks = a.in_place.get("replaced_ranks") or a.in_place.get("dropped_ranks") or []

@@ -290,4 +290,6 @@ def test_a_replica_that_computed_wrong_is_rolled_back_its_node_replaced_by_a_spa
     ], starts
     resumes = [e for e in events if e["event"] == Event.RESUME]
     assert (resumes[-1]["tier"], resumes[-1]["step"]) == ("live", 120), resumes
+    why = "a node that computed wrong evicted" if replicas >= 3 else "a node that failed its self"
+    assert build_timeline(events).attempts[1].began.startswith(why)  # the report says it apart
     assert_bitwise_equal(final_state(ckpt), final_state(ref_dir))
