@@ -44,6 +44,7 @@ from elastictrain.inplace.epoch import EpochSettings
 from elastictrain.inplace.members import LiveState
 from elastictrain.inplace.spares import warm_spare
 from elastictrain.inplace.states import EpochState
+from elastictrain.train.loop_guards import LoopGuards
 
 logger = logging.getLogger(__name__)
 
@@ -230,6 +231,9 @@ class CheckpointManager(checkpoint_manager.CheckpointManager):
         start: int,
         stop: int,
         wrap: Callable[[nn.Module], nn.Module] | None = None,
+        skip_nonfinite: bool = True,
+        max_consecutive_skips: int = 3,
+        compare_replicas_every: int | None = 100,
     ) -> dict[str, Any] | None:
         """Train steps ``start`` .. ``stop - 1``: for each, ``train_step(step, net)`` (the forward
         and backward passes; it returns the step's ``extra`` or None), then the optimizer and
@@ -247,8 +251,16 @@ class CheckpointManager(checkpoint_manager.CheckpointManager):
         (``inplace.recovering.prime_buckets``): every real step then sums in the same order,
         wherever it runs. The first step of each epoch is a ``first_step`` event, as the
         runner's.
+
+        The runner's numerical guards hold here too (``train.loop_guards``, docs/faults.md): a
+        step whose gradient is not finite is skipped on every rank (``skip_nonfinite``); more
+        than ``max_consecutive_skips`` in a row roll back to the newest copy before them and
+        skip them (``train_step`` is not called for those steps); DDP replicas' parameters are
+        compared every ``compare_replicas_every`` steps (None: never), a difference rolled
+        back. A fault that comes back at once stops every rank with ``NumericalFaultError``.
         """
         self._require_resumed("run")
+        _check_guards(max_consecutive_skips, compare_replicas_every)
         in_place = _driver is not None and _driver.settings.replace_in_place
         if in_place and is_sharded(model):
             # A sharded model is bound to the failed epoch's mesh: it must be built and sharded
@@ -258,8 +270,13 @@ class CheckpointManager(checkpoint_manager.CheckpointManager):
                 "(FSDP2). Train it with the runner (--replace-in-place --parallel fsdp|hsdp), "
                 "or drop replace_in_place from init_distributed: a death then restarts the group."
             )
+        guards = {
+            "skip_nonfinite": skip_nonfinite,
+            "max_consecutive_skips": max_consecutive_skips,
+            "compare_replicas_every": compare_replicas_every,
+        }
         return recovering.run_steps(
-            _Epochs(self),
+            _Epochs(self, guards),
             _driver if in_place else None,
             train_step,
             TrainState(model, optimizer, scheduler, self.extra),
@@ -272,8 +289,12 @@ class CheckpointManager(checkpoint_manager.CheckpointManager):
 class _Epochs:
     """What the recovering loop asks of the manager (``inplace.recovering``)."""
 
-    def __init__(self, manager: CheckpointManager) -> None:
-        self._m = manager
+    def __init__(self, manager: CheckpointManager, guards: dict[str, Any]) -> None:
+        self._m, self._guards = manager, guards
+
+    def guards(self, model: nn.Module, start: int) -> LoopGuards:
+        """This epoch's numerical guards (its group, its session)."""
+        return LoopGuards(self._m._session, model, start=start, **self._guards)
 
     @property
     def extra(self) -> dict[str, Any] | None:
@@ -301,3 +322,17 @@ class _Epochs:
 
     def resume_epoch(self, state: TrainState, carry: LiveState) -> Resumed:
         return self._m._resume_epoch(state, carry)
+
+
+def _check_guards(max_consecutive_skips: int, compare_replicas_every: int | None) -> None:
+    if not (isinstance(max_consecutive_skips, int) and max_consecutive_skips >= 1):
+        raise ConfigError(
+            f"max_consecutive_skips must be an int >= 1, got {max_consecutive_skips!r}."
+        )
+    if compare_replicas_every is not None and not (
+        isinstance(compare_replicas_every, int) and compare_replicas_every >= 1
+    ):
+        raise ConfigError(
+            "compare_replicas_every must be an int >= 1, or None to never compare, got "
+            f"{compare_replicas_every!r}."
+        )

@@ -47,6 +47,9 @@ def main() -> None:
         action="store_true",
         help="train with CheckpointManager.run (what --replace-in-place uses), not the for loop",
     )
+    p.add_argument(
+        "--compare-replicas-every", type=int, default=100, help="steps between digest checks"
+    )
     p.add_argument("--replace-wait", type=float, default=0.5, help="seconds for a replacement")
     p.add_argument(
         "--max-replacements", type=int, default=3, help="deaths a rank's spares take, then torchrun"
@@ -108,7 +111,14 @@ def train(args: argparse.Namespace, distributed: bool) -> None:
         wrap = DDP if distributed else (lambda m: m)
         if args.replace_in_place or args.run_loop:  # in place, a death is recovered in run()
             extra = ckpt.run(
-                train_step, model, optimizer, scheduler, start=start, stop=args.steps, wrap=wrap
+                train_step,
+                model,
+                optimizer,
+                scheduler,
+                start=start,
+                stop=args.steps,
+                wrap=wrap,
+                compare_replicas_every=args.compare_replicas_every,
             )
         else:
             net, extra = wrap(model), ckpt.extra

@@ -42,19 +42,26 @@ def run_steps(
     a peer's loss is an error like any other). Returns the last step's ``extra``."""
     model, optimizer, scheduler = state.model, state.optimizer, state.scheduler
     net, step, extra, primed, first = wrap(model), start, manager.extra, False, True
-    gate = _gate(driver)
+    gate, guards = _gate(driver), manager.guards(model, start)
     t_loop = time.monotonic()
     while step < stop:
         try:
             if not primed:  # after each wrap; a peer lost meanwhile is recovered as below
                 primed = prime_buckets(train_step, step, net, model, optimizer)
-            optimizer.zero_grad(set_to_none=True)
-            extra = train_step(step, net)
-            if gate is not None:  # CUDA: the step's collectives have run everywhere
-                gate()
-            optimizer.step()
-            if scheduler is not None:
-                scheduler.step()
+            back = None
+            if step in guards.window:  # a rollback's window: drawn, not trained
+                guards.skip(step)
+            else:
+                optimizer.zero_grad(set_to_none=True)
+                extra = train_step(step, net)
+                if gate is not None:  # CUDA: the step's collectives have run everywhere
+                    gate()
+                back = guards.update(step, TrainState(model, optimizer, scheduler, extra))
+            back = back or guards.compared(step + 1, model)
+            if back is not None:  # numerics: back to a copy, in place (``loop_guards``)
+                resumed = guards.roll_back(back, TrainState(model, optimizer, scheduler), step)
+                step, extra = resumed.step, resumed.extra
+                continue
             step += 1  # completed: what this rank's state holds from here on
             if driver is not None:
                 driver.at(step)
@@ -73,6 +80,7 @@ def run_steps(
             )
             net, extra, primed, first = wrap(model), manager.extra, False, True
             gate, t_loop = _gate(driver), time.monotonic()
+            guards = manager.guards(model, step)  # the new epoch's group and session
     return extra
 
 

@@ -15,7 +15,7 @@ from elastictrain import knobs
 from elastictrain.observe.metrics import RunningMeans, split_loss
 from elastictrain.observe.stragglers import StepTimer
 from elastictrain.task import Task
-from elastictrain.train import parallel
+from elastictrain.train import parallel, replicas
 from elastictrain.train.data import Share, seed_all, step_seed
 from elastictrain.train.loader import StepLoader
 from elastictrain.train.numerics import NON_FINITE, GradientCheck
@@ -158,7 +158,7 @@ class Trainer:
             self.task.after_step(step + 1, getattr(self.model, "module", self.model))
         if step in self._flip_steps:
             self._flip_steps = frozenset()
-            _flip_a_bit(self.model)
+            replicas.flip_a_bit(self.model)
         return total
 
     def indices(self) -> list[int]:
@@ -208,15 +208,3 @@ class Trainer:
             fields["overflow_skips"] = self.precision.take_skips()
             self.overflow_skips += fields["overflow_skips"]
         return means, fields
-
-
-@torch.no_grad()
-def _flip_a_bit(model: nn.Module) -> None:
-    """One bit of the first parameter's first element, a quarter into its word (float32: bit 8
-    of the mantissa): a silent corruption that keeps the value finite (``chaos --fault
-    bitflip``)."""
-    first = next(p for p in model.parameters())
-    local = first.to_local() if hasattr(first, "to_local") else first
-    size = local.element_size()
-    words = {8: torch.int64, 4: torch.int32, 2: torch.int16}[size]
-    local.view(-1)[:1].view(words).bitwise_xor_(1 << (2 * size))

@@ -100,7 +100,7 @@ class Skips:
         *,
         limit: int,
         events: EventLog,
-        sample_log: SampleLog,
+        sample_log: SampleLog | None,
         group: Any,
         data_rank: int,
         rank: int,
@@ -121,12 +121,14 @@ class Skips:
         self.in_a_row.clear()
 
     def record(
-        self, step: int, reason: str, indices: Sequence[int], loss: torch.Tensor
+        self, step: int, reason: str, indices: Sequence[int], loss: torch.Tensor | None
     ) -> Rollback | None:
-        """Every rank, at the same step (the verdict is every rank's); ``loss``: this rank's."""
+        """Every rank, at the same step (the verdict is every rank's); ``loss``: this rank's
+        (None: not known, library mode's ``train_step`` keeps it)."""
         t0 = time.perf_counter()
-        self.sample_log.skip(step, reason)
-        loss_finite = reason != NON_FINITE or bool(torch.isfinite(loss))
+        if self.sample_log is not None:
+            self.sample_log.skip(step, reason)
+        loss_finite = reason != NON_FINITE or loss is None or bool(torch.isfinite(loss))
         mine = (self.rank, self.data_rank, loss_finite, list(indices))
         every = all_gather_object(mine, self.group) if self.group is not None else [mine]
         by_share = {data_rank: idx for _, data_rank, _, idx in every}  # one per tensor group
@@ -147,9 +149,11 @@ class Skips:
         if reason == NON_FINITE and self.rank == 0:
             logger.warning(
                 "step %d skipped on every rank: the gradient is not finite (%s); no state "
-                "changed, its %d samples are recorded as skipped (%d in a row, at most %d)",
+                "changed, its %d sample(s) are recorded as skipped (%d in a row, at most %d)",
                 step,
-                f"non-finite loss on rank(s) {bad_loss}" if bad_loss else "every loss finite",
+                f"non-finite loss on rank(s) {bad_loss}"
+                if bad_loss
+                else ("every loss finite" if loss is not None else "the loss is train_step's"),
                 len(samples),
                 len(self.in_a_row),
                 self.limit,

@@ -198,3 +198,15 @@ def _outside_majority(group: list[tuple[int, int]]) -> list[int]:
     if count * 2 <= len(group):
         return []
     return [r for r, d in group if d != value]
+
+
+@torch.no_grad()
+def flip_a_bit(model: nn.Module) -> None:
+    """One bit of the first parameter's first element, a quarter into its word (float32: bit 8
+    of the mantissa): a silent corruption that keeps the value finite (``chaos --fault
+    bitflip``)."""
+    first = next(p for p in model.parameters())
+    local = first.to_local() if hasattr(first, "to_local") else first
+    size = local.element_size()
+    words = {8: torch.int64, 4: torch.int32, 2: torch.int16}[size]
+    local.view(-1)[:1].view(words).bitwise_xor_(1 << (2 * size))

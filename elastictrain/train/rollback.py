@@ -7,17 +7,19 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-from elastictrain.checkpoint.state import TrainState
 from elastictrain.errors import NumericalFaultError
 from elastictrain.observe.events import Event
 from elastictrain.observe.metrics import RunningMeans
-from elastictrain.observe.progress import Progress
 from elastictrain.step_list import format_steps
 from elastictrain.train import numerics
-from elastictrain.train.attempt import Attempt
-from elastictrain.train.loop import Trainer
+
+if TYPE_CHECKING:  # the runner's; library mode's loop (``loop_guards``) shares the rest
+    from elastictrain.checkpoint.state import TrainState
+    from elastictrain.observe.progress import Progress
+    from elastictrain.train.attempt import Attempt
+    from elastictrain.train.loop import Trainer
 
 logger = logging.getLogger(__name__)
 
@@ -39,14 +41,7 @@ def roll_back(run: RollingRun, back: numerics.Rollback, at: int) -> int:
     """Every rank, at step ``at``: back to the newest copy at or before ``back.not_after``, its
     window to be skipped; the step to go on from."""
     attempt, trainer, session = run.attempt, run.trainer, run.attempt.session
-    if run.rolled_back_at is not None and back.not_after <= run.rolled_back_at:
-        raise NumericalFaultError(
-            f"a {back.reason} at step {back.not_after}, before the run got past step "
-            f"{run.rolled_back_at}, where the last rollback was decided: the fault came back, "
-            "so going back again would only repeat it. Nothing non-finite was applied or "
-            f"committed (newest committed step: {session.last_committed}); the rollback events "
-            "name the steps skipped. Relaunch with a lower learning rate, or --skip-steps."
-        )
+    refuse_recurring(back, run.rolled_back_at, session.last_committed)
     t0 = time.monotonic()
     resumed, retracted = session.roll_back(run.state, attempt.device, back.not_after)
     start = resumed.step
@@ -63,8 +58,29 @@ def roll_back(run: RollingRun, back: numerics.Rollback, at: int) -> int:
     run.completed, run.rolled_back_at = start, at
     run.spikes.rolled_back(start)
     run.progress.rolled_back(start)
+    announce(attempt.events, back, at, start, window, retracted, t0, attempt.env.is_rank0)
+    return start
+
+
+def refuse_recurring(back: numerics.Rollback, rolled_back_at: int | None, committed) -> None:
+    """A fault back before the run got past where the last rollback was decided stops the job
+    (``NumericalFaultError``, exit 10): going back again would only loop."""
+    if rolled_back_at is not None and back.not_after <= rolled_back_at:
+        raise NumericalFaultError(
+            f"a {back.reason} at step {back.not_after}, before the run got past step "
+            f"{rolled_back_at}, where the last rollback was decided: the fault came back, "
+            "so going back again would only repeat it. Nothing non-finite was applied or "
+            f"committed (newest committed step: {committed}); the rollback events "
+            "name the steps skipped. Relaunch with a lower learning rate, or skip the steps."
+        )
+
+
+def announce(
+    events, back: numerics.Rollback, at: int, start: int, window, retracted, t0: float, rank0: bool
+) -> None:
+    """The ``rollback`` event, and rank 0's line: the runner's and library mode's alike."""
     seconds = time.monotonic() - t0
-    attempt.events.emit(
+    events.emit(
         Event.ROLLBACK,
         step=start,
         at_step=at,
@@ -73,7 +89,7 @@ def roll_back(run: RollingRun, back: numerics.Rollback, at: int) -> int:
         retracted=retracted,
         seconds=round(seconds, 4),
     )
-    if attempt.env.is_rank0:
+    if rank0:
         logger.warning(
             "ROLLED BACK (%s at step %d): every rank is back at step %d in %.2fs, in place; "
             "skipped: %s; retracted durable checkpoint(s): %s",
@@ -84,4 +100,3 @@ def roll_back(run: RollingRun, back: numerics.Rollback, at: int) -> int:
             format_steps(window) or "none",
             retracted or "none",
         )
-    return start
