@@ -61,6 +61,7 @@ class LoopGuards:
             data_rank=rank,
             rank=rank,
             committed=lambda: session.last_committed,
+            library=True,
         )
         self.replicas = replicas.ReplicaCheck(
             None if is_sharded(model) else compare_replicas_every,  # FSDP: twins unknown here

@@ -105,8 +105,11 @@ class Skips:
         data_rank: int,
         rank: int,
         committed: Any = lambda: None,
+        library: bool = False,
     ) -> None:
-        self.limit = limit
+        """``library``: library mode's loop (``loop_guards``): its messages name its arguments,
+        not the runner's flags."""
+        self.limit, self.library = limit, library
         self.events, self.sample_log = events, sample_log
         self.group, self.data_rank, self.rank = group, data_rank, rank
         self.committed = committed
@@ -175,15 +178,28 @@ class Skips:
         )
         return (
             f"steps {format_steps(steps)} had a non-finite loss or gradient, {len(steps)} in a "
-            f"row with a rollback between (more than --max-consecutive-skips {self.limit} "
+            f"row with a rollback between (more than {self._limit_named} {self.limit} "
             f"twice): the run went back to a copy before step {steps[0]}, skipped steps "
             f"{format_steps(s for s, _ in self.rolled_back)}, and the very next batches failed "
             "again, so the fault is in the weights or the data, not a passing one. Nothing "
             f"non-finite was applied or committed (newest committed step: {self.committed()}). "
-            f"Their samples ({shown}; all of them in the event log's skip events). If the data "
-            f"is the cause, relaunch with --skip-steps {format_steps(steps)}; if the weights "
-            "are, resume from an earlier checkpoint with a lower learning rate."
+            f"{self._samples(shown)} If the data is the cause, {self._skip_them(steps)}; if "
+            "the weights are, resume from an earlier checkpoint with a lower learning rate."
         )
+
+    @property
+    def _limit_named(self) -> str:
+        return "max_consecutive_skips" if self.library else "--max-consecutive-skips"
+
+    def _samples(self, shown: str) -> str:
+        if self.library:  # the data is the user's: no sample ids
+            return "Their batches are train_step's for those steps."
+        return f"Their samples ({shown}; all of them in the event log's skip events)."
+
+    def _skip_them(self, steps: list[int]) -> str:
+        if self.library:
+            return f"drop the batches of steps {format_steps(steps)} from your data"
+        return f"relaunch with --skip-steps {format_steps(steps)}"
 
 
 def _some(samples: list[int], n: int = 16) -> str:

@@ -78,8 +78,11 @@ def test_a_nan_gradient_is_skipped_and_too_many_in_a_row_are_rolled_back_bitwise
 
 def test_a_nan_straight_back_after_a_rollback_stops_the_run(tmp_path, monkeypatch):
     monkeypatch.setenv("ELASTICTRAIN_CHAOS_NAN", "10-17")
-    with pytest.raises(NumericalFaultError, match="steps 10-17 had a non-finite"):
+    with pytest.raises(NumericalFaultError, match="steps 10-17 had a non-finite") as stopped:
         _run(tmp_path, "stuck")
+    # Named as library mode spells it, with a fix it can apply.
+    assert "more than max_consecutive_skips 3 twice" in str(stopped.value)
+    assert "drop the batches of steps 10-17 from your data" in str(stopped.value)
 
 
 def test_the_guards_settings_are_checked_before_a_step():
