@@ -20,6 +20,7 @@ BENCHES = {
     "overhead": ("overhead", "the runner's per-step cost against a plain DDP loop", None),
     "loader": ("loader", "loader workers against in-process loading", None),
     "scale": ("scale", "the real protocol for W simulated ranks, W up to 8,192", None),
+    "numerics": ("numerics", "the numerical-fault checks against a training step", "59MB"),
 }
 
 # The boolean flags of earlier releases, accepted for one more with a warning.
@@ -90,9 +91,10 @@ def _storage_options(benches: dict[str, argparse.ArgumentParser]) -> None:
         help="the --in-place job's layout: hsdp is a replica per node (2x2), fsdp shards over "
         "all 4 ranks and rolls back to its node-memory copies (ddp)",
     )
-    benches["persist"].add_argument(
-        "--device", default="cpu", help="where the state lives: cpu, or cuda for GPU memory"
-    )
+    for name in ("persist", "numerics"):
+        benches[name].add_argument(
+            "--device", default="cpu", help="where the state lives: cpu, or cuda for GPU memory"
+        )
     benches["sharded"].add_argument(
         "--replicas",
         type=int,
@@ -233,6 +235,8 @@ def main(argv: list[str]) -> int:
         )
     if args.bench == "overhead":
         return bench.main(args.steps, args.repeats, args.json)
+    if args.bench == "numerics":
+        return bench.main(args.size, args.repeats, args.json, args.device)
     return bench.main(
         args.workers,
         args.load_ms / 1e3,

@@ -43,6 +43,19 @@ def test_bench_overhead_gives_sane_figures(tmp_path):
     assert -0.5 < overhead["local_tier_overhead"] < 1.0, overhead
 
 
+def test_bench_numerics_gives_sane_figures():
+    """The checks' costs beside a step of the same model: each positive, each share its ratio."""
+    out = run_single(
+        ["bench", "numerics", "--size", "8MB", "--repeats", "1", "--json"], REPO_ROOT, 120
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout)
+    assert 7 < got["params_mb"] < 9 and got["device"] == "cpu", got
+    assert all(got[k] > 0 for k in ("step_s", "finite_check_s", "digest_s", "commit_check_s"))
+    assert got["finite_check_share"] == pytest.approx(got["finite_check_s"] / got["step_s"])
+    assert got["digest_share_at_100"] == pytest.approx(got["digest_s"] / 100 / got["step_s"])
+
+
 def test_bench_loader_gives_sane_figures(tmp_path):
     out = run_single(
         ["bench", "loader", "--steps", "12", "--repeats", "1", "--json", "--load-ms", "30"],
