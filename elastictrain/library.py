@@ -292,6 +292,10 @@ class _Epochs:
     def __init__(self, manager: CheckpointManager, guards: dict[str, Any]) -> None:
         self._m, self._guards = manager, guards
 
+    def stop_if_told(self, step: int, state: TrainState) -> None:
+        """Before an epoch's first step (``CheckpointSession.stop_if_told``)."""
+        self._m._session.stop_if_told(step, state)
+
     def guards(self, model: nn.Module, start: int) -> LoopGuards:
         """This epoch's numerical guards (its group, its session)."""
         return LoopGuards(self._m._session, model, start=start, **self._guards)

@@ -46,6 +46,8 @@ def run_steps(
     t_loop = time.monotonic()
     while step < stop:
         try:
+            if first:  # a stop told while this epoch formed ends it before a step, as the runner's
+                manager.stop_if_told(step, TrainState(model, optimizer, scheduler, extra))
             if not primed:  # after each wrap; a peer lost meanwhile is recovered as below
                 primed = prime_buckets(train_step, step, net, model, optimizer)
             back = None

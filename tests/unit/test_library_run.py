@@ -1,14 +1,18 @@
-"""Library mode's numerical guards (``CheckpointManager.run``, ``train.loop_guards``) in one
-process: a non-finite gradient skipped, never applied; too many in a row rolled back and
-skipped; the same fault straight back stops with ``NumericalFaultError``."""
+"""Library mode's ``CheckpointManager.run`` in one process: its numerical guards
+(``train.loop_guards``: a non-finite gradient skipped, never applied; too many in a row rolled
+back and skipped; the same fault straight back stops with ``NumericalFaultError``), and a stop
+told before its first step."""
 
 from __future__ import annotations
+
+import os
+import signal
 
 import pytest
 import torch
 
 import storage
-from elastictrain import CheckpointManager, load_checkpoint
+from elastictrain import CheckpointManager, Preempted, load_checkpoint
 from elastictrain.errors import ConfigError, NumericalFaultError
 from elastictrain.observe.events import Event, read_events
 from tests.helpers.one_process import build
@@ -93,3 +97,20 @@ def test_the_guards_settings_are_checked_before_a_step():
             ckpt.run(_backward, model, opt, sched, start=0, stop=1, max_consecutive_skips=0)
         with pytest.raises(ConfigError, match="compare_replicas_every must be .* got -1"):
             ckpt.run(_backward, model, opt, sched, start=0, stop=1, compare_replicas_every=-1)
+
+
+def test_a_stop_told_before_the_first_step_trains_nothing(tmp_path):
+    """A stop signal that came before ``run`` (as one may while an in-place epoch forms) ends it
+    before ``train_step`` is ever called: nothing trained, nothing new committed, exit 75."""
+    model, opt, sched = build()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    calls = []
+    url = str(tmp_path / "told")
+    with CheckpointManager(url, checkpoint_every_steps=5, preempt_signals=("SIGUSR1",)) as ckpt:
+        start = ckpt.resume(model, opt, sched)
+        os.kill(os.getpid(), signal.SIGUSR1)
+        with pytest.raises(Preempted) as stopped:
+            ckpt.run(lambda s, net: calls.append(s), model, opt, sched, start=start, stop=STEPS)
+    assert stopped.value.code == 75 and calls == []
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert storage.open_store(url).committed_steps() == []
