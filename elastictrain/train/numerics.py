@@ -150,14 +150,16 @@ class Skips:
             seconds=round(time.perf_counter() - t0, 4),  # what the skip added to the step
         )
         if reason == NON_FINITE and self.rank == 0:
+            why = f"non-finite loss on rank(s) {bad_loss}" if bad_loss else "every loss finite"
+            what = f"its {len(samples)} sample(s) are recorded as skipped"
+            if self.library:  # the loss and the data are train_step's
+                why, what = "in train_step's backward", "the skip is recorded"
             logger.warning(
                 "step %d skipped on every rank: the gradient is not finite (%s); no state "
-                "changed, its %d sample(s) are recorded as skipped (%d in a row, at most %d)",
+                "changed, %s (%d in a row, at most %d)",
                 step,
-                f"non-finite loss on rank(s) {bad_loss}"
-                if bad_loss
-                else ("every loss finite" if loss is not None else "the loss is train_step's"),
-                len(samples),
+                why,
+                what,
                 len(self.in_a_row),
                 self.limit,
             )
