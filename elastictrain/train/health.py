@@ -223,9 +223,9 @@ def check_nodes(run: TrainingRun, *, compute_only: bool = False) -> None:
     left_out: self_check.LeftOut = box[0]
     message = left_out.describe()
     if left_out.how == "stop":
+        skip = "" if compute_only else "; --no-self-check skips the check"
         raise SelfCheckFailedError(
-            f"{message}. Fix or replace the node(s), or relaunch without them; "
-            "--no-self-check skips the check."
+            f"{message}. Fix or replace the node(s), or relaunch without them{skip}."
         )
     if env.rank not in left_out.ranks:
         if left_out.how == "restart":

@@ -63,6 +63,10 @@ def test_killed_training_processes_are_replaced_in_place_bitwise(launch, tmp_pat
     # A replacement whose spare is still importing (this machine is loaded) is waited for: the
     # default --replace-wait (0.5 s) would drop its rank and restart (the lost-node test below).
     extra = ["--replace-in-place", "--replace-wait", "10", "--keep-last", "2", *TOY_ARGS]
+    # The triple kill lands inside a new epoch's handshake (6 runs of 6): its fallback, torchrun's
+    # restart, waits --replace-timeout first. A recovery here takes under 1 s (34 MB of state)
+    # after up to --replace-wait for the replacement.
+    extra += ["--replace-timeout", "30"]
     extra += ["--local-checkpoint-dir", shm, "--local-every-steps", "5"]
     # In-place epochs, a kill mid-persist and mid-copy, retention (--keep-last 2): write-once holds.
     with CommittedFiles(run_dir, shm) as committed:
