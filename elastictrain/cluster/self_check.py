@@ -33,6 +33,7 @@ requests per node, one all-gather of a small object.
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import statistics
 import time
@@ -130,7 +131,11 @@ def examine(
     """This rank's findings. ``store``: given on a node's local rank 0 (the round trips);
     ``room``: the node-memory tier's (free, need), None when it is off."""
     size, digest, exact, seconds = compute_check(device)
-    rtt = store_round_trip(store, f"elastictrain/self-check/{node}") if store is not None else None
+    # Keyed by rank, not node alone: two processes that both take themselves for a node's first
+    # (ranks that play nodes on one host) would share the key, and one's delete left the other's
+    # get blocked on a key no one sets again (the shard-tier probe hung there, 3 times in CI).
+    key = f"elastictrain/self-check/{node}/{rank}"
+    rtt = store_round_trip(store, key) if store is not None else None
     free, need = (room() or (None, None)) if room is not None else (None, None)
     return Findings(rank, node, host, serves_store, size, digest, exact, seconds, rtt, free, need)
 
@@ -149,7 +154,8 @@ def spare_check(
             "the exact one (a device that computes wrong)"
         )
     if store is not None and rtt_limit_s is not None:
-        rtt = store_round_trip(store, f"elastictrain/self-check/{node}")
+        # A key of its own, as ``examine``'s: never one another process deletes under it.
+        rtt = store_round_trip(store, f"elastictrain/self-check/{node}/spare-{os.getpid()}")
         if rtt > rtt_limit_s:
             return (
                 f"a round trip to the job's store takes {rtt:.2f}s, more than one heartbeat "

@@ -117,6 +117,37 @@ def test_the_store_round_trip_is_measured_and_its_key_removed():
     assert not server.check(["elastictrain/self-check/0"])
 
 
+def test_two_ranks_that_both_take_themselves_for_a_nodes_first_never_share_a_key():
+    """Ranks that play nodes on one host (each its node's local rank 0, one GROUP_RANK) once
+    shared ``self-check/<node>``: one's delete left the other's blocking get waiting on a key no
+    one set again, and the shard-tier probe hung in ``init_distributed`` (3 times in CI). Each
+    rank's round trip now has a key of its own, set, read and removed by it alone."""
+    server = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=10))
+    touched: dict[int, set[str]] = {}
+
+    class Recording:
+        def __init__(self, rank: int) -> None:
+            self.rank = rank
+
+        def set(self, key, value):
+            touched.setdefault(self.rank, set()).add(key)
+            server.set(key, value)
+
+        def get(self, key):
+            return server.get(key)
+
+        def delete_key(self, key):
+            return server.delete_key(key)
+
+    for rank in (0, 2):
+        cpu = torch.device("cpu")
+        self_check.examine(
+            cpu, rank=rank, node=0, host="h", serves_store=False, store=Recording(rank)
+        )
+    assert touched[0].isdisjoint(touched[2]), touched
+    assert not server.check([*touched[0], *touched[2]])
+
+
 @pytest.mark.parametrize("flip", [False, True])
 def test_a_spare_checks_its_compute_against_the_exact_product(monkeypatch, flip):
     if flip:
