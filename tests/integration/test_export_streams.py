@@ -16,6 +16,7 @@ def _helper(*args: str, cwd: str) -> str:
     return out.stdout
 
 
+@pytest.mark.slow  # each format 25 to 34 s in the quick tier (2026-12-07): over its 20 s line
 @pytest.mark.parametrize("output", ["m.safetensors", "m.pt", "hf"])
 def test_export_adds_memory_near_the_largest_tensor_not_the_model(tmp_path_factory, output):
     root = tmp_path_factory.getbasetemp() / "export-streams"

@@ -137,6 +137,7 @@ def test_killed_training_processes_are_replaced_in_place_bitwise(launch, tmp_pat
     assert_bitwise_equal(final_state(run_dir), final_state(ref_dir))
 
 
+@pytest.mark.slow  # 35 s in the quick tier (2026-12-07): over its 20 s line
 def test_a_death_that_recurs_at_one_step_ends_the_job_with_a_clear_error(launch, tmp_path):
     """Rank 1 dies every time it trains step 30. Replaced once, it dies there again: every rank
     stops with an error that says so, instead of replacing until a budget runs out. (That

@@ -30,6 +30,10 @@ from tests.helpers.launcher import (
 from tests.helpers.net import free_port
 from tests.helpers.paths import REPO_ROOT
 
+# Every test here runs real ranks for 20 s or more in a full run: the quick tier leaves them to
+# the unit tests of the same rules (test_numerics, test_replicas, test_library_run).
+pytestmark = pytest.mark.slow
+
 STEPS = 120
 BATCH = 64
 
@@ -228,7 +232,6 @@ def test_a_flipped_bit_is_found_within_k_steps_rolled_back_and_the_run_ends_bitw
     )
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("replicas", [3, 2], ids=["3-replicas", "2-replicas"])
 def test_a_replica_that_computed_wrong_is_rolled_back_its_node_replaced_by_a_spare_bitwise(
     launch, tmp_path, replicas

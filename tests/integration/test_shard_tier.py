@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from elastictrain.checkpoint.api import Tier
 
 PROBE = ("-m", "tests.helpers.shard_tier_probe")
 
 
+@pytest.mark.slow  # 4 ranks of FSDP2 through 6 resumes: 32 to 38 s in the quick tier
 def test_a_lost_node_resumes_from_its_buddy_skips_a_bad_copy_and_falls_back_when_both_are_gone_and_hsdp_replicas_stand_in(
     launch, tmp_path
 ):
