@@ -29,6 +29,7 @@ import xxhash
 from elastictrain.checkpoint.api import Restored, ResumeOrigin, Tier
 from elastictrain.checkpoint.resume.live import Live
 from elastictrain.checkpoint.sharded.format import capture, join, split
+from elastictrain.checkpoint.state import dcp
 from elastictrain.checkpoint.state import train_state as tstate
 from elastictrain.cluster.collectives import all_gather_object
 from elastictrain.errors import LiveStateCorruptError
@@ -102,7 +103,7 @@ def fetch(
     (the caller then reads the copies)."""
     captured = live.captured
     mine = (live.held_step, live.held_layout) if captured is not None else (-1, None)
-    targets, _ = split(capture(state, step=0))
+    targets, _ = split(capture(state, step=0, targets=True))
     everyone = all_gather_object((mine, signature(targets)), group)
     found = plan([h for h, _ in everyone], [w for _, w in everyone])
     if found is None:
@@ -190,10 +191,10 @@ def _load(
 ) -> dict[str, Any]:
     """The held local shards as the new epoch's DTensors (its meshes and placements), loaded
     into ``state``; the payload."""
-    from torch.distributed.checkpoint.state_dict import set_state_dict
     from torch.distributed.tensor import DTensor
 
     held = tree["locals"]
+    targets = dcp.without_optimizer_state(targets, tree["common"])
     if set(held) != set(targets):
         raise LiveStateCorruptError(f"{where} holds other tensors than this run's")
     shards = {}
@@ -211,11 +212,6 @@ def _load(
         )
     payload = join(tree["common"], shards)
     tstate.check_compatible(state, payload, where)
-    set_state_dict(
-        state.model,
-        state.optimizer,
-        model_state_dict=payload["model"],
-        optim_state_dict=payload["optimizer"],
-    )
+    dcp.load_state_dicts(state.model, state.optimizer, payload["model"], payload["optimizer"])
     tstate.restore(state, payload, model_and_optimizer=False)
     return payload

@@ -47,6 +47,7 @@ from elastictrain.checkpoint.resume.fast_copies import (
 from elastictrain.checkpoint.sharded import format as sharded
 from elastictrain.checkpoint.sharded import load as shard_load
 from elastictrain.checkpoint.sharded import reader as shard_reader
+from elastictrain.checkpoint.state import dcp
 from elastictrain.checkpoint.state import train_state as tstate
 from elastictrain.cluster.collectives import (
     all_gather_object,
@@ -211,7 +212,8 @@ def _load(
     common = tstate.from_bytes(bytearray(common_raw), map_location=device)
     where = f"step {step} (fast tier)"
     shard_reader.check_fits(state, index, common, where)
-    targets, _ = sharded.split(sharded.capture(state, step=0))
+    targets, _ = sharded.split(sharded.capture(state, step=0, targets=True))
+    targets = dcp.without_optimizer_state(targets, common)
     rank_of = {sharded.shard_file(q, generation): q for q in range(world)}
 
     def exchange(needs: list[Need]) -> list[Any]:

@@ -46,6 +46,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.tensor import DTensor
 
 from elastictrain.checkpoint.sharded import grid
+from elastictrain.checkpoint.state import dcp
 from elastictrain.checkpoint.state import train_state as tstate
 
 logger = logging.getLogger(__name__)
@@ -90,12 +91,11 @@ def is_sharded_checkpoint(metadata: dict[str, Any]) -> bool:
 
 
 # -- the state as (sharded tensors, the rest) ---------------------------------------------------
-def capture(state: tstate.TrainState, *, step: int) -> dict[str, Any]:
+def capture(state: tstate.TrainState, *, step: int, targets: bool = False) -> dict[str, Any]:
     """Like ``state.capture``, with the model and optimizer as DCP's sharded state dicts (keyed by
-    parameter names, so they mean the same at any world size). Nothing is gathered or copied."""
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    model_sd, optim_sd = get_state_dict(state.model, state.optimizer)
+    parameter names, so they mean the same at any world size). Nothing is gathered or copied.
+    ``targets``: a load's, to read into (``dcp.state_dicts``); else the optimizer is untouched."""
+    model_sd, optim_sd = dcp.state_dicts(state.model, state.optimizer, targets=targets)
     return tstate.capture(state, step=step, model=model_sd, optimizer=optim_sd)
 
 

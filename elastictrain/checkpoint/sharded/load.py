@@ -21,6 +21,7 @@ from elastictrain.checkpoint.sharded.reader import (
     plan_reads,
     read_common,
 )
+from elastictrain.checkpoint.state import dcp
 from elastictrain.checkpoint.state import train_state as tstate
 from elastictrain.errors import CheckpointMismatchError
 
@@ -56,7 +57,8 @@ def plan_load(
     where = f"step {manifest.step} under {store.safe_url}"
     index, common = read_common(store, manifest, device)
     check_fits(state, index, common, where)
-    targets, _ = split(capture(state, step=0))
+    targets, _ = split(capture(state, step=0, targets=True))
+    targets = dcp.without_optimizer_state(targets, common)
     missing = sorted(set(targets) - set(index.doc["tensors"]))
     if missing:
         raise CheckpointMismatchError(
@@ -73,19 +75,12 @@ def fill(
 ) -> tuple[dict[str, Any], int]:
     """Read the planned byte ranges (from ``ranges_from`` when given: where they were fetched
     to) into the targets, then into ``state``: (the payload, bytes read)."""
-    from torch.distributed.checkpoint.state_dict import set_state_dict
-
     reader = planned.reader
     if ranges_from is not None:
         reader.store = ranges_from
     reader.read_data(planned.plan, planned.planner).wait()
     payload = join(planned.common, planned.targets)
-    set_state_dict(
-        state.model,
-        state.optimizer,
-        model_state_dict=payload["model"],
-        optim_state_dict=payload["optimizer"],
-    )
+    dcp.load_state_dicts(state.model, state.optimizer, payload["model"], payload["optimizer"])
     return payload, reader.bytes_read
 
 
@@ -110,17 +105,17 @@ def _load_replicated(
     """A replicated (DDP) checkpoint resumed by a sharded run: every rank reads the whole state,
     verified, and DCP's ``set_state_dict`` keeps this rank's shards of it. (A run moves to FSDP
     because its model stops fitting a device; its state still fits the host's memory here.)"""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
 
     where = f"step {manifest.step} under {store.safe_url}"
     data = store.read_file(manifest, tstate.state_file_of(manifest.metadata))
     payload = tstate.from_bytes(bytearray(data), map_location="cpu")
     tstate.check_compatible(state, payload, where)
-    set_state_dict(
+    dcp.load_state_dicts(
         state.model,
         state.optimizer,
-        model_state_dict=payload["model"],
-        optim_state_dict=tstate.optimizer_by_name(state, payload["optimizer"], where),
+        payload["model"],
+        tstate.optimizer_by_name(state, payload["optimizer"], where),
         options=StateDictOptions(full_state_dict=True),
     )
     return payload, len(data)

@@ -293,13 +293,10 @@ def restore(state: TrainState, payload: dict[str, Any], *, model_and_optimizer: 
     ``model_and_optimizer=False``: those are loaded already (sharded: by DCP's set_state_dict)."""
     if model_and_optimizer and keyed_by_name(payload["optimizer"]):
         # A sharded checkpoint consolidated for a replicated run: DCP's form, parameters by name.
-        from torch.distributed.checkpoint.state_dict import set_state_dict
+        from elastictrain.checkpoint.state import dcp
 
-        set_state_dict(
-            unwrap(state.model),
-            state.optimizer,
-            model_state_dict=payload["model"],
-            optim_state_dict=payload["optimizer"],
+        dcp.load_state_dicts(
+            unwrap(state.model), state.optimizer, payload["model"], payload["optimizer"]
         )
     elif model_and_optimizer:
         unwrap(state.model).load_state_dict(payload["model"])
