@@ -5,8 +5,8 @@ DCP describes an optimizer by its state tensors, so before it reads or loads one
 (no step applied yet: a fresh start, or only skipped steps so far) it creates them by running the
 optimizer once at lr 0 on zero gradients (torch's ``_init_optim_state``). The parameters stay as
 they were, but the optimizer has taken a step: Adam's step count is 1, so every later update's
-bias correction is one step off, and the run no longer trains what one rank trains (the same
-task 0.088 apart after 150 steps, at every sharded layout alike). So:
+bias correction is one step off, and the run no longer trains what one rank trains (1.5e-2
+apart after 150 steps at every sharded layout alike: docs/layouts.md). So:
 
 - a capture for saving leaves such an optimizer as it was and describes it as it is, with no
   state (as ``Optimizer.state_dict`` and the replicated format describe it);
